@@ -1,0 +1,251 @@
+"""The argument dataclasses both engines share, parsed by `HfArgumentParser`.
+
+Names follow Hugging Face's (`run_clm.py`, `TrainingArguments`) so that a command line
+written for one engine runs on the other. Checks that need only the arguments live in
+`__post_init__` and raise `ValueError` naming the argument, the value and an alternative.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import HfArgumentParser
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Pretrained model: a local folder or a hub id already in the cache (nothing is downloaded "
+                          "unless HF_HUB_OFFLINE=0). Leave out to train from scratch with --config_name."},
+    )
+    config_name: str | None = field(
+        default=None,
+        metadata={"help": "Model shape for training from scratch: a config.json path or folder, or a preset shipped "
+                          f"with anygpu ({', '.join(preset_names())}). Default: 'default' (~20M parameters) when "
+                          "--model_name_or_path is not given."},
+    )
+    tokenizer_name: str | None = field(
+        default=None,
+        metadata={"help": "Tokenizer folder or cached hub id. Default: the model's own; when there is none, a byte-level "
+                          "BPE is trained on the training text and saved with the run."},
+    )
+    vocab_size: int = field(
+        default=8192, metadata={"help": "Vocabulary size of a tokenizer trained on the spot."}
+    )
+    attn_implementation: str = field(
+        default="sdpa", metadata={"help": "Attention kernel: sdpa, eager, or flash_attention_2 where installed."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Run model/tokenizer code from the model's folder. Off unless you trust it."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 300:
+            raise ValueError(f"--vocab_size {self.vocab_size} is too small for a byte-level BPE (256 bytes + specials): use at least 300, e.g. 8192.")
+        if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
+            raise ValueError(f"--attn_implementation {self.attn_implementation!r} is unknown: use sdpa, eager or flash_attention_2.")
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "A datasets hub id (from the local cache, offline) or a folder saved with save_to_disk."}
+    )
+    dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration name."})
+    train_file: str | None = field(
+        default=None, metadata={"help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file (or a glob)."}
+    )
+    validation_file: str | None = field(default=None, metadata={"help": "Validation text, same formats as --train_file."})
+    text_column: str = field(default="text", metadata={"help": "Column that holds the text in json/csv/parquet/hub data."})
+    block_size: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per training sequence (texts are concatenated and cut into blocks). Default: "
+                          "min(1024, the model's maximum positions)."},
+    )
+    validation_split_percentage: float = field(
+        default=5.0, metadata={"help": "Percent of the training texts kept for validation when no validation set is given."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many packed training blocks."})
+    max_eval_samples: int | None = field(
+        default=256, metadata={"help": "Evaluate on at most this many packed validation blocks (0 or less: all)."}
+    )
+    max_corpus_mb: float | None = field(
+        default=None, metadata={"help": "Read at most this many MB of the embedded standard-library corpus (for quick runs)."}
+    )
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenising."})
+    data_cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Where tokenised/packed data and trained tokenizers are cached. Default: $ANYGPU_CACHE or ~/.cache/anygpu."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.dataset_name and self.train_file:
+            raise ValueError(f"--dataset_name {self.dataset_name} and --train_file {self.train_file} both name the data: give one.")
+        for name in ("train_file", "validation_file"):
+            path = getattr(self, name)
+            if path and not _glob_matches(path):
+                raise ValueError(f"--{name} {path}: no such file. Give an existing .txt/.jsonl/.json/.csv/.parquet file.")
+        if self.validation_file and not (self.train_file or self.dataset_name):
+            raise ValueError("--validation_file needs --train_file (or --dataset_name) too.")
+        if self.block_size is not None and self.block_size < 2:
+            raise ValueError(f"--block_size {self.block_size} must be at least 2 tokens, e.g. 512.")
+        if not 0 < self.validation_split_percentage < 100:
+            raise ValueError(f"--validation_split_percentage {self.validation_split_percentage} must be in (0, 100), e.g. 5.")
+        if self.data_cache_dir is None:
+            self.data_cache_dir = os.environ.get("ANYGPU_CACHE", str(Path.home() / ".cache" / "anygpu"))
+
+
+@dataclass
+class TrainArguments:
+    """The training vocabulary of both engines (Hugging Face `TrainingArguments` names)."""
+
+    output_dir: str = field(default="outputs/default", metadata={"help": "Where metrics, checkpoints and the final model go."})
+    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps to train; -1: follow --num_train_epochs."})
+    num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs over the packed training set when --max_steps is -1."})
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Sequences per optimizer step over all devices. Fixed whatever the number of devices: the "
+                          "per-device batch and accumulation steps follow from it. Default 32 (when no per-device "
+                          "numbers are given)."},
+    )
+    global_batch_tokens: int | None = field(
+        default=None, metadata={"help": "The global batch in tokens instead (divided by --block_size); not with --global_batch_size."}
+    )
+    per_device_train_batch_size: int | None = field(
+        default=None, metadata={"help": "Sequences per device per micro-step. Default: the largest divisor of the per-device share up to 8."}
+    )
+    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per device per evaluation step."})
+    gradient_accumulation_steps: int | None = field(
+        default=None, metadata={"help": "Micro-steps per optimizer step. Derived from the global batch; if given it must agree."}
+    )
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak AdamW learning rate."})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (not applied to biases and norm weights)."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    warmup_steps: int = field(default=10, metadata={"help": "Linear warmup steps."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": f"Decay after warmup: {', '.join(SCHEDULERS)}."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the total gradient norm to this (0: no clipping)."})
+    seed: int = field(default=42, metadata={"help": "Seed for initialisation and the data order."})
+    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (bf16 compute, fp32 master weights and gradient reduction)."})
+    fp16: bool = field(default=False, metadata={"help": "fp16 mixed precision (HF engine only; the FSDP2 engine asks for --bf16)."})
+    tf32: bool | None = field(
+        default=None, metadata={"help": "TF32 matmuls on GPUs that have them (NVIDIA compute capability ≥ 8.0). Default on; --tf32 false turns it off."}
+    )
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in the backward pass to save memory."})
+    torch_compile: bool = field(default=False, metadata={"help": "torch.compile each decoder layer."})
+    logging_steps: int = field(default=10, metadata={"help": "Log loss, tokens/s and memory every N steps."})
+    eval_steps: int = field(default=100, metadata={"help": "Evaluate every N steps and at the end (0: only at the end)."})
+    eval_on_start: bool = field(default=False, metadata={"help": "Evaluate once before the first step (a baseline)."})
+    save_steps: int = field(default=0, metadata={"help": "Checkpoint every N steps (0: only at the end and on SIGTERM)."})
+    stop_at_step: int | None = field(
+        default=None,
+        metadata={"help": "End this run after step N with a checkpoint, keeping the schedule of --max_steps "
+                          "(for time-sliced jobs: resume later with --resume_from_checkpoint latest)."},
+    )
+    save_total_limit: int | None = field(default=2, metadata={"help": "Keep at most this many checkpoints (oldest deleted)."})
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "'latest' (the newest complete checkpoint in --output_dir), or a checkpoint folder."}
+    )
+    report_to: list[str] = field(
+        default_factory=lambda: ["tensorboard"], metadata={"help": "Where metrics go besides metrics.jsonl: tensorboard, none."}
+    )
+    ddp_timeout: int = field(default=1800, metadata={"help": "Process-group timeout in seconds (collectives and rendezvous)."})
+    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
+    export_final: bool = field(default=True, metadata={"help": "Export the final model as safetensors to <output_dir>/final."})
+
+    def __post_init__(self) -> None:
+        if self.lr_scheduler_type not in SCHEDULERS:
+            raise ValueError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown: use one of {', '.join(SCHEDULERS)}.")
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 both set: choose one (bf16 on GPUs that have it).")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError(f"--max_steps {self.max_steps} must be positive, or -1 to follow --num_train_epochs.")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise ValueError(f"--num_train_epochs {self.num_train_epochs} must be positive (or set --max_steps).")
+        for name in ("logging_steps",):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} {getattr(self, name)} must be at least 1.")
+        for name in ("eval_steps", "save_steps", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} {getattr(self, name)} must be 0 or more.")
+        if self.learning_rate <= 0:
+            raise ValueError(f"--learning_rate {self.learning_rate} must be positive, e.g. 3e-4.")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ValueError(f"--save_total_limit {self.save_total_limit} must be at least 1 (or leave it out to keep all).")
+        self.report_to = [r for r in self.report_to if r != "none"]
+        for r in self.report_to:
+            if r not in ("tensorboard", "all"):
+                raise ValueError(f"--report_to {r!r} is not supported: use tensorboard or none.")
+        if self.global_batch_size is None and self.global_batch_tokens is None and \
+                self.per_device_train_batch_size is None and self.gradient_accumulation_steps is None:
+            self.global_batch_size = 32
+
+
+def _glob_matches(path: str) -> bool:
+    import glob
+
+    return bool(glob.glob(path)) or Path(path).exists()
+
+
+def _file_to_argv(path: str) -> list[str]:
+    """A YAML/JSON file of {argument: value} as command-line words, so the CLI can override it."""
+    text = Path(path).read_text()
+    data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of argument names to values, got {type(data).__name__}.")
+    argv: list[str] = []
+    for key, value in data.items():
+        if value is None:
+            continue
+        argv.append(f"--{key}")
+        if isinstance(value, (list, tuple)):
+            argv.extend(str(v) for v in value)
+        else:
+            argv.append(str(value).lower() if isinstance(value, bool) else str(value))
+    return argv
+
+
+def parse_args(argv: list[str] | None = None, extra: tuple[type, ...] = ()) -> tuple[Any, ...]:
+    """(ModelArguments, DataArguments, TrainArguments, *extra) from argv and/or one YAML/JSON file.
+
+    The file, when given, is the first positional word; options on the command line override it.
+    Unknown options are refused.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml", ".json")):
+        if not Path(argv[0]).is_file():
+            raise ValueError(f"config file {argv[0]}: no such file.")
+        argv = _file_to_argv(argv[0]) + argv[1:]
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainArguments, *extra))
+    parser.prog = Path(sys.argv[0]).name
+    parser.epilog = "Arguments may also come from one YAML or JSON file given first; the command line overrides it."
+    parsed, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ValueError(f"unknown option(s): {' '.join(unknown)}. See --help for the valid ones.")
+    outputs = []
+    for dtype in parser.dataclass_types:
+        keys = {f for f in dtype.__dataclass_fields__ if dtype.__dataclass_fields__[f].init}
+        outputs.append(dtype(**{k: v for k, v in vars(parsed).items() if k in keys}))
+    return tuple(outputs)
+
+
+def resolved_dict(*args_objs: Any) -> dict[str, Any]:
+    """All arguments as one flat dict, for the banner, the checkpoint and the run folder."""
+    out: dict[str, Any] = {}
+    for obj in args_objs:
+        out.update(asdict(obj))
+    return out

@@ -1,0 +1,103 @@
+"""Process-group set-up and the few collectives the engines need; the only module that
+decides ranks, devices and backends (models and data know nothing of distribution)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from anygpu import hardware
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+
+def backend_for(device: torch.device) -> str:
+    # "nccl" is RCCL on ROCm builds of torch.
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(timeout_s: int = 1800) -> DistInfo:
+    """Join the job's process group (torchrun / accelerate launch), or make a 1-rank one for plain python."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if hardware.vendor() != "cpu":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend_for(device), timeout=timeout, device_id=device if device.type == "cuda" else None)
+        else:  # plain `python script.py`: a one-rank group, so FSDP2 and DCP work the same
+            store = os.path.join(tempfile.mkdtemp(prefix="anygpu-pg-"), "store")
+            dist.init_process_group(backend_for(device), init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
+    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device)
+
+
+def world_size_from_env() -> int:
+    """The world size the launcher started, before any process group exists."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def local_main_first(info: DistInfo) -> Iterator[None]:
+    """Let local rank 0 of each node do the work (and fill the cache) before the others read it."""
+    if not info.is_local_main:
+        barrier()
+    yield
+    if info.is_local_main:
+        barrier()
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank if it is true on one (e.g. a SIGTERM seen by one process)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

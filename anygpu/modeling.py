@@ -1,0 +1,192 @@
+"""Model config and construction: pretrained, config.json, or a shipped preset.
+
+Parameters are created on the meta device (buffers stay real), so a model is sharded
+before any memory is spent on it; `init_parameters` then fills each parameter from a
+generator seeded by its name, one full tensor at a time, which gives the same weights
+whatever the sharding (and the same as an unsharded model built by the HF engine).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from anygpu.args import PRESETS_DIR, ModelArguments, preset_names
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_config(args: ModelArguments) -> PretrainedConfig:
+    """The model's config: from --config_name (preset, file or folder), else the pretrained model's."""
+    name = args.config_name or (None if args.model_name_or_path else "default")
+    if name is None:
+        return AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    if (PRESETS_DIR / f"{name}.json").exists():
+        path = PRESETS_DIR / f"{name}.json"
+    elif Path(name).is_file() or (Path(name) / "config.json").is_file():
+        path = Path(name) if Path(name).is_file() else Path(name) / "config.json"
+    elif "/" in name and not Path(name).exists():  # a cached hub id
+        return AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+    else:
+        raise ValueError(
+            f"--config_name {name!r} is neither a preset ({', '.join(preset_names())}) nor a config.json file or folder."
+        )
+    data = json.loads(path.read_text())
+    model_type = data.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"--config_name {path}: config has no 'model_type' (e.g. \"llama\").")
+    return AutoConfig.for_model(model_type, **data)
+
+
+def max_positions(config: PretrainedConfig) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def resolve_block_size(block_size: int | None, config: PretrainedConfig) -> int:
+    limit = max_positions(config)
+    if block_size is None:
+        return min(1024, limit or 1024)
+    if limit is not None and block_size > limit:
+        raise ValueError(
+            f"--block_size {block_size} is above the model's maximum positions ({limit}): use --block_size {min(limit, 1024)} "
+            f"or less, or a config with a larger max_position_embeddings."
+        )
+    return block_size
+
+
+def fit_config_to_tokenizer(config: PretrainedConfig, tokenizer, from_scratch: bool) -> PretrainedConfig:
+    """From scratch the vocabulary is the tokenizer's (rounded up to 64 for fast matmuls)."""
+    if from_scratch:
+        config.vocab_size = -(-len(tokenizer) // 64) * 64
+        config.bos_token_id = tokenizer.bos_token_id
+        config.eos_token_id = tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+    elif len(tokenizer) > config.vocab_size:
+        raise ValueError(
+            f"--tokenizer_name has {len(tokenizer)} tokens but the model's vocabulary is {config.vocab_size}: "
+            "use the model's own tokenizer (leave --tokenizer_name out)."
+        )
+    config.use_cache = False
+    return config
+
+
+def build_meta_model(config: PretrainedConfig, args: ModelArguments) -> nn.Module:
+    """The model with parameters on the meta device and real buffers (RoPE tables), in fp32."""
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code,
+            dtype=torch.float32,
+        )
+    return model
+
+
+def build_full_model(config: PretrainedConfig, args: ModelArguments, seed: int) -> nn.Module:
+    """A materialised model on CPU: pretrained weights, or `init_parameters` from scratch (HF engine)."""
+    if args.model_name_or_path:
+        return AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path, config=config, attn_implementation=args.attn_implementation,
+            trust_remote_code=args.trust_remote_code, dtype=torch.float32,
+        )
+    buffers = {n: b.clone() for n, b in build_meta_model(config, args).named_buffers()}
+    model = build_meta_model(config, args)
+    model.to_empty(device="cpu")
+    restore_buffers(model, buffers)
+    init_parameters(model, config, seed)
+    return model
+
+
+def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Put back buffers (RoPE tables) that `to_empty` left uninitialised."""
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name in buffers:
+                buf.copy_(buffers[name].to(buf.device, buf.dtype))
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:15], 16)
+
+
+def _full_init(name: str, shape: torch.Size, std: float, seed: int, device: torch.device) -> torch.Tensor:
+    """The full initial value of one parameter; depends only on (seed, name, shape)."""
+    if len(shape) == 1:  # norm weights start at 1, biases at 0 (as HF's _init_weights)
+        return torch.ones(shape, device=device) if "norm" in name else torch.zeros(shape, device=device)
+    gen = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
+    return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, config: PretrainedConfig, seed: int) -> None:
+    """Fill every parameter (plain or FSDP2-sharded DTensor) with its seeded initial value."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    std = getattr(config, "initializer_range", 0.02)
+    for name, param in model.named_parameters():
+        device = param.device
+        if isinstance(param, DTensor):
+            full = _full_init(name, param.shape, std, seed, device)
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(_full_init(name, param.shape, std, seed, device))
+
+
+@torch.no_grad()
+def load_pretrained_weights(model: nn.Module, path: str) -> None:
+    """Fill a (possibly sharded) model from a folder's safetensors, one tensor at a time."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(path, allow_patterns=["*.safetensors", "*.json"]))
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"--model_name_or_path {path}: no *.safetensors weights found (convert .bin weights with save_pretrained).")
+    params = dict(model.named_parameters())
+    missing = set(params)
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key not in params:
+                    continue
+                param = params[key]
+                full = f.get_tensor(key).to(param.device, param.dtype)
+                if isinstance(param, DTensor):
+                    full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+                    param.to_local().copy_(full)
+                else:
+                    param.copy_(full)
+                missing.discard(key)
+    if missing:
+        raise ValueError(f"--model_name_or_path {path}: weights missing for {sorted(missing)[:5]}…")
+
+
+def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings:
+        emb = model.get_input_embeddings()
+        total -= emb.weight.numel()
+    return total
+
+
+def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
+    """The transformer block classes to shard and checkpoint one by one (HF's `_no_split_modules`)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules={sorted(names)}): cannot shard it per layer.")
+    return tuple(classes)

@@ -1,0 +1,52 @@
+"""FSDP2 for the native engine: activation checkpointing → compile → `fully_shard` per
+decoder layer → root (torchtitan's order: each wrap sees the module the previous one built)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from anygpu.modeling import decoder_layer_classes
+
+
+def shard_model(
+    model: nn.Module,
+    device: torch.device,
+    world_size: int,
+    bf16: bool,
+    gradient_checkpointing: bool,
+    compile_blocks: bool,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard `model` (parameters still on meta) over all ranks; returns it wrapped in place."""
+    layers = [m for m in model.modules() if isinstance(m, decoder_layer_classes(model))]
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing composes with FSDP2's hooks and torch.compile.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile_blocks:
+        for layer in layers:
+            layer.compile()
+    mesh = init_device_mesh(device.type, (world_size,))
+    # bf16 compute and all-gathers, fp32 gradient reduction and master weights.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for i, layer in enumerate(layers):
+        # The last layer's parameters are gathered again at once by the backward: keep them.
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes of parameters (and optimizer state) this rank actually holds."""
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    total = sum(nbytes(p) for p in model.parameters())
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            total += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return total

@@ -1,0 +1,85 @@
+"""What both engines build before the model: checks, tokenizer, packed data, config, batch plan.
+
+Every check that can refuse the run happens first, before tokenising or touching a GPU.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from datasets import DatasetDict
+from transformers import PretrainedConfig
+
+from anygpu import data, distributed, modeling, tokenizer as tok_lib
+from anygpu.args import DataArguments, ModelArguments, TrainArguments
+from anygpu.batch import BatchPlan, plan_batch, resolve_global_batch
+from anygpu.distributed import DistInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    config: PretrainedConfig
+    tokenizer: Any
+    datasets: DatasetDict  # packed 'train' and 'validation', column input_ids
+    block_size: int
+    plan: BatchPlan
+    order: data.GlobalOrder
+    total_steps: int  # the schedule's length (max_steps or epochs × steps per epoch)
+    from_scratch: bool
+    used_default_corpus: bool
+
+
+def check_output_dir(output_dir: str) -> None:
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        probe = Path(output_dir) / f".write-test-{uuid.uuid4().hex}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--output_dir {output_dir} cannot be written ({e.strerror or e}): choose a writable folder, e.g. ./outputs/run1.") from e
+
+
+def check_run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments, world_size: int
+              ) -> tuple[PretrainedConfig, int, BatchPlan]:
+    """The cheap checks: model config, block size, batch math, output dir. Raises ValueError."""
+    config = modeling.resolve_config(model_args)
+    block_size = modeling.resolve_block_size(data_args.block_size, config)
+    G = resolve_global_batch(train_args.global_batch_size, train_args.global_batch_tokens, block_size,
+                             train_args.per_device_train_batch_size, train_args.gradient_accumulation_steps, world_size)
+    plan = plan_batch(G, world_size, train_args.per_device_train_batch_size, train_args.gradient_accumulation_steps)
+    check_output_dir(train_args.output_dir)
+    return config, block_size, plan
+
+
+def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments, info: DistInfo) -> Prepared:
+    config, block_size, plan = check_run(model_args, data_args, train_args, info.world_size)
+    with distributed.local_main_first(info):
+        raw, is_default = data.load_raw_text(data_args)
+        fp = data.fingerprint(raw, data_args.text_column)
+        tokenizer = tok_lib.load_or_train(
+            model_args.tokenizer_name or model_args.model_name_or_path,
+            lambda: (t for batch in data.iter_texts(raw["train"], data_args.text_column) for t in batch),
+            fp, model_args.vocab_size, data_args.data_cache_dir, info.is_local_main, model_args.trust_remote_code,
+        )
+        packed = data.pack(raw, tokenizer, block_size, data_args.text_column, fp, data_args.data_cache_dir,
+                           data_args.preprocessing_num_workers)
+    if data_args.max_train_samples:
+        packed["train"] = packed["train"].select(range(min(data_args.max_train_samples, len(packed["train"]))))
+    if data_args.max_eval_samples and data_args.max_eval_samples > 0:
+        packed["validation"] = packed["validation"].select(range(min(data_args.max_eval_samples, len(packed["validation"]))))
+    if len(packed["validation"]) == 0:
+        raise ValueError(f"the validation split has no full {block_size}-token block: lower --block_size or give more validation text.")
+    from_scratch = model_args.model_name_or_path is None
+    config = modeling.fit_config_to_tokenizer(config, tokenizer, from_scratch)
+    order = data.GlobalOrder(len(packed["train"]), plan.global_batch_size, train_args.seed)
+    if train_args.max_steps > 0:
+        total = train_args.max_steps
+    else:
+        total = max(1, int(train_args.num_train_epochs * order.steps_per_epoch))
+    return Prepared(config, tokenizer, packed, block_size, plan, order, total, from_scratch, is_default)
+

@@ -1,0 +1,75 @@
+"""Load a tokenizer, or train a byte-level BPE offline when the run has none."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterable
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+
+
+def trained_tokenizer_dir(cache_dir: str, corpus_fingerprint: str, vocab_size: int) -> Path:
+    return Path(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{corpus_fingerprint[:16]}"
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A GPT-2 style byte-level BPE: any byte sequence round-trips, no unknown tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD, model_max_length=1 << 30)
+
+
+def load_or_train(
+    name_or_path: str | None,
+    texts: Callable[[], Iterable[str]],
+    corpus_fingerprint: str,
+    vocab_size: int,
+    cache_dir: str,
+    is_local_main: bool,
+    trust_remote_code: bool = False,
+) -> PreTrainedTokenizerBase:
+    """The named tokenizer, else the cached BPE for this corpus, else a new one (trained by local rank 0).
+
+    Callers run this inside `distributed.local_main_first`, so only one process per node trains.
+    """
+    if name_or_path:
+        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        return tok
+    path = trained_tokenizer_dir(cache_dir, corpus_fingerprint, vocab_size)
+    if not (path / "tokenizer.json").exists():
+        if not is_local_main:
+            raise RuntimeError(f"tokenizer cache {path} missing after local rank 0 built it (is the cache dir per-node?)")
+        logger.info("training a byte-level BPE tokenizer (vocab %d) on the training text…", vocab_size)
+        tok = train_bpe(texts(), vocab_size)
+        _save_atomically(tok, path)
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def _save_atomically(tok: PreTrainedTokenizerBase, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    tok.save_pretrained(str(tmp))
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another node filled it first
+        shutil.rmtree(tmp, ignore_errors=True)
