@@ -118,7 +118,7 @@ class TrainArguments:
     global_batch_size: int | None = field(
         default=None,
         metadata={"help": "Sequences per optimizer step over all devices. Fixed whatever the number of devices: the "
-                          "per-device batch and accumulation steps follow from it. Default 32 (when no per-device "
+                          "per-device batch and accumulation steps follow from it. Default 16 (when no per-device "
                           "numbers are given)."},
     )
     global_batch_tokens: int | None = field(
@@ -149,7 +149,7 @@ class TrainArguments:
     torch_compile: bool = field(default=False, metadata={"help": "torch.compile each decoder layer."})
     logging_steps: int = field(default=10, metadata={"help": "Log loss, tokens/s and memory every N steps."})
     eval_steps: int = field(default=100, metadata={"help": "Evaluate every N steps and at the end (0: only at the end)."})
-    eval_on_start: bool = field(default=False, metadata={"help": "Evaluate once before the first step (a baseline)."})
+    eval_on_start: bool = field(default=True, metadata={"help": "Evaluate once before the first step (the baseline of the eval curve)."})
     save_steps: int = field(default=0, metadata={"help": "Checkpoint every N steps (0: only at the end and on SIGTERM)."})
     stop_at_step: int | None = field(
         default=None,
@@ -192,7 +192,7 @@ class TrainArguments:
                 raise ValueError(f"--report_to {r!r} is not supported: use tensorboard or none.")
         if self.global_batch_size is None and self.global_batch_tokens is None and \
                 self.per_device_train_batch_size is None and self.gradient_accumulation_steps is None:
-            self.global_batch_size = 32
+            self.global_batch_size = 16
 
 
 def _glob_matches(path: str) -> bool:
@@ -232,6 +232,7 @@ def parse_args(argv: list[str] | None = None, extra: tuple[type, ...] = ()) -> t
         argv = _file_to_argv(argv[0]) + argv[1:]
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainArguments, *extra))
     parser.prog = Path(sys.argv[0]).name
+    parser.allow_abbrev = False  # a typo such as --learning_rat must not silently match --learning_rate
     parser.epilog = "Arguments may also come from one YAML or JSON file given first; the command line overrides it."
     parsed, unknown = parser.parse_known_args(argv)
     if unknown:

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from anygpu import checkpoint, data, distributed, hardware, metrics, modeling, optim, parallel
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
-from anygpu.prepare import Prepared, prepare
+from anygpu.prepare import Prepared, check_run, prepare
 
 logger = logging.getLogger("anygpu")
 
@@ -107,6 +107,7 @@ def banner(prep: Prepared, info: distributed.DistInfo, model, train_args: TrainA
 
 def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> dict[str, Any]:
     """Train; return the last logged record (rank 0)."""
+    check_run(model_args, data_args, train_args, distributed.world_size_from_env())  # refuse bad input first
     info = distributed.init_distributed(train_args.ddp_timeout)
     logging.basicConfig(level=logging.INFO if info.is_main else logging.WARNING, format="[%(levelname)s] %(message)s")
     if train_args.fp16:

@@ -1,0 +1,67 @@
+"""Shared test helpers: real multi-process runs on CPU (gloo), tiny model, small corpus."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+# The tiny preset on 1 MB of the standard-library corpus, fp32, no exports: seconds per run.
+TINY = [
+    "--config_name", "tiny", "--max_corpus_mb", "1", "--block_size", "64", "--global_batch_size", "8",
+    "--logging_steps", "1", "--eval_steps", "0", "--disable_tqdm", "true", "--report_to", "none",
+    "--warmup_steps", "2", "--learning_rate", "3e-3", "--eval_on_start", "false",
+]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_cache(tmp_path_factory) -> Path:
+    """One data/tokenizer cache for the whole session, so only the first run tokenises."""
+    cache = Path(os.environ.get("ANYGPU_TEST_CACHE") or tmp_path_factory.mktemp("anygpu-cache"))
+    os.environ["ANYGPU_CACHE"] = str(cache)
+    return cache
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    e.pop("CUDA_VISIBLE_DEVICES", None)
+    return e
+
+
+def run(cmd: list[str], timeout: float = 300, check: bool = True, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env(), **(extra_env or {})}, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def torchrun(nproc: int, script: str, args: list[str], **kw) -> subprocess.CompletedProcess:
+    return run([str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", script, *args], **kw)
+
+
+def python(script: str, args: list[str], **kw) -> subprocess.CompletedProcess:
+    return run([sys.executable, script, *args], **kw)
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    """step → training loss from metrics.jsonl."""
+    out = {}
+    for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def assert_close(a: dict[int, float], b: dict[int, float], rel: float, steps=None) -> None:
+    steps = sorted(steps if steps is not None else a)
+    assert steps and all(s in a and s in b for s in steps), f"missing steps: {steps} vs {sorted(a)} / {sorted(b)}"
+    worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in steps)
+    assert worst <= rel, "losses differ: " + ", ".join(f"{s}: {a[s]:.7f} vs {b[s]:.7f}" for s in steps)

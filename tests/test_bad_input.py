@@ -1,0 +1,69 @@
+"""Bad input is refused up front, with the argument, the value and a valid alternative."""
+import json
+
+import pytest
+
+from anygpu.fsdp_engine import main
+from anygpu.args import parse_args
+from conftest import TINY, torchrun
+
+
+def refuse(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    return err
+
+
+def test_missing_train_file(capsys, tmp_path):
+    err = refuse([*TINY, "--train_file", str(tmp_path / "nope.txt"), "--output_dir", str(tmp_path)], capsys)
+    assert "--train_file" in err and "nope.txt" in err and ".jsonl" in err
+
+
+def test_block_size_above_max_positions(capsys, tmp_path):
+    err = refuse([*TINY, "--block_size", "4096", "--output_dir", str(tmp_path)], capsys)
+    assert "--block_size 4096" in err and "maximum positions (512)" in err and "--block_size 512" in err
+
+
+def test_unknown_preset(capsys, tmp_path):
+    err = refuse(["--config_name", "huge", "--output_dir", str(tmp_path)], capsys)
+    assert "--config_name 'huge'" in err and "tiny" in err and "default" in err
+
+
+def test_unwritable_output_dir(capsys, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    err = refuse([*TINY, "--output_dir", str(blocker / "run")], capsys)
+    assert f"--output_dir {blocker / 'run'} cannot be written" in err and "writable folder" in err
+
+
+def test_conflicting_batch_arguments(capsys, tmp_path):
+    err = refuse([*TINY, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "3", "--output_dir", str(tmp_path)], capsys)
+    assert "--gradient_accumulation_steps 3" in err and "--global_batch_size 8" in err and "set it to 4" in err
+    err = refuse([*TINY, "--global_batch_tokens", "512", "--output_dir", str(tmp_path)], capsys)
+    assert "--global_batch_size 8 and --global_batch_tokens 512" in err
+
+
+def test_unknown_option_and_bad_choice(capsys, tmp_path):
+    assert "unknown option(s): --learning_rat" in refuse([*TINY, "--learning_rat", "1", "--output_dir", str(tmp_path)], capsys)
+    assert "cosine" in refuse([*TINY, "--lr_scheduler_type", "cosin", "--output_dir", str(tmp_path)], capsys)
+
+
+def test_world_size_that_cannot_split_the_global_batch(tmp_path):
+    proc = torchrun(3, "run_fsdp_standalone.py", [*TINY, "--output_dir", str(tmp_path)], check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "--global_batch_size 8 cannot be split evenly over 3 devices" in proc.stderr and "6 or 9" in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_config_file_with_command_line_override(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("config_name: tiny\nlearning_rate: 0.01\nbf16: true\nreport_to: [none]\n")
+    m, d, t = parse_args([str(cfg), "--learning_rate", "0.5"])
+    assert (m.config_name, t.learning_rate, t.bf16, t.report_to) == ("tiny", 0.5, True, [])
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps({"block_size": 32, "nonsense": 1}))
+    with pytest.raises(ValueError, match="unknown option.*--nonsense"):
+        parse_args([str(js)])

@@ -1,0 +1,68 @@
+"""Batch math: G = per-device × world × accumulation, always, or a refusal that says why."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from anygpu.batch import plan_batch, resolve_global_batch
+
+sizes = st.integers(min_value=1, max_value=512)
+worlds = st.integers(min_value=1, max_value=64)
+
+
+@given(G=sizes, W=worlds)
+def test_derived_plan_keeps_the_global_batch(G, W):
+    if G % W:
+        with pytest.raises(ValueError, match="--global_batch_size"):
+            plan_batch(G, W)
+        return
+    p = plan_batch(G, W)
+    assert p.per_device_train_batch_size * W * p.gradient_accumulation_steps == G
+    assert 1 <= p.per_device_train_batch_size <= 8
+    # the largest micro-batch that fits: no bigger divisor ≤ 8 was skipped
+    assert all((G // W) % d for d in range(p.per_device_train_batch_size + 1, 9))
+
+
+@given(G=sizes, W=worlds, m=st.integers(1, 64))
+def test_given_per_device_batch_is_kept_or_refused(G, W, m):
+    ok = G % W == 0 and (G // W) % m == 0
+    if not ok:
+        with pytest.raises(ValueError, match="--global_batch_size|--per_device_train_batch_size"):
+            plan_batch(G, W, per_device_train_batch_size=m)
+        return
+    p = plan_batch(G, W, per_device_train_batch_size=m)
+    assert (p.per_device_train_batch_size, p.gradient_accumulation_steps) == (m, G // (m * W))
+
+
+@given(G=sizes, W=worlds, m=st.integers(1, 16), A=st.integers(1, 16))
+def test_all_three_given_must_agree(G, W, m, A):
+    if G % W == 0 and m * A * W == G:
+        assert plan_batch(G, W, m, A).gradient_accumulation_steps == A
+    else:
+        with pytest.raises(ValueError):
+            plan_batch(G, W, m, A)
+
+
+@settings(max_examples=50)
+@given(tokens=st.integers(1, 100_000), block=st.integers(2, 4096))
+def test_global_batch_in_tokens(tokens, block):
+    if tokens % block:
+        with pytest.raises(ValueError, match="--global_batch_tokens .* multiple of --block_size"):
+            resolve_global_batch(None, tokens, block, None, None, 1)
+    else:
+        assert resolve_global_batch(None, tokens, block, None, None, 1) == tokens // block
+
+
+def test_tokens_and_sequences_together_are_refused():
+    with pytest.raises(ValueError, match="--global_batch_size 8 and --global_batch_tokens 512 both"):
+        resolve_global_batch(8, 512, 64, None, None, 1)
+
+
+def test_banner_line():
+    assert plan_batch(64, 8, per_device_train_batch_size=1).banner() == \
+        "global batch 64 = 1 per device × 8 devices × 8 accumulation steps"
+    assert plan_batch(8, 1).banner() == "global batch 8 = 8 per device × 1 device × 1 accumulation step"
+
+
+def test_indivisible_world_size_names_valid_choices():
+    with pytest.raises(ValueError) as e:
+        plan_batch(10, 4)
+    assert "--global_batch_size 10" in str(e.value) and "multiple of 4" in str(e.value) and "12" in str(e.value)

@@ -1,0 +1,116 @@
+"""The native FSDP2 engine: same loss on any number of ranks, exact elastic resume,
+real sharding, a final export that Hugging Face loads, SIGTERM saves."""
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, ROOT, TINY, assert_close, env, losses, python, torchrun
+
+SCRIPT = "run_fsdp_standalone.py"
+TEN = [*TINY, "--max_steps", "10"]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> dict[int, dict[int, float]]:
+    """10 steps of the tiny preset on 1, 2 and 4 ranks."""
+    out = {}
+    for n in (1, 2, 4):
+        d = tmp_path_factory.mktemp(f"ws{n}")
+        torchrun(n, SCRIPT, [*TEN, "--output_dir", str(d), "--export_final", "false"])
+        out[n] = losses(d)
+    return out
+
+
+def test_world_size_invariance(baseline):
+    assert sorted(baseline[1]) == list(range(1, 11))
+    assert baseline[1][10] < baseline[1][1]  # it trains
+    for n in (2, 4):
+        assert_close(baseline[1], baseline[n], rel=1e-5)
+
+
+def test_elastic_resume_2_to_4_ranks(baseline, tmp_path):
+    torchrun(2, SCRIPT, [*TEN, "--output_dir", str(tmp_path), "--stop_at_step", "5", "--export_final", "false"])
+    assert (tmp_path / "checkpoint-5" / "trainer_state.json").exists()
+    assert not (tmp_path / "final").exists()
+    proc = torchrun(4, SCRIPT, [*TEN, "--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest", "--export_final", "false"])
+    assert "resumed from" in proc.stdout and "was 2 ranks, now 4" in proc.stdout
+    resumed = losses(tmp_path)
+    assert sorted(resumed) == list(range(1, 11))  # steps 1-5 kept, 6-10 appended once
+    assert_close(baseline[2], resumed, rel=1e-5, steps=range(6, 11))
+
+
+def test_sharding_halves_per_rank_state():
+    args = [*TINY, "--max_steps", "1", "--output_dir", "/tmp/unused"]
+    per_rank = {}
+    for n in (1, 2):
+        proc = torchrun(n, "tests/scripts/shard_bytes.py", args)
+        per_rank[n] = json.loads(proc.stdout.split("BYTES ", 1)[1].splitlines()[0])
+    full = per_rank[1][0]
+    for b in per_rank[2]:
+        assert abs(b - full / 2) <= 0.05 * full / 2, (per_rank, full)
+
+
+def test_final_export_round_trip(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from anygpu import distributed
+    from anygpu.args import parse_args
+    from anygpu.prepare import prepare
+
+    args = [*TINY, "--max_steps", "6", "--output_dir", str(tmp_path), "--max_eval_samples", "24"]
+    torchrun(2, SCRIPT, args)
+    final = tmp_path / "final"
+    assert (final / "model.safetensors").exists() and (final / "config.json").exists()
+    engine_eval = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if "eval_loss" in l][-1]
+    assert engine_eval["step"] == 6
+
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    tok = AutoTokenizer.from_pretrained(final)
+    m_args, d_args, t_args = parse_args(args)
+    info = distributed.DistInfo(0, 0, 1, torch.device("cpu"))  # no process group: prepare only reads the cache
+    val = prepare(m_args, d_args, t_args, info).datasets["validation"]
+    assert len(val) == 24 and len(tok) <= model.config.vocab_size
+    ids = torch.tensor(val["input_ids"])
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.item()
+    assert math.isclose(loss, engine_eval["eval_loss"], rel_tol=1e-4), (loss, engine_eval)
+
+
+def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
+    args = [*TINY, "--max_steps", "100000", "--output_dir", str(tmp_path), "--export_final", "false"]
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", SCRIPT, *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
+    out, _ = proc.communicate(timeout=120)
+    assert "SIGTERM: saving checkpoint" in out, out[-3000:]
+    ckpts = sorted(tmp_path.glob("checkpoint-*"))
+    assert len(ckpts) == 1 and not list(tmp_path.glob(".checkpoint-*"))
+    step = int(ckpts[0].name.split("-")[1])
+    assert step >= 3
+    # it loads and goes on from exactly there
+    proc = python(SCRIPT, [*args[:-6], "--max_steps", str(step + 2), "--output_dir", str(tmp_path),
+                           "--resume_from_checkpoint", "latest", "--export_final", "false"])
+    assert f"at step {step}" in proc.stdout
+    assert max(losses(tmp_path)) == step + 2
+
+
+def test_plain_python_and_checkpoint_limit(tmp_path):
+    python(SCRIPT, [*TINY, "--max_steps", "6", "--save_steps", "2", "--save_total_limit", "2",
+                    "--output_dir", str(tmp_path), "--export_final", "false", "--report_to", "tensorboard"])
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-2])
+    for key in ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "world_size", "global_batch_size"):
+        assert key in rec, rec
+    assert list((tmp_path / "runs").glob("events.out.tfevents.*"))
+    assert (tmp_path / "loss.png").stat().st_size > 1000

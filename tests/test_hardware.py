@@ -1,0 +1,46 @@
+"""Hardware facts: vendor, backend, TF32 switch, MFU arithmetic."""
+import pytest
+import torch
+
+from anygpu import hardware, metrics
+from anygpu.distributed import backend_for
+from anygpu.modeling import resolve_config
+from anygpu.args import ModelArguments
+
+
+def test_cpu_machine_is_cpu_with_gloo():
+    if torch.cuda.is_available():
+        pytest.skip("GPU present")
+    assert hardware.vendor() == "cpu" and hardware.devices() == []
+    assert backend_for(torch.device("cpu")) == "gloo" and backend_for(torch.device("cuda", 0)) == "nccl"
+    assert hardware.configure_tf32(None) is False  # nothing to switch on a CPU
+
+
+def test_tf32_flag_follows_the_request_on_the_torch_api_in_use():
+    hardware.configure_tf32(False)
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    else:
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+
+
+@pytest.mark.parametrize("name,tflops", [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H200", 989), ("NVIDIA A100-SXM4-80GB", 312),
+                                         ("AMD Instinct MI300X", 1307), ("NVIDIA H100 PCIe", 756)])
+def test_peak_table(name, tflops):
+    assert hardware.peak_bf16_flops(name) == tflops * 1e12
+
+
+def test_unknown_part_warns_and_has_no_mfu(caplog):
+    assert hardware.peak_bf16_flops("Some Future GPU") is None
+    assert "unknown" in caplog.text
+    assert metrics.mfu(1e5, 1e9, None, 8) is None
+
+
+def test_mfu_of_the_1b_preset():
+    cfg = resolve_config(ModelArguments(config_name="llama-1b"))
+    n_no_emb = 1_235_814_400 - 128256 * 2048  # Llama-3.2-1B: tied embeddings counted once
+    fpt = metrics.flops_per_token(cfg, n_no_emb, 2048)
+    assert fpt == 6 * n_no_emb + 12 * 16 * 2048 * 2048
+    # 8 H100s at 40% MFU process this many tokens per second
+    tps = 0.4 * 989e12 * 8 / fpt
+    assert metrics.mfu(tps, fpt, 989e12, 8) == pytest.approx(0.4)
