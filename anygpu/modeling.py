@@ -117,12 +117,21 @@ def _name_seed(seed: int, name: str) -> int:
     return int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:15], 16)
 
 
-def _full_init(name: str, shape: torch.Size, std: float, seed: int, device: torch.device) -> torch.Tensor:
+def _full_init(name: str, shape: torch.Size, std: float, seed: int, device: torch.device, is_norm: bool) -> torch.Tensor:
     """The full initial value of one parameter; depends only on (seed, name, shape)."""
-    if len(shape) == 1:  # norm weights start at 1, biases at 0 (as HF's _init_weights)
-        return torch.ones(shape, device=device) if "norm" in name else torch.zeros(shape, device=device)
+    if len(shape) == 1:  # norm scales start at 1, biases (and norm shifts) at 0, as HF's _init_weights
+        return torch.ones(shape, device=device) if is_norm and name.endswith("weight") else torch.zeros(shape, device=device)
     gen = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
     return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
+
+
+def _norm_parameter_names(model: nn.Module) -> set[str]:
+    """Parameters owned by normalisation layers (LayerNorm, RMSNorm, …), whatever they are called."""
+    names = set()
+    for mod_name, module in model.named_modules():
+        if "norm" in type(module).__name__.lower():
+            names.update(f"{mod_name}.{p}" if mod_name else p for p, _ in module.named_parameters(recurse=False))
+    return names
 
 
 @torch.no_grad()
@@ -131,14 +140,14 @@ def init_parameters(model: nn.Module, config: PretrainedConfig, seed: int) -> No
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     std = getattr(config, "initializer_range", 0.02)
+    norms = _norm_parameter_names(model)
     for name, param in model.named_parameters():
-        device = param.device
+        full = _full_init(name, param.shape, std, seed, param.device, name in norms)
         if isinstance(param, DTensor):
-            full = _full_init(name, param.shape, std, seed, device)
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param.to_local().copy_(local)
         else:
-            param.copy_(_full_init(name, param.shape, std, seed, device))
+            param.copy_(full)
 
 
 @torch.no_grad()

@@ -82,6 +82,43 @@ def test_final_export_round_trip(tmp_path):
         loss = model(input_ids=ids, labels=ids).loss.item()
     assert math.isclose(loss, engine_eval["eval_loss"], rel_tol=1e-4), (loss, engine_eval)
 
+    # fine-tuning from the export starts from exactly those weights (streamed into the shards)
+    out2 = tmp_path / "finetune"
+    torchrun(2, SCRIPT, [*args[:-4], "--model_name_or_path", str(final), "--max_steps", "1", "--eval_on_start", "true",
+                         "--output_dir", str(out2), "--max_eval_samples", "24", "--export_final", "false"])
+    start = json.loads((out2 / "metrics.jsonl").read_text().splitlines()[0])
+    assert start["step"] == 0 and math.isclose(start["eval_loss"], engine_eval["eval_loss"], rel_tol=1e-5)
+
+
+def test_other_architecture_and_corpus_on_an_odd_world_size(tmp_path):
+    """A GPT-2 config.json and a jsonl corpus: same losses on 1 and 3 ranks."""
+    cfg = tmp_path / "gpt2.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 48, "n_head": 3, "n_positions": 128,
+                               "vocab_size": 500, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}))
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"body": f"record {i}: " + "lorem ipsum dolor sit amet " * (i % 9 + 1)}) + "\n"
+                              for i in range(400)))
+    args = ["--config_name", str(cfg), "--train_file", str(corpus), "--text_column", "body", "--vocab_size", "400",
+            "--block_size", "32", "--global_batch_size", "6", "--max_steps", "4", "--logging_steps", "1",
+            "--eval_steps", "0", "--eval_on_start", "false", "--report_to", "none", "--disable_tqdm", "true"]
+    runs = {}
+    for n in (1, 3):
+        torchrun(n, SCRIPT, [*args, "--output_dir", str(tmp_path / f"r{n}")])
+        runs[n] = losses(tmp_path / f"r{n}")
+    assert_close(runs[1], runs[3], rel=1e-5)
+    cfg_out = json.loads((tmp_path / "r3" / "final" / "config.json").read_text())
+    assert cfg_out["model_type"] == "gpt2" and cfg_out["vocab_size"] == 448  # 400 tokens rounded up to 64
+
+
+def test_bf16_mixed_precision_path(tmp_path, baseline):
+    """bf16 compute with fp32 master weights and reduction: close to the fp32 curve, not equal."""
+    torchrun(2, SCRIPT, [*TINY, "--max_steps", "4", "--bf16", "true", "--output_dir", str(tmp_path), "--export_final", "false"])
+    got = losses(tmp_path)
+    assert got.keys() == {1, 2, 3, 4}
+    for s in got:
+        assert abs(got[s] - baseline[2][s]) / baseline[2][s] < 2e-2
+    assert any(got[s] != baseline[2][s] for s in got)  # it really ran in bf16
+
 
 def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
     args = [*TINY, "--max_steps", "100000", "--output_dir", str(tmp_path), "--export_final", "false"]

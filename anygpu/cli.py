@@ -1,0 +1,44 @@
+"""`anygpu` console command: `anygpu info`, `anygpu train [args]`, `anygpu launch --vendor nvidia|amd [...]`."""
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: anygpu <command> [arguments]
+
+commands:
+  info                      the accelerators torch sees (vendor, names, memory, capability)
+  train [args]              the native FSDP2 engine in this process (same as run_fsdp_standalone.py;
+                            use torchrun or the launchers for several processes)
+  launch --vendor V [...]   the launcher behind run_nvidia_all.sh / run_amd_all.sh (see --help)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "info":
+        from anygpu import hardware
+
+        print(hardware.describe())
+        return 0
+    if command == "train":
+        import anygpu
+
+        anygpu.set_offline_defaults()
+        from anygpu.fsdp_engine import main as train_main
+
+        train_main(rest)
+        return 0
+    if command == "launch":
+        from anygpu.launch import main as launch_main
+
+        return launch_main(rest)
+    print(f"anygpu: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Steps/s of the FSDP2 engine against a plain PyTorch loop over the same model and batches.
+
+One process. The plain loop is what you would write by hand: the unsharded model, AdamW,
+forward/backward per micro-batch, clip, step. The engine runs the same batches through
+`fsdp_engine.train_step` (token-normalised loss, FSDP2 wrapping, DTensor clipping).
+Rounds alternate between the two so machine noise hits both alike.
+
+    .venv/bin/python benchmarks/engine_vs_plain.py [--config_name tiny] [--steps 20] [--rounds 3] [--block_size 128]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import anygpu  # noqa: E402
+
+anygpu.set_offline_defaults()
+
+import torch  # noqa: E402
+
+from anygpu import data, distributed, fsdp_engine, modeling, optim  # noqa: E402
+from anygpu.args import parse_args  # noqa: E402
+from anygpu.prepare import prepare  # noqa: E402
+
+
+def plain_step(model, opt, batches, max_norm: float) -> None:
+    n = sum(b["labels"][:, 1:].numel() for b in batches)
+    for b in batches:
+        loss = model(input_ids=b["input_ids"], labels=b["labels"], num_items_in_batch=n).loss
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def engine_step(model, opt, prep, step, info, max_norm: float) -> None:
+    fsdp_engine.train_step(model, prep, step, info)
+    fsdp_engine.clip_gradients(model, max_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config_name", default="tiny")
+    p.add_argument("--block_size", default="128")
+    p.add_argument("--global_batch_size", default="8")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    model_args, data_args, train_args = parse_args([
+        "--config_name", a.config_name, "--block_size", a.block_size, "--global_batch_size", a.global_batch_size,
+        "--max_corpus_mb", "2", "--output_dir", "/tmp/anygpu-bench",
+    ])
+    info = distributed.init_distributed()
+    prep = prepare(model_args, data_args, train_args, info)
+    engine = fsdp_engine.build_model(prep, model_args, train_args, info)
+    engine_opt = optim.build_optimizer(engine, train_args, info.device)
+    plain = modeling.build_full_model(prep.config, model_args, train_args.seed).to(info.device)
+    plain_opt = optim.build_optimizer(plain, train_args, info.device)
+    batches = [[{k: v.to(info.device) for k, v in data.collate([prep.datasets["train"][i] for i in mb]).items()}
+                for mb in prep.order.micro_batches(s, prep.plan, 0)] for s in range(a.steps)]
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        for s in range(a.steps):
+            fn(s)
+        if info.device.type == "cuda":
+            torch.cuda.synchronize()
+        return a.steps / (time.perf_counter() - start)
+
+    run_plain = lambda s: plain_step(plain, plain_opt, batches[s], train_args.max_grad_norm)  # noqa: E731
+    run_engine = lambda s: engine_step(engine, engine_opt, prep, s, info, train_args.max_grad_norm)  # noqa: E731
+    run_plain(0), run_engine(0)  # warm-up (allocator, lazy init)
+    ratios, plain_rates, engine_rates = [], [], []
+    for r in range(a.rounds):
+        pr, er = timed(run_plain), timed(run_engine)
+        plain_rates.append(pr), engine_rates.append(er), ratios.append(er / pr)
+        print(f"round {r + 1}: plain {pr:.2f} steps/s, engine {er:.2f} steps/s, ratio {er / pr:.3f}", flush=True)
+    print(f"{a.config_name} preset, block {prep.block_size}, {prep.plan.banner()}, {info.device}: "
+          f"engine/plain steps/s = {statistics.median(ratios):.3f} (median of {a.rounds} rounds of {a.steps} steps; target ≥ 0.97)")
+    distributed.destroy()
+
+
+if __name__ == "__main__":
+    main()
