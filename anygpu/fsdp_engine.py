@@ -105,122 +105,149 @@ def banner(prep: Prepared, info: distributed.DistInfo, model, train_args: TrainA
     return "\n".join(lines)
 
 
-def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> dict[str, Any]:
-    """Train; return the last logged record (rank 0)."""
-    check_run(model_args, data_args, train_args, distributed.world_size_from_env())  # refuse bad input first
-    info = distributed.init_distributed(train_args.ddp_timeout)
-    logging.basicConfig(level=logging.INFO if info.is_main else logging.WARNING, format="[%(levelname)s] %(message)s")
-    if train_args.fp16:
-        raise ValueError("--fp16 is not supported by the FSDP2 engine: use --bf16 (same memory, no loss scaling).")
-    if train_args.bf16 and info.device.type == "cuda" and not hardware.supports_bf16():
-        raise ValueError("--bf16: this GPU has no bf16; drop --bf16 (fp32) or use the HF engine with --fp16.")
-    tf32 = hardware.configure_tf32(train_args.tf32)
-    torch.manual_seed(train_args.seed + info.rank)
-    prep = prepare(model_args, data_args, train_args, info)
-    resume = checkpoint.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir)
+class FSDPTrainer:
+    """One training run: set-up (checks, data, sharded model, optimizer, resume), then `train()`."""
 
-    model = build_model(prep, model_args, train_args, info)
-    optimizer = optim.build_optimizer(model, train_args, info.device)
-    scheduler = optim.build_scheduler(optimizer, train_args, prep.total_steps)
-    writer = metrics.MetricsWriter(train_args.output_dir, info.is_main, "tensorboard" in train_args.report_to or "all" in train_args.report_to)
-    start_step = 0
-    if resume is not None:
-        state = checkpoint.load(resume, model, optimizer, scheduler, info.rank)
-        if state["global_batch_size"] != prep.plan.global_batch_size:
+    def __init__(self, model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
+        check_run(model_args, data_args, train_args, distributed.world_size_from_env())  # refuse bad input first
+        self.args = train_args
+        self.info = info = distributed.init_distributed(train_args.ddp_timeout)
+        logging.basicConfig(level=logging.INFO if info.is_main else logging.WARNING, format="[%(levelname)s] %(message)s")
+        if train_args.fp16:
+            raise ValueError("--fp16 is not supported by the FSDP2 engine: use --bf16 (same memory, no loss scaling).")
+        if train_args.bf16 and info.device.type == "cuda" and not hardware.supports_bf16():
+            raise ValueError("--bf16: this GPU has no bf16; drop --bf16 (fp32) or use the HF engine with --fp16.")
+        tf32 = hardware.configure_tf32(train_args.tf32)
+        torch.manual_seed(train_args.seed + info.rank)
+        self.prep = prep = prepare(model_args, data_args, train_args, info)
+        resume = checkpoint.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir)
+        self.model = build_model(prep, model_args, train_args, info)
+        self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
+        self.scheduler = optim.build_scheduler(self.optimizer, train_args, prep.total_steps)
+        self.writer = metrics.MetricsWriter(train_args.output_dir, info.is_main, bool({"tensorboard", "all"} & set(train_args.report_to)))
+        self.start_step = self._resume(resume) if resume is not None else 0
+        self.end_step = min(prep.total_steps, train_args.stop_at_step or prep.total_steps)
+        self.peak_flops = hardware.peak_bf16_flops(hardware.devices()[0].name) if info.device.type == "cuda" else None
+        self.flops_per_token = metrics.flops_per_token(prep.config, modeling.count_parameters(self.model, exclude_embeddings=True), prep.block_size)
+        self.last: dict[str, Any] = {}
+        if info.is_main:
+            print(banner(prep, info, self.model, train_args, tf32), flush=True)
+            if resume is not None:
+                print(f"resumed from {resume} at step {self.start_step} (was {self.resumed_world_size} ranks, now {info.world_size})", flush=True)
+            out = Path(train_args.output_dir)
+            (out / "args.json").write_text(json.dumps(resolved_dict(model_args, data_args, train_args), indent=2, default=str))
+            prep.tokenizer.save_pretrained(str(out / "tokenizer"))
+
+    def _resume(self, path: Path) -> int:
+        state = checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.info.rank)
+        G = self.prep.plan.global_batch_size
+        if state["global_batch_size"] != G:
             raise ValueError(
-                f"--resume_from_checkpoint {resume}: trained with --global_batch_size {state['global_batch_size']}; "
-                f"resuming with {prep.plan.global_batch_size} would change the data order: pass --global_batch_size {state['global_batch_size']}."
+                f"--resume_from_checkpoint {path}: trained with --global_batch_size {state['global_batch_size']}; "
+                f"resuming with {G} would change the data order: pass --global_batch_size {state['global_batch_size']}."
             )
-        start_step = state["global_step"]
-        writer.truncate_after(start_step)
-    if info.is_main:
-        print(banner(prep, info, model, train_args, tf32), flush=True)
-        if resume is not None:
-            print(f"resumed from {resume} at step {start_step} (was {state['world_size']} ranks, now {info.world_size})", flush=True)
-        Path(train_args.output_dir, "args.json").write_text(json.dumps(resolved_dict(model_args, data_args, train_args), indent=2, default=str))
-        prep.tokenizer.save_pretrained(str(Path(train_args.output_dir) / "tokenizer"))
+        self.resumed_world_size = state["world_size"]
+        self.writer.truncate_after(state["global_step"])
+        return state["global_step"]
 
-    peak = hardware.peak_bf16_flops(hardware.devices()[0].name) if info.device.type == "cuda" else None
-    fpt = metrics.flops_per_token(prep.config, modeling.count_parameters(model, exclude_embeddings=True), prep.block_size)
-    tokens_per_step = prep.plan.global_batch_size * prep.block_size
-    end_step = min(prep.total_steps, train_args.stop_at_step or prep.total_steps)
-    terminate = _Terminate()
-    last: dict[str, Any] = {}
+    def save(self, step: int) -> None:
+        prep = self.prep
+        checkpoint.save(self.args.output_dir, step, self.model, self.optimizer, self.scheduler, {
+            "global_step": step, "global_batch_size": prep.plan.global_batch_size, "world_size": self.info.world_size,
+            "seed": self.args.seed, "num_train_samples": prep.order.num_samples, "total_steps": prep.total_steps,
+        }, self.args.save_total_limit, self.info.rank)
 
-    def save(step: int) -> None:
-        checkpoint.save(train_args.output_dir, step, model, optimizer, scheduler, {
-            "global_step": step, "global_batch_size": prep.plan.global_batch_size, "world_size": info.world_size,
-            "seed": train_args.seed, "num_train_samples": prep.order.num_samples, "total_steps": prep.total_steps,
-        }, train_args.save_total_limit, info.rank)
+    def _log(self, rec: dict[str, Any]) -> None:
+        self.writer.write(rec)
+        if self.info.is_main:
+            tqdm.write(metrics.format_line(rec, self.prep.total_steps))
+        self.last = {**self.last, **rec}
 
-    def log_eval(step: int) -> None:
-        nonlocal last
-        eval_loss = evaluate(model, prep.datasets["validation"], train_args.per_device_eval_batch_size, info)
-        rec = {"step": step, "eval_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)}
-        writer.write(rec)
-        if info.is_main:
-            tqdm.write(metrics.format_line(rec, prep.total_steps))
-        last = {**last, **rec}
+    def log_eval(self, step: int) -> None:
+        eval_loss = evaluate(self.model, self.prep.datasets["validation"], self.args.per_device_eval_batch_size, self.info)
+        self._log({"step": step, "eval_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)})
 
-    if train_args.eval_on_start and start_step == 0:
-        log_eval(0)
-    bar = tqdm(total=end_step, initial=start_step, disable=train_args.disable_tqdm or not info.is_main, desc="train", unit="step", dynamic_ncols=True)
-    model.train()
-    window_t, window_steps = time.perf_counter(), 0
-    step = start_step
-    for step in range(start_step + 1, end_step + 1):
-        loss = train_step(model, prep, step - 1, info)
-        grad_norm = clip_gradients(model, train_args.max_grad_norm)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        window_steps += 1
-        bar.update(1)
-        if step % train_args.logging_steps == 0 or step == end_step:
-            if info.device.type == "cuda":
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - window_t
-            tps = tokens_per_step * window_steps / elapsed
-            rec = {"step": step, "loss": loss, "learning_rate": lr, "grad_norm": grad_norm, "tokens_per_second": tps,
-                   "tokens_per_second_per_device": tps / info.world_size, "world_size": info.world_size,
-                   "global_batch_size": prep.plan.global_batch_size, "epoch": step / prep.order.steps_per_epoch}
-            if (u := metrics.mfu(tps, fpt, peak, info.world_size)) is not None:
-                rec["mfu"] = u
-            if (mem := metrics.max_memory_gb(info.device)) is not None:
-                rec["max_memory_allocated_gb"] = mem
-            writer.write(rec)
-            if info.is_main:
-                tqdm.write(metrics.format_line(rec, prep.total_steps))
-            last = rec
-            window_t, window_steps = time.perf_counter(), 0
-        if train_args.eval_steps and step % train_args.eval_steps == 0 and step != prep.total_steps:
-            log_eval(step)
-        if distributed.any_rank(terminate.requested, info.device):
-            if info.is_main:
-                tqdm.write(f"SIGTERM: saving checkpoint-{step} before exiting")
-            save(step)
-            writer.close()
+    def log_train(self, step: int, loss: float, lr: float, grad_norm: float, seconds: float, num_steps: int) -> None:
+        info, G = self.info, self.prep.plan.global_batch_size
+        tps = G * self.prep.block_size * num_steps / seconds
+        rec = {"step": step, "loss": loss, "learning_rate": lr, "grad_norm": grad_norm, "tokens_per_second": tps,
+               "tokens_per_second_per_device": tps / info.world_size, "world_size": info.world_size,
+               "global_batch_size": G, "epoch": step / self.prep.order.steps_per_epoch}
+        if (u := metrics.mfu(tps, self.flops_per_token, self.peak_flops, info.world_size)) is not None:
+            rec["mfu"] = u
+        if (mem := metrics.max_memory_gb(info.device)) is not None:
+            rec["max_memory_allocated_gb"] = mem
+        self._log(rec)
+
+    def optimizer_step(self, step: int) -> tuple[float, float, float]:
+        """Step `step` (1-based): forward/backward, clip, AdamW, schedule. Returns loss, lr, grad norm."""
+        loss = train_step(self.model, self.prep, step - 1, self.info)
+        grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, lr, grad_norm
+
+    def train(self) -> dict[str, Any]:
+        """Train from start_step to end_step; return the last logged record (rank 0)."""
+        args, info, total = self.args, self.info, self.prep.total_steps
+        terminate = _Terminate()
+        if args.eval_on_start and self.start_step == 0:
+            self.log_eval(0)
+        bar = tqdm(total=self.end_step, initial=self.start_step, disable=args.disable_tqdm or not info.is_main,
+                   desc="train", unit="step", dynamic_ncols=True)
+        self.model.train()
+        window_start, window_steps = time.perf_counter(), 0
+        for step in range(self.start_step + 1, self.end_step + 1):
+            loss, lr, grad_norm = self.optimizer_step(step)
+            window_steps += 1
+            bar.update(1)
+            if step % args.logging_steps == 0 or step == self.end_step:
+                if info.device.type == "cuda":
+                    torch.cuda.synchronize()  # tokens/s must count finished work
+                self.log_train(step, loss, lr, grad_norm, time.perf_counter() - window_start, window_steps)
+                window_start, window_steps = time.perf_counter(), 0
+            if args.eval_steps and step % args.eval_steps == 0 and step != total:
+                self.log_eval(step)
+            if distributed.any_rank(terminate.requested, info.device):
+                if info.is_main:
+                    tqdm.write(f"SIGTERM: saving checkpoint-{step} before exiting")
+                self.save(step)
+                self.close(bar)
+                sys.exit(143)
+            if args.save_steps and step % args.save_steps == 0 and step != self.end_step:
+                self.save(step)
+        bar.close()
+        self.finish()
+        return self.last
+
+    def finish(self) -> None:
+        """End of the run: final eval, checkpoint, safetensors export and loss.png."""
+        out = Path(self.args.output_dir)
+        if self.end_step == self.prep.total_steps:
+            self.log_eval(self.end_step)
+        if self.end_step > self.start_step:
+            self.save(self.end_step)
+        if self.end_step == self.prep.total_steps and self.args.export_final:
+            final = checkpoint.export_safetensors(self.model, self.prep.config, self.prep.tokenizer, out / "final", self.info.rank)
+            if self.info.is_main:
+                print(f"final model: {final} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
+        if self.info.is_main:
+            self.writer.close()
+            png = metrics.plot_losses(str(out))
+            print(f"metrics: {out / 'metrics.jsonl'}, curves: {png}", flush=True)
+        self.close()
+
+    def close(self, bar: tqdm | None = None) -> None:
+        if bar is not None:
             bar.close()
-            distributed.destroy()
-            sys.exit(143)
-        if train_args.save_steps and step % train_args.save_steps == 0 and step != end_step:
-            save(step)
-    bar.close()
-    if end_step == prep.total_steps:
-        log_eval(end_step)
-    if end_step > start_step:
-        save(end_step)
-    if end_step == prep.total_steps and train_args.export_final:
-        out = checkpoint.export_safetensors(model, prep.config, prep.tokenizer, Path(train_args.output_dir) / "final", info.rank)
-        if info.is_main:
-            print(f"final model: {out} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
-    writer.close()
-    if info.is_main:
-        png = metrics.plot_losses(train_args.output_dir)
-        print(f"metrics: {Path(train_args.output_dir) / 'metrics.jsonl'}, curves: {png}", flush=True)
-    distributed.destroy()
-    return last
+        self.writer.close()
+        distributed.destroy()
+
+
+def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> dict[str, Any]:
+    return FSDPTrainer(model_args, data_args, train_args).train()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -87,6 +87,7 @@ class MetricsWriter:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
