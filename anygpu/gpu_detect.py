@@ -82,6 +82,24 @@ class Gpu:
         return f"{self.index}: {self.name or 'unnamed GPU'}{mem}"
 
 
+def summarize(gpus: Sequence[Gpu]) -> str:
+    """'0-3,6: NVIDIA H100 80GB HBM3, 80 GiB' - one entry per kind of GPU, indices compacted."""
+    groups: dict[str, list[int]] = {}
+    for g in gpus:
+        groups.setdefault(g.describe().split(": ", 1)[1], []).append(g.index)
+    return "; ".join(f"{_ranges(ix)}: {kind}" for kind, ix in groups.items())
+
+
+def _ranges(ix: Sequence[int]) -> str:
+    out: list[str] = []
+    for i in ix:
+        if out and int(out[-1].split("-")[-1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)
+
+
 @dataclass
 class Probe:
     """What one vendor's tools say about the machine."""
@@ -196,9 +214,9 @@ def parse_amd_smi_list(text: str) -> list[Gpu]:
 
 def _failure(tool: str, rc: int, err: str, meanings: Mapping[int, str] | None = None) -> str:
     if rc == 127:
-        return f"{tool} not found (no driver installed)"
+        return f"{tool} not found: no driver installed"
     why = (meanings or {}).get(rc) or (err.strip().splitlines() or ["no output"])[-1].strip()
-    return f"{tool} failed with exit {rc} ({why})"
+    return f"{tool} failed with exit {rc}: {why}"
 
 
 def probe_nvidia(run: Runner = run_tool, want_migs: bool = False) -> Probe:
@@ -239,7 +257,7 @@ def probe_amd(run: Runner = run_tool) -> Probe:
         rc, err = (rc2, err2) if rc == 0 else (rc, err)
     if not named:
         problems.append(_failure("rocm-smi", rc, err) if rc != 0 else
-                        "rocm-smi lists no GPU" + (f" ({err.strip().splitlines()[-1]})" if err.strip() else ""))
+                        "rocm-smi lists no GPU" + (f": {err.strip().splitlines()[-1]}" if err.strip() else ""))
     rc_a, out_a, err_a = run(["amd-smi", "list"])
     listed = parse_amd_smi_list(out_a) if rc_a == 0 else []
     if not listed:

@@ -1,0 +1,535 @@
+"""The vendor launchers' logic: detect the GPUs, export the environment, start the engine.
+
+``bash run_nvidia_all.sh [options] [-- script args]`` and ``run_amd_all.sh`` call
+``main(["--vendor", "nvidia"|"amd", ...])``; everything is decided here so it can be tested.
+Detection and ``--dry-run`` need only the standard library; when torch is importable, its
+``torch.cuda.device_count()`` under the job's final environment has the last word on the count.
+
+What runs:
+  one process on one node   python SCRIPT args                      (no distributed wrapper)
+  --engine fsdp             python -m torch.distributed.run … run_fsdp_standalone.py args
+  --engine hf (default)     python -m accelerate.commands.launch --config_file CFG … run_hf_standalone.py args
+The final step is ``os.execve``: the job's exit code and signals are the launcher's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from anygpu import gpu_detect, vendor_env
+from anygpu.gpu_detect import AMD, NVIDIA, VENDOR_LABEL, Gpu, Runner
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = ROOT / "accelerate_configs"
+ENGINES = {"hf": "run_hf_standalone.py", "fsdp": "run_fsdp_standalone.py"}
+SCRIPT_NAME = {NVIDIA: "run_nvidia_all.sh", AMD: "run_amd_all.sh"}
+DEFAULT_MASTER_PORT = 29500
+PREFIX = "[anygpu]"
+
+
+class LaunchError(Exception):
+    """A problem the user must fix; printed as one message, exit code 2."""
+
+
+# ------------------------------------------------------------------------------- arguments
+
+def build_parser(vendor: str | None = None) -> argparse.ArgumentParser:
+    script = SCRIPT_NAME.get(vendor or "", "run_<vendor>_all.sh")
+    p = argparse.ArgumentParser(
+        prog=f"bash {script}",
+        usage=f"bash {script} [options] [-- training-script arguments]",
+        description="Train on every GPU this job may use (visibility variables honoured), with the vendor's "
+                    "environment, on one node or many (NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT/RDZV_ID or "
+                    "Slurm's variables). No GPU: one CPU process with gloo.",
+        epilog="Everything after -- goes to the training script unchanged, e.g.\n"
+               f"  bash {script} --engine fsdp -- --config_name tiny --max_steps 10 --output_dir outputs/tiny\n"
+               "Each exported variable keeps the value the caller set. See docs/LAUNCHERS.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--vendor", choices=gpu_detect.VENDORS, required=vendor is None,
+                   default=vendor, help=argparse.SUPPRESS if vendor else "GPU vendor (the .sh scripts set it).")
+    p.add_argument("--engine", choices=sorted(ENGINES), default="hf",
+                   help="hf: HF Trainer through `accelerate launch` (default); fsdp: native FSDP2 through torchrun.")
+    p.add_argument("--accelerate-config", metavar="NAME|PATH",
+                   help="--engine hf: a config in accelerate_configs/ (ddp, fsdp, fsdp_offload, deepspeed_zero2, "
+                        "deepspeed_zero3, deepspeed_zero3_offload, multi_node) or a YAML path. Default: fsdp "
+                        "(FSDP2) for more than one GPU, ddp for one; on CPU always ddp.")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="Processes on this node: N of the usable GPUs (the first N), or N CPU processes "
+                        "when there is no GPU. Default: every usable GPU, or 1 CPU process.")
+    p.add_argument("--gpus", metavar="LIST",
+                   help="Use these GPUs, e.g. 0,1,3: indices into the usable GPUs as listed at start-up.")
+    p.add_argument("--cpu", action="store_true",
+                   help="Train on CPU even where GPUs are present (hides them from the job).")
+    p.add_argument("--master-port", type=int, metavar="PORT",
+                   help="Fix the rendezvous port. Default: a free port on one node; MASTER_PORT or "
+                        f"{DEFAULT_MASTER_PORT} on many.")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="Restart the workers up to K times after a failure (torchrun elastic); the engine "
+                        "resumes from its latest checkpoint.")
+    p.add_argument("--script", metavar="PATH",
+                   help="Run this training script instead of the engine's (same environment and launch).")
+    p.add_argument("--ifname", metavar="IFACE",
+                   help="Network interface for NCCL/RCCL and gloo (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) "
+                        "when the wrong one is picked on a multi-node job.")
+    p.add_argument("--count-from", choices=("auto", "smi", "torch"), default="auto",
+                   help="auto (default): the smi tools and the visibility rules, checked against torch's count "
+                        "when torch is importable (torch wins); smi: the smi tools only (e.g. a dry run on a "
+                        "login node); torch: torch's count is required.")
+    p.add_argument("--dry-run", action="store_true",
+                   help="Print every exported variable and the exact command, then exit 0.")
+    return p
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Launcher options before the first ``--``; the training script's arguments after it."""
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    mine, script_args = split_argv(argv)
+    vendor = None
+    if "--vendor" in mine[:-1]:
+        vendor = mine[mine.index("--vendor") + 1]
+    parser = build_parser(vendor if vendor in gpu_detect.VENDORS else None)
+    args, unknown = parser.parse_known_args(mine)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (training-script arguments go after --, "
+                     f"e.g. {parser.prog} -- {' '.join(unknown)})")
+    return args, script_args
+
+
+# ----------------------------------------------------------------------------------- nodes
+
+@dataclass
+class Nodes:
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (one node only)
+    rdzv_id: str = ""
+    source: str = "one node"
+
+
+def _int_env(env: Mapping[str, str], name: str, lo: int = 0, hi: int | None = None) -> int:
+    raw = env.get(name, "")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise LaunchError(f"{name}={raw!r} is not a whole number") from None
+    if value < lo or (hi is not None and value > hi):
+        raise LaunchError(f"{name}={value} is out of range (valid: {lo}..{hi if hi is not None else 'any'})")
+    return value
+
+
+def first_slurm_host(nodelist: str, run: Runner = gpu_detect.run_tool) -> str:
+    """The head node: first line of ``scontrol show hostnames NODELIST`` (or our own expansion)."""
+    rc, out, _ = run(["scontrol", "show", "hostnames", nodelist])
+    if rc == 0 and out.split():
+        return out.split()[0]
+    # No scontrol (e.g. inside a container): expand the first entry of a list like
+    # "gpu[003-005,9],login1" -> "gpu003" ourselves.
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise LaunchError(f"cannot find the head node in SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, ranges = m[1], m[2]
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+
+
+def resolve_nodes(env: Mapping[str, str], master_port: int | None, run: Runner = gpu_detect.run_tool) -> Nodes:
+    """One node, or many from NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT/RDZV_ID, or from Slurm.
+
+    Every node must agree on the rendezvous: same MASTER_ADDR:MASTER_PORT and RDZV_ID (by default
+    SLURM_JOB_ID, or derived from the address and port, so every node computes the same one).
+    """
+    slurm_nodes = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
+    if "NNODES" in env:
+        nnodes = _int_env(env, "NNODES", lo=1)
+        if nnodes == 1:
+            return Nodes(master_port=master_port)
+        for name in ("NODE_RANK", "MASTER_ADDR"):
+            if not env.get(name):
+                raise LaunchError(f"NNODES={nnodes} needs {name} too (NODE_RANK 0..{nnodes - 1} on each node, "
+                                  "MASTER_ADDR the address of node 0, the same on every node)")
+        rank = _int_env(env, "NODE_RANK", 0, nnodes - 1)
+        addr, source = env["MASTER_ADDR"], "NNODES/NODE_RANK/MASTER_ADDR"
+        rdzv = env.get("RDZV_ID") or env.get("SLURM_JOB_ID") or ""
+    elif env.get("SLURM_JOB_ID") and slurm_nodes and slurm_nodes.isdigit() and int(slurm_nodes) > 1:
+        nnodes = int(slurm_nodes)
+        if env.get("SLURM_LOCALID", "0") != "0":
+            raise LaunchError("Slurm started more than one launcher on this node (SLURM_LOCALID="
+                              f"{env['SLURM_LOCALID']}); start one per node: srun --ntasks-per-node=1")
+        if "SLURM_NODEID" not in env:
+            raise LaunchError(f"this Slurm job has {nnodes} nodes but SLURM_NODEID is unset: start the launcher "
+                              "on every node with srun --ntasks-per-node=1 (see slurm/train.sbatch)")
+        rank = _int_env(env, "SLURM_NODEID", 0, nnodes - 1)
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+        addr = env.get("MASTER_ADDR") or (first_slurm_host(nodelist, run) if nodelist else "")
+        if not addr:
+            raise LaunchError("cannot find the head node: SLURM_JOB_NODELIST and MASTER_ADDR are unset")
+        rdzv, source = env.get("RDZV_ID") or env["SLURM_JOB_ID"], "Slurm"
+    else:
+        return Nodes(master_port=master_port)
+    port = master_port if master_port is not None else (
+        _int_env(env, "MASTER_PORT", 1, 65535) if env.get("MASTER_PORT") else DEFAULT_MASTER_PORT)
+    if port == 0:
+        raise LaunchError("--master-port 0 (a free port) only works on one node: every node must know the port")
+    return Nodes(nnodes, rank, addr, port, rdzv or f"anygpu-{addr}-{port}", source)
+
+
+# ---------------------------------------------------------------------------------- torch
+
+TORCH_PROBE = ("import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
+               "'hip': getattr(torch.version, 'hip', None), 'count': torch.cuda.device_count()}))")
+
+
+def torch_probe(env: Mapping[str, str]) -> dict | None:
+    """torch's version, build and ``torch.cuda.device_count()`` under ``env``; None without torch."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    p = subprocess.run([sys.executable, "-c", TORCH_PROBE], env=dict(env), capture_output=True, text=True,
+                       timeout=300)
+    lines = p.stdout.strip().splitlines()
+    if p.returncode != 0 or not lines:
+        raise LaunchError(f"importing torch failed (exit {p.returncode}): "
+                          f"{(p.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return json.loads(lines[-1])
+
+
+TorchProbe = Callable[[Mapping[str, str]], "dict | None"]
+
+
+# ----------------------------------------------------------------------------------- plan
+
+@dataclass
+class Plan:
+    vendor: str
+    engine: str
+    use_gpus: bool
+    gpus: list[Gpu]
+    nproc: int  # processes on this node
+    nodes: Nodes
+    cmd: list[str]
+    env: dict[str, str]  # the full environment the command runs with
+    exported: dict[str, str] = field(default_factory=dict)  # what the launcher set or changed
+    kept: dict[str, str] = field(default_factory=dict)  # presets the caller had already set
+    lines: list[str] = field(default_factory=list)  # what the launcher tells the user
+    warnings: list[str] = field(default_factory=list)
+
+
+def _resolve_config(name: str) -> Path:
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path.resolve()
+    candidate = CONFIG_DIR / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+    if candidate.is_file():
+        return candidate
+    valid = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
+    raise LaunchError(f"--accelerate-config {name!r}: no such file, and no {candidate.name} in {CONFIG_DIR} "
+                      f"(valid names: {', '.join(valid) or 'none yet'}; or a path to a YAML file)")
+
+
+def _parse_gpu_list(text: str, num_usable: int) -> list[int]:
+    picked: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) >= num_usable:
+            raise LaunchError(f"--gpus {text!r}: {item!r} is not a usable GPU (valid: indices 0..{num_usable - 1}, "
+                              "comma-separated)")
+        if int(item) in picked:
+            raise LaunchError(f"--gpus {text!r}: GPU {item} is named twice")
+        picked.append(int(item))
+    return picked
+
+
+def _pin(vendor: str, chosen: Sequence[Gpu], present: Sequence[Gpu], env: Mapping[str, str]) -> dict[str, str]:
+    """The visibility variable that shows the job exactly ``chosen`` (which are all visible now)."""
+    if vendor == NVIDIA:
+        by_index = env.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID") == "PCI_BUS_ID"
+        ids = [str(g.index) if by_index or not g.uuid else g.uuid for g in chosen]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
+    # AMD: keep ROCR_VISIBLE_DEVICES (Slurm's choice) and index what it leaves with HIP_VISIBLE_DEVICES,
+    # which the runtime prefers over CUDA_VISIBLE_DEVICES.
+    base = gpu_detect.visible_gpus(AMD, present, {k: v for k, v in env.items() if k == "ROCR_VISIBLE_DEVICES"}).gpus
+    return {"HIP_VISIBLE_DEVICES": ",".join(str(base.index(g)) for g in chosen)}
+
+
+def make_plan(argv: Sequence[str], environ: Mapping[str, str], run: Runner = gpu_detect.run_tool,
+              probe_torch: TorchProbe = torch_probe, python: str = sys.executable) -> Plan:
+    args, script_args = parse_args(argv)
+    vendor, engine = args.vendor, args.engine
+    label = VENDOR_LABEL[vendor]
+    env = dict(environ)
+    exported: dict[str, str] = {}
+    lines: list[str] = []
+    warnings: list[str] = []
+
+    for flag, value, lo in (("--nproc", args.nproc, 1), ("--max-restarts", args.max_restarts, 0),
+                            ("--master-port", args.master_port, 0)):
+        if value is not None and (value < lo or (flag == "--master-port" and value > 65535)):
+            raise LaunchError(f"{flag} {value}: must be {'0..65535' if flag == '--master-port' else f'>= {lo}'}")
+    if args.accelerate_config and engine != "hf":
+        raise LaunchError("--accelerate-config only applies to --engine hf (the fsdp engine shards by itself)")
+    if args.cpu and args.gpus:
+        raise LaunchError("--gpus and --cpu exclude each other")
+    script = Path(args.script).resolve() if args.script else ROOT / ENGINES[engine]
+    if not script.is_file():
+        raise LaunchError(f"training script not found: {script}")
+    nodes = resolve_nodes(env, args.master_port, run)
+
+    # ---- which devices
+    usable: list[Gpu] = []
+    present: list[Gpu] = []
+    cpu_reason = ""
+    unresolved = ""
+    if args.cpu:
+        cpu_reason = "--cpu given"
+        hide = {"CUDA_VISIBLE_DEVICES": ""} if vendor == NVIDIA else {"HIP_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": ""}
+        env.update(hide)
+        exported.update(hide)
+    else:
+        found = gpu_detect.probe(vendor, run, env)
+        present = found.gpus
+        vis = gpu_detect.visible_gpus(vendor, present, env, found.migs)
+        usable, unresolved = vis.gpus, vis.unresolved
+        if not present:
+            other = next(v for v in gpu_detect.VENDORS if v != vendor)
+            theirs = gpu_detect.probe(other, run, env)
+            if theirs.gpus:
+                names = sorted({g.name for g in theirs.gpus if g.name}) or ["unnamed"]
+                raise LaunchError(
+                    f"this is the {label} launcher, but this machine has {len(theirs.gpus)} "
+                    f"{VENDOR_LABEL[other]} GPU(s) ({', '.join(names)}) and no {label} GPU ({found.problem}): "
+                    f"run `bash {SCRIPT_NAME[other]}` instead (or pass --cpu to train on the CPU)")
+            cpu_reason = f"no {label} GPU ({found.problem})"
+        else:
+            lines.append(f"{plural(len(present), label + ' GPU')} present ({found.tool}): "
+                         + gpu_detect.summarize(present))
+            lines += [f"{label} visibility: {n}" for n in vis.notes]
+            if unresolved:
+                if args.count_from == "smi":
+                    raise LaunchError(f"{unresolved}; use indices, or let torch count (--count-from auto)")
+            elif not usable:
+                hidden = ", ".join(f"{k}={v!r}" for k, v in vis.variables.items())
+                cpu_reason = f"{plural(len(present), label + ' GPU')} present, but {hidden} hides all of them"
+
+    chosen = usable
+    if args.gpus is not None:
+        if not usable:
+            raise LaunchError(f"--gpus {args.gpus}: there is no usable {label} GPU to choose from "
+                              f"({cpu_reason or unresolved})")
+        picked = _parse_gpu_list(args.gpus, len(usable))
+        chosen = [usable[i] for i in picked]
+        pin = _pin(vendor, chosen, present, env)
+        env.update(pin)
+        exported.update(pin)
+        lines.append(f"--gpus {args.gpus}: " + ", ".join(f"{k}={v}" for k, v in pin.items()))
+
+    # ---- torch has the last word on the count: it applies the visibility variables itself
+    torch_info = None
+    if not args.cpu and args.count_from != "smi":
+        torch_info = probe_torch(env)
+        if torch_info is None:
+            if args.count_from == "torch" or unresolved:
+                raise LaunchError((unresolved + ", and t" if unresolved else "--count-from torch: t")
+                                  + f"orch is not importable by {python}")
+            lines.append("torch is not importable here: counted with the smi tools only")
+    if torch_info is not None:
+        build = NVIDIA if torch_info.get("cuda") else AMD if torch_info.get("hip") else None
+        tcount = int(torch_info.get("count") or 0)
+        expected = 0 if cpu_reason else len(chosen)
+        problem = ""
+        if build is None and (expected or unresolved):
+            problem = (f"torch {torch_info['torch']} is a CPU-only build and cannot use the {label} GPU(s) "
+                       f"listed above: install a {'CUDA' if vendor == NVIDIA else 'ROCm'} build "
+                       "(bash scripts/setup.sh picks it), or pass --cpu to train on the CPU")
+        elif build is not None and build != vendor and (expected or unresolved or tcount):
+            problem = (f"torch {torch_info['torch']} is built for {VENDOR_LABEL[build]}, but this is the {label} "
+                       f"launcher: install the matching torch (bash scripts/setup.sh), or run "
+                       f"`bash {SCRIPT_NAME[build]}`")
+        elif build == vendor and tcount == 0 and (expected or unresolved):
+            problem = (f"torch {torch_info['torch']} sees no GPU under this environment although the smi "
+                       f"tools list usable {label} GPU(s) (driver too old for this torch?)")
+        elif build == vendor and (tcount != expected or unresolved):
+            if not unresolved:
+                warnings.append(f"torch counts {tcount} GPU(s) where the smi tools and the visibility rules "
+                                f"give {expected}: using torch's count")
+            chosen = chosen[:tcount] if len(chosen) >= tcount else [Gpu(i) for i in range(tcount)]
+            cpu_reason = unresolved = ""
+        if problem:
+            if not args.dry_run:
+                raise LaunchError(problem)
+            warnings.append(problem + " (a real run stops here)")
+    if unresolved:  # only reachable in a dry run whose torch could not count
+        cpu_reason = unresolved
+    count = 0 if cpu_reason else len(chosen)
+
+    # ---- processes on this node
+    use_gpus = count > 0
+    if use_gpus:
+        nproc = args.nproc if args.nproc is not None else count
+        if args.gpus is not None and args.nproc is not None and args.nproc != count:
+            raise LaunchError(f"--nproc {args.nproc} disagrees with --gpus {args.gpus} ({count} GPUs)")
+        if nproc > count:
+            raise LaunchError(f"--nproc {nproc}: only {count} {label} GPU(s) usable here "
+                              f"(valid: 1..{count})")
+        chosen = chosen[:nproc]
+        lines.append(f"using {plural(nproc, label + ' GPU')}: " + gpu_detect.summarize(chosen))
+    else:
+        nproc = args.nproc or 1
+        chosen = []
+
+    # ---- environment presets (a value the caller set is kept)
+    rocm = vendor_env.parse_rocm_version((torch_info or {}).get("hip"))
+    wanted = vendor_env.presets(vendor, use_gpus=use_gpus, nproc_per_node=nproc,
+                                gpu_names=[g.name for g in chosen], rocm_version=rocm,
+                                restarts=args.max_restarts > 0)
+    preset_exported, kept = vendor_env.apply(env, wanted)
+    exported.update(preset_exported)
+    if args.ifname:
+        iface = {"NCCL_SOCKET_IFNAME": args.ifname, "GLOO_SOCKET_IFNAME": args.ifname}
+        env.update(iface)
+        exported.update(iface)
+
+    # ---- the command
+    total = nproc * nodes.nnodes
+    plain = nodes.nnodes == 1 and nproc == 1 and args.max_restarts == 0 and not (engine == "hf" and args.accelerate_config)
+    cpu_line = f"{cpu_reason}: training on the CPU, {plural(nproc, 'process')} with gloo"
+    if plain:
+        cmd = [python, str(script), *script_args]
+        how = "one process: plain python, no distributed launcher needed"
+        if not use_gpus:
+            how = cpu_line + (" (plain python; accelerate's FSDP does not run on CPU)" if engine == "hf" else
+                              " (plain python)")
+        lines.append(how)
+    elif engine == "fsdp":
+        cmd = [python, "-m", "torch.distributed.run"]
+        if nodes.nnodes == 1 and nodes.master_port in (None, 0):
+            cmd += ["--standalone", "--nnodes", "1"]
+        elif nodes.nnodes == 1:
+            cmd += ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{nodes.master_port}",
+                    "--rdzv-id", f"anygpu-{nodes.master_port}"]
+        else:
+            # c10d rendezvous; node 0 hosts the store (explicit, so an address that does not match
+            # the host name, e.g. an IP on another interface, still works).
+            cmd += ["--nnodes", str(nodes.nnodes), "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"{nodes.master_addr}:{nodes.master_port}", "--rdzv-id", nodes.rdzv_id,
+                    "--rdzv-conf", f"is_host={'true' if nodes.node_rank == 0 else 'false'}"]
+        cmd += ["--nproc-per-node", str(nproc)]
+        if args.max_restarts:
+            cmd += ["--max-restarts", str(args.max_restarts)]
+        cmd += [str(script), *script_args]
+        lines.append((cpu_line if not use_gpus else f"{plural(nproc, 'process')} per node") + ", torchrun")
+    else:
+        if nodes.nnodes > 1 and args.max_restarts:
+            raise LaunchError("--max-restarts with --engine hf on several nodes: accelerate starts them with a "
+                              "static rendezvous, where a restart on one node cannot bring the others along; "
+                              "use --engine fsdp (torchrun's c10d rendezvous restarts every node), or resubmit "
+                              "the job (it resumes from the latest checkpoint)")
+        requested = _resolve_config(args.accelerate_config) if args.accelerate_config else None
+        if not use_gpus:
+            config = _resolve_config("ddp")
+            if requested and requested != config:
+                lines.append(f"accelerate's FSDP and DeepSpeed do not run on CPU: using {config.name} "
+                             f"instead of {requested.name}")
+        else:
+            config = requested or _resolve_config("fsdp" if total > 1 else "ddp")
+        cmd = [python, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--num_processes", str(total), "--num_machines", str(nodes.nnodes)]
+        if nodes.nnodes > 1:
+            # static: node ranks are NODE_RANK, and with the configs' same_network: true accelerate
+            # hands torchrun MASTER_ADDR/PORT (its c10d would then look for the store on localhost).
+            cmd += ["--machine_rank", str(nodes.node_rank), "--main_process_ip", nodes.master_addr,
+                    "--main_process_port", str(nodes.master_port), "--rdzv_backend", "static"]
+        else:
+            cmd += ["--main_process_port", str(nodes.master_port or 0)]  # 0: a free port
+        if not use_gpus:
+            if total == 1:
+                cmd += ["--cpu"]
+            else:  # --cpu would start one process; this way accelerate starts them all, on CPU
+                env["ACCELERATE_USE_CPU"] = exported["ACCELERATE_USE_CPU"] = "true"
+        if args.max_restarts:
+            cmd += ["--max_restarts", str(args.max_restarts)]
+        cmd += [str(script), *script_args]
+        where = cpu_line if not use_gpus else f"{plural(total, 'process')} in all"
+        lines.append(f"{where}, accelerate launch with {_shown(config)}")
+    if not args.dry_run:
+        # The engines and the distributed launchers need torch (and accelerate); say so here
+        # rather than as an ImportError in every process.
+        needed = ["torch"] if (not args.script or cmd[1] == "-m") else []
+        needed += ["accelerate"] if "accelerate.commands.launch" in cmd else []
+        missing = [m for m in needed if importlib.util.find_spec(m) is None]
+        if missing:
+            raise LaunchError(f"{' and '.join(missing)} not importable by {python}: run `bash scripts/setup.sh` "
+                              "(it creates ./.venv, which the launchers use), or set PYTHON to an interpreter "
+                              "that has them")
+    if nodes.nnodes > 1:
+        lines.append(f"node {nodes.node_rank} of {nodes.nnodes} ({nodes.source}), rendezvous "
+                     f"{nodes.master_addr}:{nodes.master_port} id {nodes.rdzv_id}")
+    return Plan(vendor, engine, use_gpus, chosen, nproc, nodes, cmd, env, exported, kept, lines, warnings)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "es" if word.endswith("s") else "s")
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def render_dry_run(plan: Plan) -> str:
+    """A shell-pasteable account: exported variables, kept ones, then the exact command."""
+    out = [f"# anygpu dry run: {VENDOR_LABEL[plan.vendor]} launcher, engine {plan.engine}, "
+           f"{plural(plan.nproc, 'process')} on node {plan.nodes.node_rank} of {plan.nodes.nnodes}"]
+    out += [f"# {line}" for line in plan.lines]
+    out += [f"# warning: {w}" for w in plan.warnings]
+    out += [f"export {k}={shlex.quote(v)}" for k, v in plan.exported.items()]
+    out += [f"# kept (set by the caller): {k}={shlex.quote(v)}" for k, v in plan.kept.items()]
+    out.append(shlex.join(plan.cmd))
+    return "\n".join(out) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        plan = make_plan(argv, os.environ)
+    except LaunchError as e:
+        print(f"{PREFIX} error: {e}", file=sys.stderr)
+        return 2
+    args, _ = parse_args(argv)
+    if args.dry_run:
+        sys.stdout.write(render_dry_run(plan))
+        return 0
+    for line in plan.lines:
+        print(f"{PREFIX} {line}", file=sys.stderr)
+    for w in plan.warnings:
+        print(f"{PREFIX} warning: {w}", file=sys.stderr)
+    if plan.exported:
+        print(f"{PREFIX} exported: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.exported.items()),
+              file=sys.stderr)
+    print(f"{PREFIX} exec: {shlex.join(plan.cmd)}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(plan.cmd[0], plan.cmd, plan.env)  # the job's exit code is ours from here on
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
