@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,14 +28,33 @@ logger = logging.getLogger("anygpu")
 
 
 class _Terminate:
-    """Remembers a SIGTERM so the loop can checkpoint at the next step boundary."""
+    """Remembers a SIGTERM so the loop can checkpoint at the next step boundary.
+
+    torchrun also sends SIGTERM to the survivors when a rank dies; they are then stuck in a
+    collective that will never complete, so if no checkpoint has started after
+    ANYGPU_SIGTERM_GRACE_S seconds (default 20, under torchrun's 30 s before SIGKILL) the
+    process exits at once: a failed job ends in seconds, not at the collective timeout.
+    """
 
     def __init__(self) -> None:
         self.requested = False
+        self.saving = False
+        self.grace_s = float(os.environ.get("ANYGPU_SIGTERM_GRACE_S", "20"))
         signal.signal(signal.SIGTERM, self._handler)
 
     def _handler(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            return
         self.requested = True
+        timer = threading.Timer(self.grace_s, self._give_up)
+        timer.daemon = True
+        timer.start()
+
+    def _give_up(self) -> None:
+        if not self.saving:
+            print(f"SIGTERM: no step boundary within {self.grace_s:.0f} s (a peer rank is gone?): exiting without a checkpoint",
+                  file=sys.stderr, flush=True)
+            os._exit(143)
 
 
 def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
@@ -211,6 +232,7 @@ class FSDPTrainer:
             if args.eval_steps and step % args.eval_steps == 0 and step != total:
                 self.log_eval(step)
             if distributed.any_rank(terminate.requested, info.device):
+                terminate.saving = True
                 if info.is_main:
                     tqdm.write(f"SIGTERM: saving checkpoint-{step} before exiting")
                 self.save(step)

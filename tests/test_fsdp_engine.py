@@ -151,3 +151,26 @@ def test_plain_python_and_checkpoint_limit(tmp_path):
         assert key in rec, rec
     assert list((tmp_path / "runs").glob("events.out.tfevents.*"))
     assert (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_a_dead_rank_brings_the_job_down_fast(tmp_path):
+    """SIGKILL rank 1 mid-run: torchrun exits non-zero within seconds, no half-written checkpoint."""
+    import os
+
+    args = [*TINY, "--max_steps", "100000", "--save_steps", "2", "--output_dir", str(tmp_path), "--export_final", "false"]
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", SCRIPT, *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    rank1 = [p for p in ranks if "LOCAL_RANK=1" in Path(f"/proc/{p}/environ").read_bytes().replace(b"\0", b" ").decode()]
+    assert len(rank1) == 1, ranks
+    killed = time.time()
+    os.kill(int(rank1[0]), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and time.time() - killed < 30, (proc.returncode, time.time() - killed)
+    assert "SIGKILL" in out or "Signals.SIGKILL" in out or "exitcode  : -9" in out, out[-2000:]
+    for ckpt in tmp_path.glob("checkpoint-*"):  # every listed checkpoint is complete
+        assert (ckpt / "trainer_state.json").exists()
