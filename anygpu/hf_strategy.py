@@ -1,0 +1,147 @@
+"""Which parallel strategy the launcher asked the HF engine for, and whether it is the one that runs.
+
+`accelerate launch` tells the script what its config file asked for only through environment
+variables (ACCELERATE_USE_FSDP, ACCELERATE_USE_DEEPSPEED, …) and `torchrun` through WORLD_SIZE.
+Accelerate then quietly drops what the machine cannot do: FSDP on CPU becomes plain multi-process
+data parallel. This module reads the request, decides how to honour it on this machine before any
+process group exists, and afterwards compares the request with what accelerate actually built, so
+the engine never trains with another strategy than the one asked for without saying so.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+FSDP_ON_CPU = (
+    "the accelerate config asks for FSDP, but accelerate cannot run FSDP on CPU: it would silently "
+    "train plain data parallel (DDP) instead. On a machine without a GPU use one of\n"
+    "  accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes N run_hf_standalone.py ...   (DDP over gloo)\n"
+    "  accelerate launch --config_file accelerate_configs/deepspeed_zero3.yaml --num_processes N run_hf_standalone.py ...   "
+    "(DeepSpeed ZeRO-3: sharded like FSDP, runs on CPU)\n"
+    "  torchrun --standalone --nproc-per-node N run_fsdp_standalone.py ...   (the native FSDP2 engine, which runs FSDP2 on CPU)\n"
+    "or pass --allow_strategy_fallback true to train DDP with this config (the banner then says so)."
+)
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "false").strip().lower() in ("1", "true", "yes")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the launcher asked for: 'single', 'ddp', 'dataparallel', 'fsdp' or 'deepspeed'."""
+
+    kind: str
+    num_processes: int
+    zero_stage: int | None = None
+    fsdp_version: int | None = None
+
+    def describe(self) -> str:
+        if self.kind == "deepspeed":
+            return f"DeepSpeed ZeRO-{self.zero_stage}"
+        if self.kind == "fsdp":
+            return f"FSDP{self.fsdp_version or 1} (accelerate)"
+        return {"single": "one process", "ddp": "DDP", "dataparallel": "DataParallel"}[self.kind]
+
+
+def requested(env: Mapping[str, str] | None = None, num_gpus: int | None = None) -> Request:
+    """The strategy the launcher's environment asks for (before any process group exists)."""
+    env = os.environ if env is None else env
+    world = int(env.get("WORLD_SIZE", "1"))
+    if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
+        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+        return Request("deepspeed", world, zero_stage=int(stage) if stage.isdigit() else None)
+    if _flag(env, "ACCELERATE_USE_FSDP"):
+        version = env.get("FSDP_VERSION", "1")
+        return Request("fsdp", world, fsdp_version=int(version) if version.isdigit() else None)
+    if world > 1:
+        return Request("ddp", world)
+    if num_gpus is None:
+        import torch
+
+        num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # Plain `python` (no launcher) on a host with several GPUs: Trainer drives them all from one
+    # process with nn.DataParallel.
+    if "LOCAL_RANK" not in env and num_gpus > 1:
+        return Request("dataparallel", 1)
+    return Request("single", world)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the engine honours a request on this machine."""
+
+    request: Request
+    kind: str  # the strategy that will run
+    use_cpu: bool  # TrainingArguments.use_cpu: accelerate's CPU path (MULTI_CPU over gloo)
+    ddp_backend: str | None  # TrainingArguments.ddp_backend
+    fallback_note: str | None = None  # set when the strategy that runs is not the one requested
+    env_overrides: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> str:
+        n = self.request.num_processes
+        run = Request(self.kind, n, self.request.zero_stage, self.request.fsdp_version).describe()
+        where = f"{n} processes" if n > 1 else "1 process"
+        if self.kind == "dataparallel":
+            where = "one process driving every visible GPU"
+        backend = f", {self.ddp_backend}" if self.ddp_backend and n > 1 else ""
+        text = f"strategy: {run} over {where}{backend}" if self.kind != "single" else "strategy: one process"
+        if self.fallback_note:
+            text += f" (FALLBACK: {self.fallback_note})"
+        return text
+
+
+def plan(request: Request, on_cpu: bool, allow_fallback: bool) -> Plan:
+    """Decide how to run `request`; raise ValueError when this machine cannot and no fallback was allowed."""
+    if not on_cpu:
+        return Plan(request, request.kind, use_cpu=False, ddp_backend=None)
+    if request.kind == "fsdp":
+        if not allow_fallback:
+            raise ValueError(FSDP_ON_CPU)
+        kind = "ddp" if request.num_processes > 1 else "single"
+        note = "FSDP was requested; accelerate cannot run FSDP on CPU, so this trains DDP (--allow_strategy_fallback)"
+        # Accelerate must not half-configure FSDP: the CPU path is plain multi-process data parallel.
+        return Plan(request, kind, use_cpu=True, ddp_backend="gloo" if kind == "ddp" else None, fallback_note=note,
+                    env_overrides=(("ACCELERATE_USE_FSDP", "false"),))
+    if request.kind == "deepspeed":
+        # Accelerate's CPU switch (use_cpu) would drop DeepSpeed; DeepSpeed's own CPU accelerator
+        # runs ZeRO over gloo when the backend is named (without it accelerate finds no backend on
+        # a CPU-only host and every process trains alone with a world size of 1).
+        return Plan(request, "deepspeed", use_cpu=False, ddp_backend="gloo")
+    # One process needs no process group (naming a backend would make accelerate look for one).
+    return Plan(request, request.kind, use_cpu=True, ddp_backend="gloo" if request.num_processes > 1 else None)
+
+
+def check_in_effect(p: Plan, distributed_type: str, num_processes: int, fsdp_version: int | None = None) -> None:
+    """Compare the plan with what accelerate built; raise ValueError on any difference.
+
+    `distributed_type` is accelerate's DistributedType name (e.g. 'MULTI_CPU', 'FSDP', 'DEEPSPEED').
+    """
+    expected_world = p.request.num_processes
+    if num_processes != expected_world:
+        raise ValueError(
+            f"the launcher started {expected_world} processes but accelerate sees a world of {num_processes}: "
+            f"each process would train alone on its own data. Launch with accelerate launch or torchrun, "
+            f"and on a CPU-only host use the configs in accelerate_configs/."
+        )
+    ok = {
+        "deepspeed": distributed_type == "DEEPSPEED",
+        "fsdp": distributed_type == "FSDP" and (p.request.fsdp_version is None or fsdp_version == p.request.fsdp_version),
+        "ddp": distributed_type.startswith("MULTI_"),
+        # one process started by a launcher is accelerate's MULTI_* type with a world of 1
+        "single": distributed_type == "NO" or distributed_type.startswith("MULTI_"),
+        "dataparallel": distributed_type == "NO",
+    }[p.kind]
+    if not ok:
+        raise ValueError(
+            f"asked for {p.request.describe()} but accelerate set up {distributed_type}"
+            + (f" (FSDP version {fsdp_version})" if distributed_type == "FSDP" else "")
+            + ": refusing to train with another strategy than the one requested. Check the accelerate config "
+            "and the machine (see docs/HF_ENGINE.md), or pass --allow_strategy_fallback true where a fallback exists."
+        )
+
+
+def apply_env(p: Plan) -> None:
+    for key, value in p.env_overrides:
+        os.environ[key] = value

@@ -1,0 +1,364 @@
+"""`Trainer` glue for the HF engine: our data order, optimizer, schedule, evaluation, atomic
+checkpoints and metrics under Hugging Face's own training loop (DDP, FSDP2, DeepSpeed, DataParallel).
+
+What the loop computes, per optimizer step k and rank r (G = m·W·A as in `anygpu.batch`):
+- data: rank r's A micro-batches of m sequences from global batch k of `GlobalOrder`, from a batch
+  sampler of our own that accelerate never sees (so it cannot reshard, reshuffle or drop), started
+  at the resume step (so Trainer's skip-batches logic is switched off: `ignore_data_skip`);
+- loss: Trainer counts the target tokens of the rank's A micro-batches and sums the count over the
+  ranks (`average_tokens_across_devices`): N = target tokens of the whole global batch. Each
+  micro-batch's loss is its token-loss sum / N, times W (Trainer's `loss *= num_processes`) because
+  DDP/ZeRO/FSDP average gradients over ranks: the step's gradient is that of the global-batch token
+  mean, whatever W, m and A — the same normalisation as the FSDP2 engine. The logged loss (per-rank
+  sums gathered and averaged, × W / N) is the global-batch token mean.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import Trainer, TrainerCallback
+
+from anygpu import checkpoint, data, distributed, metrics, optim
+from anygpu.args import TrainArguments
+from anygpu.batch import BatchPlan
+from anygpu.prepare import Prepared
+
+ANYGPU_STATE = "anygpu_state.json"  # our keys next to Trainer's trainer_state.json in each checkpoint
+
+
+class AnygpuTrainer(Trainer):
+    """Trainer with the library's data order, AdamW groups, schedule, evaluation and atomic checkpoints."""
+
+    def __init__(self, *args: Any, prep: Prepared, sampler_plan: BatchPlan, start_step: int,
+                 train_config: TrainArguments, num_devices: int, strategy: str, **kwargs: Any) -> None:
+        self.prep = prep
+        self.sampler_plan = sampler_plan  # this process's split (m·GPUs per micro-batch under DataParallel)
+        self.start_step = start_step
+        self.train_config = train_config
+        self.num_devices = num_devices  # data-parallel devices: processes, or GPUs under DataParallel
+        self.strategy = strategy  # hf_strategy's kind, recorded in each checkpoint
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ data
+    def get_train_dataloader(self) -> DataLoader:
+        """This rank's micro-batches for steps [start_step, total_steps), in `GlobalOrder`.
+
+        Not passed through `accelerator.prepare`: a prepared loader gets a BatchSamplerShard (which
+        would shard our already per-rank batches again) and, with dispatch_batches, a broadcast from
+        rank 0. The loop moves each batch to the device itself (`_prepare_inputs`).
+        """
+        sampler = data.MicroBatchSampler(self.prep.order, self.sampler_plan, self.args.process_index, self.start_step,
+                                         self.prep.total_steps)
+        return DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=data.collate, num_workers=0,
+                          pin_memory=self.args.device.type == "cuda")
+
+    # ------------------------------------------------------------------ optimizer and schedule
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.optimizer = optim.build_optimizer(model if model is not None else self.model, self.train_config,
+                                                   self.args.device)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        # The schedule spans the whole run (prep.total_steps), also when --stop_at_step ends it early.
+        if self.lr_scheduler is None:
+            self.lr_scheduler = optim.build_scheduler(optimizer if optimizer is not None else self.optimizer,
+                                                      self.train_config, self.prep.total_steps)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Mean token loss over the whole validation set, as the FSDP2 engine computes it.
+
+        Every rank runs the same number of forward passes (ZeRO-3 and FSDP gather parameters
+        collectively); a rank short of samples runs a dummy batch and discards it.
+        """
+        model = self.model_wrapped
+        if isinstance(model, torch.nn.DataParallel):  # evaluation needs no second GPU
+            model = model.module
+        was_training = model.training
+        model.eval()
+        device = self.args.device
+        dataset = self.prep.datasets["validation"]
+        totals = torch.zeros(2, dtype=torch.float64, device=device)
+        batch_size = self.train_config.per_device_eval_batch_size
+        for idx in data.eval_shards(len(dataset), self.args.world_size, self.args.process_index, batch_size):
+            ids = data.collate([dataset[i] for i in (idx or [0])])["input_ids"].to(device)
+            # num_items_in_batch=1: the model's loss is the token-loss sum (HF's own loss path).
+            loss_sum = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(1, device=device)).loss
+            if idx:
+                totals += torch.stack([loss_sum.double(), torch.tensor(float(ids[:, 1:].numel()), device=device,
+                                                                        dtype=torch.float64)])
+        distributed.all_reduce_sum(totals)
+        if was_training:
+            model.train()
+        eval_loss = (totals[0] / totals[1]).item()
+        result = {f"{metric_key_prefix}_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)}
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=result)
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """Trainer's checkpoint, written under a temporary folder and renamed when complete.
+
+        `<output_dir>/.checkpoint-<step>.tmp/checkpoint-<step>` is filled by every rank (model,
+        optimizer, scheduler, RNG, trainer_state.json, our anygpu_state.json); after a barrier,
+        rank 0 renames it to `<output_dir>/checkpoint-<step>`, so a crash mid-save never leaves a
+        half-written checkpoint where `--resume_from_checkpoint latest` would find it.
+        """
+        root = Path(self.args.output_dir)
+        step = self.state.global_step
+        staging = root / f".checkpoint-{step}.tmp"
+        if self.args.should_save:
+            for stale in root.glob(".checkpoint-*.tmp"):  # left by a crash mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+            staging.mkdir(parents=True)
+        distributed.barrier()
+        self._staging_dir = str(staging)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_dir = None
+        folder = staging / f"checkpoint-{step}"
+        if self.args.should_save:
+            _write_json(folder / ANYGPU_STATE, {
+                "global_step": step, "global_batch_size": self.prep.plan.global_batch_size,
+                "world_size": self.num_devices, "seed": self.train_config.seed,
+                "num_train_samples": self.prep.order.num_samples, "total_steps": self.prep.total_steps,
+                "strategy": self.strategy,
+            })
+        distributed.barrier()  # every rank's files (RNG states, ZeRO partitions) are in place
+        if self.args.should_save:
+            final = root / folder.name
+            _replace_dir(folder, final)
+            shutil.rmtree(staging, ignore_errors=True)
+            _fsync_dir(root)
+            limit = self.train_config.save_total_limit
+            if limit:
+                for old in checkpoint.checkpoints(root)[:-limit]:
+                    shutil.rmtree(old, ignore_errors=True)
+        distributed.barrier()
+
+    def _get_output_dir(self, trial: Any) -> str:
+        staging = getattr(self, "_staging_dir", None)
+        return staging if staging else super()._get_output_dir(trial)
+
+
+class MetricsCallback(TrainerCallback):
+    """metrics.jsonl / TensorBoard records with the FSDP2 engine's keys, console lines and the tqdm bar.
+
+    Trainer logs every step (its loss is then exactly the step's global-batch mean); a record is
+    written every --logging_steps steps and at the last step, as the FSDP2 engine does.
+    """
+
+    def __init__(self, writer: metrics.MetricsWriter, prep: Prepared, train_config: TrainArguments, world_size: int,
+                 device: torch.device, flops_per_token: float, peak_flops: float | None, start_step: int,
+                 end_step: int, is_main: bool) -> None:
+        self.writer, self.prep, self.cfg = writer, prep, train_config
+        self.world_size, self.device = world_size, device
+        self.fpt, self.peak = flops_per_token, peak_flops
+        self.start_step, self.end_step, self.is_main = start_step, end_step, is_main
+        self.tokens_per_step = prep.plan.global_batch_size * prep.block_size
+        self.lr: float | None = None
+        self.bar = None
+        self.window_t, self.window_steps = time.perf_counter(), 0
+        self.last: dict[str, Any] = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.bar = tqdm(total=self.end_step, initial=self.start_step, disable=self.cfg.disable_tqdm or not self.is_main,
+                        desc="train", unit="step", dynamic_ncols=True)
+        self.window_t, self.window_steps = time.perf_counter(), 0
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        # The rate this step will use (DeepSpeed steps its scheduler inside backward, so reading it
+        # after the step would give the next step's).
+        if optimizer is not None:
+            self.lr = float(optimizer.param_groups[0]["lr"])
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.window_steps += 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        step = state.global_step
+        if "loss" not in logs or "train_runtime" in logs:
+            return
+        if not (step % self.cfg.logging_steps == 0 or step == self.end_step):
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self.window_t
+        tps = self.tokens_per_step * self.window_steps / elapsed
+        grad_norm = logs.get("grad_norm")
+        rec = {"step": step, "loss": float(logs["loss"]), "learning_rate": self.lr,
+               "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+               "tokens_per_second": tps, "tokens_per_second_per_device": tps / self.world_size,
+               "world_size": self.world_size, "global_batch_size": self.prep.plan.global_batch_size,
+               "epoch": step / self.prep.order.steps_per_epoch}
+        if (u := metrics.mfu(tps, self.fpt, self.peak, self.world_size)) is not None:
+            rec["mfu"] = u
+        if (mem := metrics.max_memory_gb(self.device)) is not None:
+            rec["max_memory_allocated_gb"] = mem
+        self.writer.write(rec)
+        if self.is_main:
+            tqdm.write(metrics.format_line(rec, self.prep.total_steps))
+        self.last = rec
+        self.window_t, self.window_steps = time.perf_counter(), 0
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        result = kwargs.get("metrics") or {}
+        if "eval_loss" not in result:
+            return
+        rec = {"step": state.global_step, "eval_loss": result["eval_loss"], "perplexity": result["perplexity"]}
+        self.writer.write(rec)
+        if self.is_main:
+            tqdm.write(metrics.format_line(rec, self.prep.total_steps))
+        self.last = {**self.last, **rec}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+
+
+class FlowCallback(TrainerCallback):
+    """When to evaluate, save and stop: the FSDP2 engine's rules, plus a checkpoint on SIGTERM.
+
+    Evaluate every --eval_steps and once at the end of the schedule; save every --save_steps and at
+    the last step of this run (--stop_at_step or the end); stop at --stop_at_step. A SIGTERM seen by
+    any rank makes every rank save at the next step boundary and stop.
+    """
+
+    def __init__(self, train_config: TrainArguments, total_steps: int, end_step: int, device: torch.device) -> None:
+        self.cfg, self.total_steps, self.end_step, self.device = train_config, total_steps, end_step, device
+        self.sigterm = False
+        self.terminated = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.sigterm = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        eval_steps, save_steps = self.cfg.eval_steps, self.cfg.save_steps
+        if (eval_steps and step % eval_steps == 0 and step != self.total_steps) or step == self.total_steps:
+            control.should_evaluate = True
+        if (save_steps and step % save_steps == 0) or step == self.end_step:
+            control.should_save = True
+        if step >= self.end_step:
+            control.should_training_stop = True
+        if distributed.any_rank(self.sigterm, self.device):
+            self.terminated = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+
+# ---------------------------------------------------------------------- model building and export
+@contextlib.contextmanager
+def plain_model_construction(deepspeed_plugin: Any) -> Iterator[None]:
+    """Build the model as an ordinary module even under ZeRO-3.
+
+    accelerate registers its DeepSpeed config with transformers, and with ZeRO-3 `from_config` then
+    partitions the model while it is built (zero.Init), before our seeded initialisation could fill
+    it. Unregister it for the build; DeepSpeed partitions the finished model when training starts.
+    """
+    if deepspeed_plugin is None:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        deepspeed_plugin.set_deepspeed_weakref()
+
+
+def full_state_dict(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
+    """The whole model's tensors on rank 0's CPU (empty elsewhere), gathered one tensor at a time.
+
+    Handles plain modules (DDP, DataParallel, ZeRO-1/2: every rank has every parameter), FSDP2's
+    DTensors and ZeRO-3's partitioned parameters. Every rank must call it (the gathers are collective).
+    """
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if hasattr(tensor, "ds_id"):  # a ZeRO-3 partitioned parameter
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
+                full = tensor.data.detach().to("cpu", copy=True) if is_main else None
+        elif isinstance(tensor, DTensor):
+            full = tensor.full_tensor().detach().to("cpu")
+        else:
+            full = tensor.detach().to("cpu")
+        if is_main and full is not None:
+            out[name] = full
+    return out
+
+
+def export_final(model: torch.nn.Module, config: Any, tokenizer: Any, out_dir: str | Path, is_main: bool) -> Path:
+    """<out_dir> as Hugging Face safetensors + config + tokenizer, written under a temporary name."""
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}.tmp")
+    state = full_state_dict(model, is_main)
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        # save_pretrained handles tied weights (stored once) and shards large models.
+        model.save_pretrained(str(tmp), state_dict=state, is_main_process=True)
+        config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        _replace_dir(tmp, out)
+    distributed.barrier()
+    return out
+
+
+def read_resume_step(path: Path) -> int:
+    """The optimizer step a Trainer checkpoint was written at."""
+    return int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+
+
+def read_anygpu_state(path: Path) -> dict[str, Any] | None:
+    file = path / ANYGPU_STATE
+    return json.loads(file.read_text()) if file.exists() else None
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    with path.open("w") as f:
+        json.dump(payload, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

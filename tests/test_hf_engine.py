@@ -1,0 +1,148 @@
+"""The HF Trainer engine with the DDP config, real processes (gloo on CPU): the same loss on 1 and
+2 processes, exact resume (also on another number of processes), a final export that Hugging
+Face loads with the trained weights, atomic checkpoints, the FSDP2 engine's outputs, SIGTERM saves."""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, ROOT, TINY, assert_close, env, losses, python, run
+
+SCRIPT = "run_hf_standalone.py"
+TEN = [*TINY, "--max_steps", "10", "--max_eval_samples", "24"]
+RECORD_KEYS = {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens_per_second_per_device",
+               "world_size", "global_batch_size", "epoch"}
+
+
+def accelerate(config: str, nproc: int, args: list[str], **kw) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N run_hf_standalone.py args`."""
+    return run([str(BIN / "accelerate"), "launch", "--config_file", f"accelerate_configs/{config}.yaml",
+                "--num_processes", str(nproc), SCRIPT, *args], **kw)
+
+
+def records(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> dict[str, Path]:
+    """10 steps on 1 process (8 per device × 1 accumulation step) and on 2 processes (2 × 2 × 2)."""
+    out = {"ws1": tmp_path_factory.mktemp("ddp1"), "ws2": tmp_path_factory.mktemp("ddp2")}
+    out["proc1"] = accelerate("ddp", 1, [*TEN, "--output_dir", str(out["ws1"]), "--export_final", "false"])
+    out["proc2"] = accelerate("ddp", 2, [*TEN, "--output_dir", str(out["ws2"]), "--per_device_train_batch_size", "2",
+                                         "--report_to", "tensorboard", "--eval_on_start", "true"])
+    return out
+
+
+def test_world_size_invariance(ddp):
+    one, two = losses(ddp["ws1"]), losses(ddp["ws2"])
+    assert sorted(one) == list(range(1, 11)) and one[10] < one[1]  # ten steps, and it trains
+    assert_close(one, two, rel=1e-5)
+    assert "global batch 8 = 8 per device × 1 device × 1 accumulation step" in ddp["proc1"].stdout
+    assert "global batch 8 = 2 per device × 2 devices × 2 accumulation steps" in ddp["proc2"].stdout
+    assert "strategy: DDP over 2 processes, gloo" in ddp["proc2"].stdout
+    assert "strategy: one process" in ddp["proc1"].stdout
+
+
+def test_outputs_match_the_fsdp2_engines(ddp):
+    recs = records(ddp["ws2"])
+    train = [r for r in recs if "loss" in r]
+    evals = [r for r in recs if "eval_loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 11))
+    for r in train:
+        assert RECORD_KEYS <= r.keys(), r
+        assert r["world_size"] == 2 and r["global_batch_size"] == 8 and r["tokens_per_second"] > 0
+        assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+    assert train[0]["learning_rate"] == 0.0 and train[2]["learning_rate"] == pytest.approx(3e-3)  # warmup 2, peak 3e-3
+    assert [e["step"] for e in evals] == [0, 10]  # baseline before training, and at the end
+    assert all(math.isclose(e["perplexity"], math.exp(e["eval_loss"]), rel_tol=1e-9) for e in evals)
+    out = ddp["ws2"]
+    assert list((out / "runs").glob("events.out.tfevents.*"))
+    assert (out / "loss.png").stat().st_size > 1000
+    assert (out / "tokenizer" / "tokenizer.json").exists()
+    assert json.loads((out / "args.json").read_text())["strategy"] == "strategy: DDP over 2 processes, gloo"
+    assert "step 10/10 | loss" in ddp["proc2"].stdout  # the FSDP2 engine's console line
+
+
+def test_checkpoints_are_complete_and_atomic(ddp):
+    out = ddp["ws2"]
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-10"]
+    ckpt = out / "checkpoint-10"
+    for name in ("trainer_state.json", "anygpu_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
+                 "rng_state_0.pth", "rng_state_1.pth"):
+        assert (ckpt / name).exists(), name
+    state = json.loads((ckpt / "anygpu_state.json").read_text())
+    assert state == {"global_step": 10, "global_batch_size": 8, "world_size": 2, "seed": 42,
+                     "num_train_samples": state["num_train_samples"], "total_steps": 10, "strategy": "ddp"}
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging folder left behind
+
+
+def test_final_export_round_trip(ddp):
+    """The export loads with AutoModelForCausalLM and holds the trained weights: its loss on the
+    validation set is the engine's last eval_loss."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from anygpu import distributed
+    from anygpu.args import parse_args
+    from anygpu.prepare import prepare
+
+    final = ddp["ws2"] / "final"
+    assert (final / "model.safetensors").exists() and (final / "config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(final).eval()
+    tok = AutoTokenizer.from_pretrained(final)
+    engine_eval = [r for r in records(ddp["ws2"]) if "eval_loss" in r][-1]
+    m_args, d_args, t_args = parse_args([*TEN, "--output_dir", str(ddp["ws2"])])
+    val = prepare(m_args, d_args, t_args, distributed.DistInfo(0, 0, 1, torch.device("cpu"))).datasets["validation"]
+    assert len(val) == 24 and len(tok) <= model.config.vocab_size
+    ids = torch.tensor(val["input_ids"])
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.item()
+    assert math.isclose(loss, engine_eval["eval_loss"], rel_tol=1e-5), (loss, engine_eval)
+    assert not math.isclose(loss, records(ddp["ws2"])[0]["eval_loss"], rel_tol=1e-3)  # not the initial weights
+
+
+def test_resume_at_the_exact_position_on_another_world_size(ddp, tmp_path):
+    """5 steps on 2 processes, then --resume_from_checkpoint latest on 1 process up to 10: steps 6-10
+    are those of the straight run."""
+    args = [*TEN, "--output_dir", str(tmp_path), "--export_final", "false"]
+    accelerate("ddp", 2, [*args, "--stop_at_step", "5"])
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-5"]
+    assert not (tmp_path / "final").exists() and sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
+    proc = accelerate("ddp", 1, [*args, "--resume_from_checkpoint", "latest"])
+    assert "at step 5 (was 2 devices, now 1)" in proc.stdout
+    resumed = losses(tmp_path)
+    assert sorted(resumed) == list(range(1, 11))  # steps 1-5 kept, 6-10 appended once
+    assert_close(losses(ddp["ws2"]), resumed, rel=1e-5, steps=range(6, 11))
+    lrs = {r["step"]: r["learning_rate"] for r in records(tmp_path) if "loss" in r}
+    straight = {r["step"]: r["learning_rate"] for r in records(ddp["ws2"]) if "loss" in r}
+    assert lrs == pytest.approx(straight)  # the schedule went on where it was
+
+
+def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
+    args = [*TINY, "--max_steps", "100000", "--output_dir", str(tmp_path), "--export_final", "false"]
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
+           SCRIPT, *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # the launcher forwards it to both processes
+    out, _ = proc.communicate(timeout=120)
+    assert "SIGTERM: saved checkpoint-" in out, out[-3000:]
+    ckpts = sorted(tmp_path.glob("checkpoint-*"))
+    assert len(ckpts) == 1 and not list(tmp_path.glob(".checkpoint-*"))
+    step = int(ckpts[0].name.split("-")[1])
+    assert step >= 3
+    # it loads and goes on from exactly there, here as plain python (one process)
+    proc = python(SCRIPT, [*TINY, "--max_steps", str(step + 2), "--output_dir", str(tmp_path),
+                           "--resume_from_checkpoint", "latest", "--export_final", "false"])
+    assert f"at step {step}" in proc.stdout
+    assert max(losses(tmp_path)) == step + 2
