@@ -159,7 +159,6 @@ def export_safetensors(
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    seen: set[int] = set()
     shard: dict[str, torch.Tensor] = {}
     files: list[list[str]] = []
     total = 0
@@ -171,11 +170,16 @@ def export_safetensors(
             files.append(list(shard))
         shard = {}
 
-    for name, tensor in model.state_dict().items():
-        if id(tensor) in seen:  # tied weights (lm_head = embed_tokens) are stored once, as HF does
+    # named_parameters() lists a tied weight once, under its first name (the input embedding), as
+    # HF stores it; state_dict() also lists the alias (lm_head.weight), which is skipped here.
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    for name in model.state_dict().keys():
+        tensor = params.get(name, buffers.get(name))
+        if tensor is None:
             continue
-        seen.add(id(tensor))
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        with torch.no_grad():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if rank == 0:
             t = full.detach().to("cpu").contiguous()
             if sum(v.numel() * v.element_size() for v in shard.values()) + t.numel() * t.element_size() > max_shard_bytes:

@@ -243,6 +243,12 @@ def _resolve_config(name: str) -> Path:
                       f"(valid names: {', '.join(valid) or 'none yet'}; or a path to a YAML file)")
 
 
+def _config_kind(path: Path) -> str:
+    """The accelerate config's distributed_type (DEEPSPEED, FSDP, MULTI_GPU, …), read without yaml."""
+    match = re.search(r"^distributed_type:\s*['\"]?(\w+)", path.read_text(), re.MULTILINE)
+    return match.group(1).upper() if match else "NO"
+
+
 def _parse_gpu_list(text: str, num_usable: int) -> list[int]:
     picked: list[int] = []
     for item in text.split(","):
@@ -442,10 +448,13 @@ def make_plan(argv: Sequence[str], environ: Mapping[str, str], run: Runner = gpu
                               "the job (it resumes from the latest checkpoint)")
         requested = _resolve_config(args.accelerate_config) if args.accelerate_config else None
         if not use_gpus:
-            config = _resolve_config("ddp")
-            if requested and requested != config:
-                lines.append(f"accelerate's FSDP and DeepSpeed do not run on CPU: using {config.name} "
-                             f"instead of {requested.name}")
+            config = requested or _resolve_config("ddp")
+            kind = _config_kind(config)
+            if kind == "DEEPSPEED":
+                lines.append(f"{config.name} on CPU: DeepSpeed's CPU accelerator over gloo (slow; for testing)")
+            elif kind == "FSDP":
+                lines.append(f"accelerate's FSDP does not run on CPU: run_hf_standalone.py stops with {config.name} "
+                             "unless given --allow_strategy_fallback true (then DDP); or use --engine fsdp")
         else:
             config = requested or _resolve_config("fsdp" if total > 1 else "ddp")
         cmd = [python, "-m", "accelerate.commands.launch", "--config_file", str(config),
@@ -457,7 +466,9 @@ def make_plan(argv: Sequence[str], environ: Mapping[str, str], run: Runner = gpu
                     "--main_process_port", str(nodes.master_port), "--rdzv_backend", "static"]
         else:
             cmd += ["--main_process_port", str(nodes.master_port or 0)]  # 0: a free port
-        if not use_gpus:
+        if not use_gpus and _config_kind(config) not in ("DEEPSPEED", "FSDP"):
+            # accelerate's CPU switch would silently drop DeepSpeed (which runs on CPU by itself) and
+            # hide FSDP from the engine's strategy check; DDP-like configs need it.
             if total == 1:
                 cmd += ["--cpu"]
             else:  # --cpu would start one process; this way accelerate starts them all, on CPU

@@ -87,6 +87,9 @@ def build_meta_model(config: PretrainedConfig, args: ModelArguments) -> nn.Modul
             config, attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code,
             dtype=torch.float32,
         )
+    # from_config ties lm_head to the input embedding (tie_word_embeddings) only outside
+    # init_empty_weights; one shared Parameter is what FSDP2, the optimizer and the export expect.
+    model.tie_weights()
     return model
 
 

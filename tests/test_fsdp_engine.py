@@ -108,6 +108,15 @@ def test_other_architecture_and_corpus_on_an_odd_world_size(tmp_path):
     assert_close(runs[1], runs[3], rel=1e-5)
     cfg_out = json.loads((tmp_path / "r3" / "final" / "config.json").read_text())
     assert cfg_out["model_type"] == "gpt2" and cfg_out["vocab_size"] == 448  # 400 tokens rounded up to 64
+    # GPT-2 ties lm_head to the input embedding: stored once, tied again on load
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with safe_open(str(tmp_path / "r3" / "final" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "r3" / "final")
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
 
 
 def test_bf16_mixed_precision_path(tmp_path, baseline):

@@ -456,10 +456,15 @@ def test_hf_engine_configs(hf_engine):
     assert many.opt("--config_file") == str(ROOT / "accelerate_configs" / "fsdp.yaml") and many.nproc == 8
     assert many.opt("--main_process_port") == "0" and "--cpu" not in many.cmd
     assert one.opt("--config_file").endswith("ddp.yaml") and one.opt("--max_restarts") == "1" and one.nproc == 1
-    assert cpu.opt("--config_file").endswith("ddp.yaml") and cpu.nproc == 2 and "--cpu" not in cpu.cmd
-    assert cpu.exports["ACCELERATE_USE_CPU"] == "true" and cpu.exports["CUDA_VISIBLE_DEVICES"] == ""
-    assert "do not run on CPU: using ddp.yaml instead of deepspeed_zero3.yaml" in cpu.notes
-    assert "--cpu" in cpu1.cmd and cpu1.opt("--num_processes") == "1"
+    # DeepSpeed runs on CPU by itself: its config goes through, without accelerate's CPU switch
+    assert cpu.opt("--config_file").endswith("deepspeed_zero3.yaml") and cpu.nproc == 2 and "--cpu" not in cpu.cmd
+    assert "ACCELERATE_USE_CPU" not in cpu.exports and cpu.exports["CUDA_VISIBLE_DEVICES"] == ""
+    assert "DeepSpeed's CPU accelerator over gloo" in cpu.notes
+    # FSDP asked for on CPU goes to the engine, whose strategy check stops it (or falls back when told)
+    assert cpu1.opt("--config_file").endswith("fsdp.yaml") and "--cpu" not in cpu1.cmd
+    assert "--allow_strategy_fallback true" in cpu1.notes
+    ddp2 = dry(NVIDIA, "--count-from", "smi", "--cpu", "--nproc", "2")
+    assert ddp2.opt("--config_file").endswith("ddp.yaml") and ddp2.exports["ACCELERATE_USE_CPU"] == "true"
 
 
 # ------------------------------------------------------------------------------ many nodes
