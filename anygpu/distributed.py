@@ -98,6 +98,10 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return box[0]
 
 
-def destroy() -> None:
+def destroy(sync: bool = True) -> None:
+    """Leave the process group; `sync` waits for every rank first (a rank that tears gloo down
+    while a peer is still in it aborts that peer). Error paths pass sync=False: a peer may never come."""
     if dist.is_initialized():
+        if sync and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

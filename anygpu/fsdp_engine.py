@@ -278,5 +278,5 @@ def main(argv: list[str] | None = None) -> None:
         run(model_args, data_args, train_args)
     except ValueError as e:  # bad input: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
-        distributed.destroy()
+        distributed.destroy(sync=False)
         sys.exit(2)

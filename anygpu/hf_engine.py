@@ -271,5 +271,5 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # bad input or a strategy this machine cannot run: one clear message, no traceback
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
-        distributed.destroy()
+        distributed.destroy(sync=False)
         sys.exit(2)

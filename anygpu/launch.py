@@ -53,7 +53,7 @@ def build_parser(vendor: str | None = None) -> argparse.ArgumentParser:
                     "Slurm's variables). No GPU: one CPU process with gloo.",
         epilog="Everything after -- goes to the training script unchanged, e.g.\n"
                f"  bash {script} --engine fsdp -- --config_name tiny --max_steps 10 --output_dir outputs/tiny\n"
-               "Each exported variable keeps the value the caller set. See docs/LAUNCHERS.md.",
+               "Each exported variable keeps the value the caller set. See README.md (Launching on every GPU).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--vendor", choices=gpu_detect.VENDORS, required=vendor is None,

@@ -1,6 +1,6 @@
 """The environment the launchers export: vendor presets, each kept when the caller set it.
 
-Standard library only. Every preset carries the reason it exists; docs/LAUNCHERS.md repeats
+Standard library only. Every preset carries the reason it exists; README.md (Launching on every GPU) repeats
 them for the README, and ``--dry-run`` prints what was exported and what was kept.
 """
 
