@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -53,7 +52,7 @@ def resolve_resume(value: str | None, output_dir: str) -> Path | None:
     return path
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
+def replace_dir(tmp: Path, final: Path) -> None:
     if final.exists():
         old = final.with_name(f".{final.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -90,10 +89,10 @@ def save(
     distributed.barrier()
     if rank == 0:
         state = {**trainer_state, "scheduler": scheduler.state_dict()}
-        _write_json(tmp / STATE_FILE, state)  # last file: its presence marks the checkpoint complete
-        _fsync_dir(tmp)
-        _replace_dir(tmp, final)
-        _fsync_dir(root)
+        write_json(tmp / STATE_FILE, state)  # last file: its presence marks the checkpoint complete
+        fsync_dir(tmp)
+        replace_dir(tmp, final)
+        fsync_dir(root)
         if save_total_limit:
             for old in checkpoints(root)[:-save_total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -128,14 +127,14 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     with path.open("w") as f:
         json.dump(data, f, indent=2, default=str)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -194,7 +193,7 @@ def export_safetensors(
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     distributed.barrier()
     return out
 
@@ -210,4 +209,4 @@ def _name_shards(folder: Path, files: list[list[str]], total_bytes: int) -> None
         name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         os.replace(folder / f"part-{i:05d}.safetensors", folder / name)
         weight_map.update({k: name for k in keys})
-    _write_json(folder / "model.safetensors.index.json", {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
+    write_json(folder / "model.safetensors.index.json", {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})

@@ -175,6 +175,12 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def read_batch(dataset: Dataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    """Rows `indices` as a batch, in one Arrow read (row-by-row reads cost ~0.1 ms each)."""
+    ids = torch.tensor(dataset[indices]["input_ids"], dtype=torch.long)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
 # ---------------------------------------------------------------- order
 @dataclass(frozen=True)
 class GlobalOrder:

@@ -38,8 +38,6 @@ def backend_for(device: torch.device) -> str:
 
 def init_distributed(timeout_s: int = 1800) -> DistInfo:
     """Join the job's process group (torchrun / accelerate launch), or make a 1-rank one for plain python."""
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if hardware.vendor() != "cpu":
         torch.cuda.set_device(local_rank)

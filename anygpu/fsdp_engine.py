@@ -78,7 +78,7 @@ def evaluate(model, dataset, batch_size: int, info: distributed.DistInfo) -> flo
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=info.device)
     for idx in data.eval_shards(len(dataset), info.world_size, info.rank, batch_size):
-        batch = data.collate([dataset[i] for i in (idx or [0])])
+        batch = data.read_batch(dataset, idx or [0])
         ids = batch["input_ids"].to(info.device)
         # num_items_in_batch=1 turns the model's loss into a token-loss sum (HF's own loss path)
         loss_sum = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(1, device=info.device)).loss
@@ -91,7 +91,7 @@ def evaluate(model, dataset, batch_size: int, info: distributed.DistInfo) -> flo
 
 def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo) -> float:
     """Forward/backward of one optimizer step's micro-batches; returns the global-batch mean loss."""
-    batches = [data.collate([prep.datasets["train"][i] for i in idx]) for idx in prep.order.micro_batches(step, prep.plan, info.rank)]
+    batches = [data.read_batch(prep.datasets["train"], idx) for idx in prep.order.micro_batches(step, prep.plan, info.rank)]
     # labels are shifted inside the model: each sequence has len-1 targets (no padding in packed data)
     num_targets = torch.tensor(float(sum((b["labels"][:, 1:] != -100).sum().item() for b in batches)), device=info.device)
     distributed.all_reduce_sum(num_targets)

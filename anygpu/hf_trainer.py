@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import signal
 import time
@@ -95,7 +94,7 @@ class AnygpuTrainer(Trainer):
         totals = torch.zeros(2, dtype=torch.float64, device=device)
         batch_size = self.train_config.per_device_eval_batch_size
         for idx in data.eval_shards(len(dataset), self.args.world_size, self.args.process_index, batch_size):
-            ids = data.collate([dataset[i] for i in (idx or [0])])["input_ids"].to(device)
+            ids = data.read_batch(dataset, idx or [0])["input_ids"].to(device)
             # num_items_in_batch=1: the model's loss is the token-loss sum (HF's own loss path).
             loss_sum = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(1, device=device)).loss
             if idx:
@@ -133,7 +132,7 @@ class AnygpuTrainer(Trainer):
             self._staging_dir = None
         folder = staging / f"checkpoint-{step}"
         if self.args.should_save:
-            _write_json(folder / ANYGPU_STATE, {
+            checkpoint.write_json(folder / ANYGPU_STATE, {
                 "global_step": step, "global_batch_size": self.prep.plan.global_batch_size,
                 "world_size": self.num_devices, "seed": self.train_config.seed,
                 "num_train_samples": self.prep.order.num_samples, "total_steps": self.prep.total_steps,
@@ -142,9 +141,9 @@ class AnygpuTrainer(Trainer):
         distributed.barrier()  # every rank's files (RNG states, ZeRO partitions) are in place
         if self.args.should_save:
             final = root / folder.name
-            _replace_dir(folder, final)
+            checkpoint.replace_dir(folder, final)
             shutil.rmtree(staging, ignore_errors=True)
-            _fsync_dir(root)
+            checkpoint.fsync_dir(root)
             limit = self.train_config.save_total_limit
             if limit:
                 for old in checkpoint.checkpoints(root)[:-limit]:
@@ -323,7 +322,7 @@ def export_final(model: torch.nn.Module, config: Any, tokenizer: Any, out_dir: s
         model.save_pretrained(str(tmp), state_dict=state, is_main_process=True)
         config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        _replace_dir(tmp, out)
+        checkpoint.replace_dir(tmp, out)
     distributed.barrier()
     return out
 
@@ -336,29 +335,3 @@ def read_resume_step(path: Path) -> int:
 def read_anygpu_state(path: Path) -> dict[str, Any] | None:
     file = path / ANYGPU_STATE
     return json.loads(file.read_text()) if file.exists() else None
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    if final.exists():
-        old = final.with_name(f".{final.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-
-
-def _write_json(path: Path, payload: dict[str, Any]) -> None:
-    with path.open("w") as f:
-        json.dump(payload, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,7 +1,7 @@
 """Steps/s of the FSDP2 engine against a plain PyTorch loop over the same model and batches.
 
 One process. The plain loop is what you would write by hand: the unsharded model, AdamW,
-forward/backward per micro-batch, clip, step. The engine runs the same batches through
+forward/backward per micro-batch, clip, step. Both read the same micro-batches from the packed dataset each step; the engine runs them through
 `fsdp_engine.train_step` (token-normalised loss, FSDP2 wrapping, DTensor clipping).
 Rounds alternate between the two so machine noise hits both alike.
 
@@ -28,7 +28,8 @@ from anygpu.args import parse_args  # noqa: E402
 from anygpu.prepare import prepare  # noqa: E402
 
 
-def plain_step(model, opt, batches, max_norm: float) -> None:
+def plain_step(model, opt, dataset, micro_batches, device, max_norm: float) -> None:
+    batches = [{k: v.to(device) for k, v in data.read_batch(dataset, idx).items()} for idx in micro_batches]
     n = sum(b["labels"][:, 1:].numel() for b in batches)
     for b in batches:
         loss = model(input_ids=b["input_ids"], labels=b["labels"], num_items_in_batch=n).loss
@@ -63,8 +64,8 @@ def main() -> None:
     engine_opt = optim.build_optimizer(engine, train_args, info.device)
     plain = modeling.build_full_model(prep.config, model_args, train_args.seed).to(info.device)
     plain_opt = optim.build_optimizer(plain, train_args, info.device)
-    batches = [[{k: v.to(info.device) for k, v in data.collate([prep.datasets["train"][i] for i in mb]).items()}
-                for mb in prep.order.micro_batches(s, prep.plan, 0)] for s in range(a.steps)]
+    # both loops read the same micro-batches of the global order from the packed dataset each step
+    micro = [prep.order.micro_batches(s, prep.plan, 0) for s in range(a.steps)]
 
     def timed(fn) -> float:
         start = time.perf_counter()
@@ -74,7 +75,7 @@ def main() -> None:
             torch.cuda.synchronize()
         return a.steps / (time.perf_counter() - start)
 
-    run_plain = lambda s: plain_step(plain, plain_opt, batches[s], train_args.max_grad_norm)  # noqa: E731
+    run_plain = lambda s: plain_step(plain, plain_opt, prep.datasets["train"], micro[s], info.device, train_args.max_grad_norm)  # noqa: E731
     run_engine = lambda s: engine_step(engine, engine_opt, prep, s, info, train_args.max_grad_norm)  # noqa: E731
     run_plain(0), run_engine(0)  # warm-up (allocator, lazy init)
     ratios, plain_rates, engine_rates = [], [], []

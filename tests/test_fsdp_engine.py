@@ -4,7 +4,6 @@ import json
 import math
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
