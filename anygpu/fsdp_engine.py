@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from anygpu import checkpoint, data, distributed, hardware, metrics, modeling, optim, parallel
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
-from anygpu.prepare import Prepared, check_run, prepare
+from anygpu.prepare import Prepared, check_run, prepare, summary_lines
 
 logger = logging.getLogger("anygpu")
 
@@ -111,19 +111,8 @@ def clip_gradients(model, max_norm: float) -> float:
     return norm.item()
 
 
-def banner(prep: Prepared, info: distributed.DistInfo, model, train_args: TrainArguments, tf32: bool) -> str:
-    n = modeling.count_parameters(model)
-    lines = [
-        "anygpu FSDP2 engine",
-        hardware.describe(),
-        f"model: {prep.config.model_type}, {n / 1e6:.1f}M parameters, vocab {prep.config.vocab_size}, block {prep.block_size}",
-        f"data: {len(prep.datasets['train'])} train / {len(prep.datasets['validation'])} eval blocks"
-        + (" (embedded default: Python standard library sources)" if prep.used_default_corpus else ""),
-        prep.plan.banner(),
-        f"steps: {prep.total_steps} ({prep.order.steps_per_epoch} per epoch), precision: "
-        + ("bf16 mixed" if train_args.bf16 else "fp32") + (", TF32 matmuls" if tf32 else ""),
-    ]
-    return "\n".join(lines)
+def banner(prep: Prepared, model, train_args: TrainArguments, tf32: bool) -> str:
+    return "\n".join(["anygpu FSDP2 engine", *summary_lines(prep, model, train_args, tf32)])
 
 
 class FSDPTrainer:
@@ -152,7 +141,7 @@ class FSDPTrainer:
         self.flops_per_token = metrics.flops_per_token(prep.config, modeling.count_parameters(self.model, exclude_embeddings=True), prep.block_size)
         self.last: dict[str, Any] = {}
         if info.is_main:
-            print(banner(prep, info, self.model, train_args, tf32), flush=True)
+            print(banner(prep, self.model, train_args, tf32), flush=True)
             if resume is not None:
                 print(f"resumed from {resume} at step {self.start_step} (was {self.resumed_world_size} ranks, now {info.world_size})", flush=True)
             out = Path(train_args.output_dir)

@@ -88,21 +88,9 @@ def training_arguments(train_args: TrainArguments, plan: hf_strategy.Plan):
 
 
 def banner(prep: Prepared, model, train_args: TrainArguments, plan: hf_strategy.Plan, tf32: bool) -> str:
-    from anygpu import modeling
+    from anygpu.prepare import summary_lines
 
-    n = modeling.count_parameters(model)
-    lines = [
-        "anygpu HF Trainer engine",
-        hardware.describe(),
-        f"model: {prep.config.model_type}, {n / 1e6:.1f}M parameters, vocab {prep.config.vocab_size}, block {prep.block_size}",
-        f"data: {len(prep.datasets['train'])} train / {len(prep.datasets['validation'])} eval blocks"
-        + (" (embedded default: Python standard library sources)" if prep.used_default_corpus else ""),
-        prep.plan.banner(),
-        f"steps: {prep.total_steps} ({prep.order.steps_per_epoch} per epoch), precision: "
-        + ("bf16 mixed" if train_args.bf16 else "fp16 mixed" if train_args.fp16 else "fp32") + (", TF32 matmuls" if tf32 else ""),
-        plan.describe(),
-    ]
-    return "\n".join(lines)
+    return "\n".join(["anygpu HF Trainer engine", *summary_lines(prep, model, train_args, tf32), plan.describe()])
 
 
 def _resume_step(resume: Path | None, prep: Prepared) -> int:

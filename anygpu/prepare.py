@@ -13,7 +13,7 @@ from typing import Any
 from datasets import DatasetDict
 from transformers import PretrainedConfig
 
-from anygpu import data, distributed, modeling, tokenizer as tok_lib
+from anygpu import data, distributed, hardware, modeling, tokenizer as tok_lib
 from anygpu.args import DataArguments, ModelArguments, TrainArguments
 from anygpu.batch import BatchPlan, plan_batch, resolve_global_batch
 from anygpu.distributed import DistInfo
@@ -83,3 +83,18 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
         total = max(1, int(train_args.num_train_epochs * order.steps_per_epoch))
     return Prepared(config, tokenizer, packed, block_size, plan, order, total, from_scratch, is_default)
 
+
+
+def summary_lines(prep: Prepared, model, train_args: TrainArguments, tf32: bool) -> list[str]:
+    """The banner lines both engines print: hardware, model, data, batch decomposition, schedule."""
+    n = modeling.count_parameters(model)
+    precision = "bf16 mixed" if train_args.bf16 else "fp16 mixed" if train_args.fp16 else "fp32"
+    return [
+        hardware.describe(),
+        f"model: {prep.config.model_type}, {n / 1e6:.1f}M parameters, vocab {prep.config.vocab_size}, block {prep.block_size}",
+        f"data: {len(prep.datasets['train'])} train / {len(prep.datasets['validation'])} eval blocks"
+        + (" (embedded default: Python standard library sources)" if prep.used_default_corpus else ""),
+        prep.plan.banner(),
+        f"steps: {prep.total_steps} ({prep.order.steps_per_epoch} per epoch), precision: {precision}"
+        + (", TF32 matmuls" if tf32 else ""),
+    ]
