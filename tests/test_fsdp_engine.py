@@ -128,14 +128,19 @@ def test_bf16_mixed_precision_path(tmp_path, baseline):
     assert any(got[s] != baseline[2][s] for s in got)  # it really ran in bf16
 
 
-def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
-    args = [*TINY, "--max_steps", "100000", "--output_dir", str(tmp_path), "--export_final", "false"]
+def start_and_wait_for_steps(args: list[str], metrics: Path, steps: int) -> subprocess.Popen:
+    """Start a 2-rank torchrun job and return once metrics.jsonl has `steps` records."""
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", SCRIPT, *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
         time.sleep(0.2)
+    return proc
+
+
+def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
+    args = [*TINY, "--max_steps", "100000", "--output_dir", str(tmp_path), "--export_final", "false"]
+    proc = start_and_wait_for_steps(args, tmp_path / "metrics.jsonl", 3)
     proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
     out, _ = proc.communicate(timeout=120)
     assert "SIGTERM: saving checkpoint" in out, out[-3000:]
@@ -166,12 +171,7 @@ def test_a_dead_rank_brings_the_job_down_fast(tmp_path):
     import os
 
     args = [*TINY, "--max_steps", "100000", "--save_steps", "2", "--output_dir", str(tmp_path), "--export_final", "false"]
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", SCRIPT, *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        time.sleep(0.2)
+    proc = start_and_wait_for_steps(args, tmp_path / "metrics.jsonl", 3)
     ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     rank1 = [p for p in ranks if "LOCAL_RANK=1" in Path(f"/proc/{p}/environ").read_bytes().replace(b"\0", b" ").decode()]
     assert len(rank1) == 1, ranks
