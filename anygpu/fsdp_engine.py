@@ -119,7 +119,7 @@ class FSDPTrainer:
     """One training run: set-up (checks, data, sharded model, optimizer, resume), then `train()`."""
 
     def __init__(self, model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
-        check_run(model_args, data_args, train_args, distributed.world_size_from_env())  # refuse bad input first
+        checked = check_run(model_args, data_args, train_args, distributed.world_size_from_env())  # refuse bad input first
         self.args = train_args
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
         logging.basicConfig(level=logging.INFO if info.is_main else logging.WARNING, format="[%(levelname)s] %(message)s")
@@ -129,7 +129,7 @@ class FSDPTrainer:
             raise ValueError("--bf16: this GPU has no bf16; drop --bf16 (fp32) or use the HF engine with --fp16.")
         tf32 = hardware.configure_tf32(train_args.tf32)
         torch.manual_seed(train_args.seed + info.rank)
-        self.prep = prep = prepare(model_args, data_args, train_args, info)
+        self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
         resume = checkpoint.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir)
         self.model = build_model(prep, model_args, train_args, info)
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
@@ -245,7 +245,6 @@ class FSDPTrainer:
             if self.info.is_main:
                 print(f"final model: {final} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
         if self.info.is_main:
-            self.writer.close()
             png = metrics.plot_losses(str(out))
             print(f"metrics: {out / 'metrics.jsonl'}, curves: {png}", flush=True)
         self.close()

@@ -56,8 +56,10 @@ def check_run(model_args: ModelArguments, data_args: DataArguments, train_args: 
     return config, block_size, plan
 
 
-def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments, info: DistInfo) -> Prepared:
-    config, block_size, plan = check_run(model_args, data_args, train_args, info.world_size)
+def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments, info: DistInfo,
+            checked: tuple[PretrainedConfig, int, BatchPlan] | None = None) -> Prepared:
+    """`checked`: what `check_run` already returned for this world size (it is not redone)."""
+    config, block_size, plan = checked or check_run(model_args, data_args, train_args, info.world_size)
     with distributed.local_main_first(info):
         raw, is_default = data.load_raw_text(data_args)
         fp = data.fingerprint(raw, data_args.text_column)
