@@ -10,7 +10,7 @@
 # --cpu, --master-port PORT, --max-restarts K, --script PATH, --ifname IFACE,
 # --count-from auto|smi|torch, --dry-run, --help. Details: --help and README.md (Launching on every GPU).
 # Knob: PYTHON (default: the active virtualenv, else ./.venv, else python3).
-# The logic lives in anygpu/launch.py; this file and run_nvidia_all.sh differ only in VENDOR.
+# The logic lives in anygpu/launch/launcher.py; this file and run_nvidia_all.sh differ only in VENDOR.
 set -euo pipefail
 
 VENDOR=amd
@@ -28,5 +28,5 @@ fi
 
 # exec: the training job's exit code and signals are this script's. The launcher is imported
 # from ROOT without touching PYTHONPATH, so the training processes inherit the caller's.
-exec "$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); from anygpu.launch import main; sys.exit(main(sys.argv[2:]))' \
+exec "$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); from anygpu.launch.launcher import main; sys.exit(main(sys.argv[2:]))' \
   "$ROOT" --vendor "$VENDOR" "$@"

@@ -7,7 +7,7 @@ import anygpu
 
 anygpu.set_offline_defaults()
 
-from anygpu.fsdp_engine import main  # noqa: E402  (after the offline defaults)
+from anygpu.engines.fsdp import main  # noqa: E402  (after the offline defaults)
 
 if __name__ == "__main__":
     main()

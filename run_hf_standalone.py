@@ -9,7 +9,7 @@ import anygpu
 
 anygpu.set_offline_defaults()
 
-from anygpu.hf_engine import main  # noqa: E402  (after the offline defaults)
+from anygpu.engines.hf.engine import main  # noqa: E402  (after the offline defaults)
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,11 @@ from typing import Any
 from datasets import DatasetDict
 from transformers import PretrainedConfig
 
-from anygpu import data, distributed, hardware, modeling, tokenizer as tok_lib
+from anygpu import distributed, hardware, modeling
+from anygpu.data import tokenizer as tok_lib
+from anygpu.data.order import GlobalOrder
+from anygpu.data.packing import pack
+from anygpu.data.sources import fingerprint, iter_texts, load_raw_text
 from anygpu.args import DataArguments, ModelArguments, TrainArguments
 from anygpu.batch import BatchPlan, plan_batch, resolve_global_batch
 from anygpu.distributed import DistInfo
@@ -28,7 +32,7 @@ class Prepared:
     datasets: DatasetDict  # packed 'train' and 'validation', column input_ids
     block_size: int
     plan: BatchPlan
-    order: data.GlobalOrder
+    order: GlobalOrder
     total_steps: int  # the schedule's length (max_steps or epochs × steps per epoch)
     from_scratch: bool
     used_default_corpus: bool
@@ -61,14 +65,14 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
     """`checked`: what `check_run` already returned for this world size (it is not redone)."""
     config, block_size, plan = checked or check_run(model_args, data_args, train_args, info.world_size)
     with distributed.local_main_first(info):
-        raw, is_default = data.load_raw_text(data_args)
-        fp = data.fingerprint(raw, data_args.text_column)
+        raw, is_default = load_raw_text(data_args)
+        fp = fingerprint(raw, data_args.text_column)
         tokenizer = tok_lib.load_or_train(
             model_args.tokenizer_name or model_args.model_name_or_path,
-            lambda: (t for batch in data.iter_texts(raw["train"], data_args.text_column) for t in batch),
+            lambda: (t for batch in iter_texts(raw["train"], data_args.text_column) for t in batch),
             fp, model_args.vocab_size, data_args.data_cache_dir, info.is_local_main, model_args.trust_remote_code,
         )
-        packed = data.pack(raw, tokenizer, block_size, data_args.text_column, fp, data_args.data_cache_dir,
+        packed = pack(raw, tokenizer, block_size, data_args.text_column, fp, data_args.data_cache_dir,
                            data_args.preprocessing_num_workers)
     if data_args.max_train_samples:
         packed["train"] = packed["train"].select(range(min(data_args.max_train_samples, len(packed["train"]))))
@@ -78,7 +82,7 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
         raise ValueError(f"the validation split has no full {block_size}-token block: lower --block_size or give more validation text.")
     from_scratch = model_args.model_name_or_path is None
     config = modeling.fit_config_to_tokenizer(config, tokenizer, from_scratch)
-    order = data.GlobalOrder(len(packed["train"]), plan.global_batch_size, train_args.seed)
+    order = GlobalOrder(len(packed["train"]), plan.global_batch_size, train_args.seed)
     if train_args.max_steps > 0:
         total = train_args.max_steps
     else:

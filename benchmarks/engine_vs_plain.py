@@ -23,13 +23,15 @@ anygpu.set_offline_defaults()
 
 import torch  # noqa: E402
 
-from anygpu import data, distributed, fsdp_engine, modeling, optim  # noqa: E402
+from anygpu import distributed, modeling, optim
+from anygpu.data.packing import read_batch
+from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
 from anygpu.args import parse_args  # noqa: E402
 from anygpu.prepare import prepare  # noqa: E402
 
 
 def plain_step(model, opt, dataset, micro_batches, device, max_norm: float) -> None:
-    batches = [{k: v.to(device) for k, v in data.read_batch(dataset, idx).items()} for idx in micro_batches]
+    batches = [{k: v.to(device) for k, v in read_batch(dataset, idx).items()} for idx in micro_batches]
     n = sum(b["labels"][:, 1:].numel() for b in batches)
     for b in batches:
         loss = model(input_ids=b["input_ids"], labels=b["labels"], num_items_in_batch=n).loss

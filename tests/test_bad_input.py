@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from anygpu.fsdp_engine import main
+from anygpu.engines.fsdp import main
 from anygpu.args import parse_args
 from conftest import TINY
 

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from anygpu import data, tokenizer as tok_lib
+from anygpu.data import order, packing, sources, tokenizer as tok_lib
 from anygpu.args import DataArguments
 from anygpu.batch import plan_batch
 
@@ -30,11 +30,11 @@ def write(tmp_path, fmt: str, column: str = "text"):
 def test_file_formats_pack_into_blocks(tmp_path, fmt, column):
     path = write(tmp_path, fmt, column)
     args = DataArguments(train_file=str(path), text_column=column, data_cache_dir=str(tmp_path / "cache"))
-    raw, is_default = data.load_raw_text(args)
+    raw, is_default = sources.load_raw_text(args)
     assert not is_default and len(raw["validation"]) >= 1 and len(raw["train"]) > len(raw["validation"])
-    fp = data.fingerprint(raw, column)
-    tok = tok_lib.train_bpe((t for b in data.iter_texts(raw["train"], column) for t in b), 400)
-    packed = data.pack(raw, tok, 16, column, fp, args.data_cache_dir)
+    fp = sources.fingerprint(raw, column)
+    tok = tok_lib.train_bpe((t for b in sources.iter_texts(raw["train"], column) for t in b), 400)
+    packed = packing.pack(raw, tok, 16, column, fp, args.data_cache_dir)
     blocks = packed["train"]["input_ids"]
     assert blocks and all(len(b) == 16 for b in blocks)
     # no text lost but the final partial block: tokens = documents' tokens + one EOS each
@@ -45,37 +45,37 @@ def test_file_formats_pack_into_blocks(tmp_path, fmt, column):
 def test_wrong_text_column_is_named(tmp_path):
     path = write(tmp_path, "jsonl", "content")
     with pytest.raises(ValueError, match="--text_column 'text' is not a column .*'content'"):
-        data.load_raw_text(DataArguments(train_file=str(path), data_cache_dir=str(tmp_path)))
+        sources.load_raw_text(DataArguments(train_file=str(path), data_cache_dir=str(tmp_path)))
 
 
 def test_packing_and_tokenizer_are_cached(tmp_path, caplog):
     path = write(tmp_path, "txt")
     args = DataArguments(train_file=str(path), data_cache_dir=str(tmp_path / "c"))
-    raw, _ = data.load_raw_text(args)
-    fp = data.fingerprint(raw, "text")
-    texts = lambda: (t for b in data.iter_texts(raw["train"], "text") for t in b)  # noqa: E731
+    raw, _ = sources.load_raw_text(args)
+    fp = sources.fingerprint(raw, "text")
+    texts = lambda: (t for b in sources.iter_texts(raw["train"], "text") for t in b)  # noqa: E731
     with caplog.at_level(logging.INFO):
         tok = tok_lib.load_or_train(None, texts, fp, 400, args.data_cache_dir, True)
-        data.pack(raw, tok, 16, "text", fp, args.data_cache_dir)
+        packing.pack(raw, tok, 16, "text", fp, args.data_cache_dir)
         assert "training a byte-level BPE" in caplog.text and "from cache" not in caplog.text
         caplog.clear()
         tok2 = tok_lib.load_or_train(None, texts, fp, 400, args.data_cache_dir, True)
-        again = data.pack(raw, tok2, 16, "text", fp, args.data_cache_dir)
+        again = packing.pack(raw, tok2, 16, "text", fp, args.data_cache_dir)
     assert "training a byte-level BPE" not in caplog.text and "packed data from cache" in caplog.text
     assert tok2.get_vocab() == tok.get_vocab() and len(again["train"]) > 0
     # another corpus gets another tokenizer
-    raw2, _ = data.load_raw_text(DataArguments(train_file=str(write(tmp_path, "csv")), data_cache_dir=str(tmp_path)))
-    assert data.fingerprint(raw2, "text") != fp
+    raw2, _ = sources.load_raw_text(DataArguments(train_file=str(write(tmp_path, "csv")), data_cache_dir=str(tmp_path)))
+    assert sources.fingerprint(raw2, "text") != fp
 
 
 def test_embedded_corpus_is_the_stdlib_split_deterministically():
-    a = data.stdlib_corpus(5.0, max_mb=2)
-    b = data.stdlib_corpus(5.0, max_mb=2)
+    a = sources.stdlib_corpus(5.0, max_mb=2)
+    b = sources.stdlib_corpus(5.0, max_mb=2)
     assert a["train"]["text"] == b["train"]["text"] and a["validation"]["text"] == b["validation"]["text"]
     assert 0 < len(a["validation"]) < len(a["train"])
     assert not set(a["validation"]["text"]) & set(a["train"]["text"])
     assert any("def " in t for t in a["train"]["text"])
-    full = sum(p.stat().st_size for p in data.stdlib_files())
+    full = sum(p.stat().st_size for p in sources.stdlib_files())
     assert full > 5e6  # megabytes of real text on every machine
 
 
@@ -84,9 +84,9 @@ def test_embedded_corpus_is_the_stdlib_split_deterministically():
 def test_global_batch_is_the_same_whatever_the_split(n, G, step, seed):
     if n < G:
         with pytest.raises(ValueError, match="--global_batch_size"):
-            data.GlobalOrder(n, G, seed)
+            order.GlobalOrder(n, G, seed)
         return
-    order = data.GlobalOrder(n, G, seed)
+    order = order.GlobalOrder(n, G, seed)
     batch = order.global_batch(step)
     assert len(batch) == G and len(set(batch)) == G
     for W in [w for w in (1, 2, 3, 4, 6) if G % w == 0]:
@@ -101,6 +101,6 @@ def test_global_batch_is_the_same_whatever_the_split(n, G, step, seed):
 
 def test_eval_shards_cover_every_sample_once_with_equal_batch_counts():
     for n, W, bs in [(10, 3, 2), (7, 4, 8), (3, 4, 1), (256, 2, 8)]:
-        shards = [data.eval_shards(n, W, r, bs) for r in range(W)]
+        shards = [order.eval_shards(n, W, r, bs) for r in range(W)]
         assert len({len(s) for s in shards}) == 1
         assert sorted(i for s in shards for b in s for i in b) == list(range(n))

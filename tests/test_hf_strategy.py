@@ -7,9 +7,9 @@ import pytest
 
 import json
 
-from anygpu import hf_strategy
-from anygpu.hf_engine import _check_resume_world
-from anygpu.hf_strategy import Request, check_in_effect, plan, requested
+from anygpu.engines.hf import strategy as hf_strategy
+from anygpu.engines.hf.engine import _check_resume_world
+from anygpu.engines.hf.strategy import Request, check_in_effect, plan, requested
 from conftest import TINY, losses
 from test_hf_engine import accelerate
 

@@ -1,4 +1,4 @@
-"""The vendor launchers (run_nvidia_all.sh, run_amd_all.sh, anygpu/launch.py).
+"""The vendor launchers (run_nvidia_all.sh, run_amd_all.sh, anygpu/launch/launcher.py).
 
 Detection runs against fake nvidia-smi / rocm-smi / amd-smi (tests/fakes) that print the real
 tools' formats for 8 GPUs; the visibility rules are checked against torch's own parser; the
@@ -21,8 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anygpu import gpu_detect, launch, vendor_env
-from anygpu.gpu_detect import AMD, NVIDIA, Gpu
+from anygpu.launch import detect as gpu_detect, launcher as launch, vendor_env
+from anygpu.launch.detect import AMD, NVIDIA, Gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKES = ROOT / "tests" / "fakes"

@@ -1,6 +1,6 @@
 """Fake nvidia-smi, rocm-smi, amd-smi and scontrol for the launcher tests.
 
-They print the real tools' formats (see ../../anygpu/gpu_detect.py and VENDOR_ENV.md) for
+They print the real tools' formats (see ../../anygpu/launch/detect.py and VENDOR_ENV.md) for
 FAKE_GPUS GPUs (default 8). Modes, per tool:
   FAKE_NVIDIA = ok | driver-fail | absent     (default ok)
   FAKE_AMD    = ok | driver-fail | absent     (default ok; drives rocm-smi and amd-smi)

@@ -8,7 +8,8 @@ anygpu.set_offline_defaults()
 
 import torch.distributed as dist  # noqa: E402
 
-from anygpu import distributed, fsdp_engine, optim, parallel  # noqa: E402
+from anygpu import distributed, optim, parallel
+from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
 from anygpu.args import parse_args  # noqa: E402
 from anygpu.prepare import prepare  # noqa: E402
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anygpu import distributed, hardware, hf_strategy
+from anygpu import distributed, hardware
+from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.batch import BatchPlan
 
@@ -96,7 +97,7 @@ def banner(prep: Prepared, model, train_args: TrainArguments, plan: hf_strategy.
 def _resume_step(resume: Path | None, prep: Prepared) -> int:
     if resume is None:
         return 0
-    from anygpu.hf_trainer import read_anygpu_state, read_resume_step
+    from anygpu.engines.hf.trainer import read_anygpu_state, read_resume_step
 
     state = read_anygpu_state(resume)
     if state is None:
@@ -116,7 +117,7 @@ def _check_resume_world(resume: Path | None, plan: hf_strategy.Plan) -> None:
     """Refuse, before starting anything, a checkpoint of another strategy family, or a ZeRO checkpoint
     (partitioned per process) on another number of processes. DDP-family checkpoints (one process,
     DDP, DataParallel) hold whole tensors and load on any world size."""
-    from anygpu.hf_trainer import read_anygpu_state
+    from anygpu.engines.hf.trainer import read_anygpu_state
 
     state = read_anygpu_state(resume) if resume is not None else None
     if state is None:
@@ -152,7 +153,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     from transformers.utils import logging as hf_logging
 
     from anygpu import checkpoint, metrics, modeling
-    from anygpu.hf_trainer import (AnygpuTrainer, FlowCallback, MetricsCallback, export_final,
+    from anygpu.engines.hf.trainer import (AnygpuTrainer, FlowCallback, MetricsCallback, export_final,
                                    plain_model_construction, read_anygpu_state)
     from anygpu.prepare import prepare
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence
 
-from anygpu.gpu_detect import AMD, NVIDIA
+from anygpu.launch.detect import AMD, NVIDIA
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,12 @@ def main(argv: list[str] | None = None) -> int:
         import anygpu
 
         anygpu.set_offline_defaults()
-        from anygpu.fsdp_engine import main as train_main
+        from anygpu.engines.fsdp import main as train_main
 
         train_main(rest)
         return 0
     if command == "launch":
-        from anygpu.launch import main as launch_main
+        from anygpu.launch.launcher import main as launch_main
 
         return launch_main(rest)
     print(f"anygpu: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

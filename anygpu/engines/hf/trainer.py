@@ -27,7 +27,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback
 
-from anygpu import checkpoint, data, distributed, metrics, optim
+from anygpu import checkpoint, distributed, metrics, optim
+from anygpu.data.order import MicroBatchSampler, eval_shards
+from anygpu.data.packing import collate, read_batch
 from anygpu.args import TrainArguments
 from anygpu.batch import BatchPlan
 from anygpu.prepare import Prepared
@@ -56,9 +58,9 @@ class AnygpuTrainer(Trainer):
         would shard our already per-rank batches again) and, with dispatch_batches, a broadcast from
         rank 0. The loop moves each batch to the device itself (`_prepare_inputs`).
         """
-        sampler = data.MicroBatchSampler(self.prep.order, self.sampler_plan, self.args.process_index, self.start_step,
+        sampler = MicroBatchSampler(self.prep.order, self.sampler_plan, self.args.process_index, self.start_step,
                                          self.prep.total_steps)
-        return DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=data.collate, num_workers=0,
+        return DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0,
                           pin_memory=self.args.device.type == "cuda")
 
     # ------------------------------------------------------------------ optimizer and schedule
@@ -93,8 +95,8 @@ class AnygpuTrainer(Trainer):
         dataset = self.prep.datasets["validation"]
         totals = torch.zeros(2, dtype=torch.float64, device=device)
         batch_size = self.train_config.per_device_eval_batch_size
-        for idx in data.eval_shards(len(dataset), self.args.world_size, self.args.process_index, batch_size):
-            ids = data.read_batch(dataset, idx or [0])["input_ids"].to(device)
+        for idx in eval_shards(len(dataset), self.args.world_size, self.args.process_index, batch_size):
+            ids = read_batch(dataset, idx or [0])["input_ids"].to(device)
             # num_items_in_batch=1: the model's loss is the token-loss sum (HF's own loss path).
             loss_sum = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(1, device=device)).loss
             if idx:

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from anygpu import checkpoint, data, distributed, hardware, metrics, modeling, optim, parallel
+from anygpu import checkpoint, distributed, hardware, metrics, modeling, optim, parallel
+from anygpu.data.order import eval_shards
+from anygpu.data.packing import read_batch
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.prepare import Prepared, check_run, prepare, summary_lines
 
@@ -77,8 +79,8 @@ def evaluate(model, dataset, batch_size: int, info: distributed.DistInfo) -> flo
     """Mean token loss over the whole validation set (every rank runs the same number of batches)."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=info.device)
-    for idx in data.eval_shards(len(dataset), info.world_size, info.rank, batch_size):
-        batch = data.read_batch(dataset, idx or [0])
+    for idx in eval_shards(len(dataset), info.world_size, info.rank, batch_size):
+        batch = read_batch(dataset, idx or [0])
         ids = batch["input_ids"].to(info.device)
         # num_items_in_batch=1 turns the model's loss into a token-loss sum (HF's own loss path)
         loss_sum = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(1, device=info.device)).loss
@@ -91,7 +93,7 @@ def evaluate(model, dataset, batch_size: int, info: distributed.DistInfo) -> flo
 
 def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo) -> float:
     """Forward/backward of one optimizer step's micro-batches; returns the global-batch mean loss."""
-    batches = [data.read_batch(prep.datasets["train"], idx) for idx in prep.order.micro_batches(step, prep.plan, info.rank)]
+    batches = [read_batch(prep.datasets["train"], idx) for idx in prep.order.micro_batches(step, prep.plan, info.rank)]
     # labels are shifted inside the model: each sequence has len-1 targets (no padding in packed data)
     num_targets = torch.tensor(float(sum((b["labels"][:, 1:] != -100).sum().item() for b in batches)), device=info.device)
     distributed.all_reduce_sum(num_targets)

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from anygpu import gpu_detect, vendor_env
-from anygpu.gpu_detect import AMD, NVIDIA, VENDOR_LABEL, Gpu, Runner
+from anygpu.launch import detect as gpu_detect, vendor_env
+from anygpu.launch.detect import AMD, NVIDIA, VENDOR_LABEL, Gpu, Runner
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 CONFIG_DIR = ROOT / "accelerate_configs"
 ENGINES = {"hf": "run_hf_standalone.py", "fsdp": "run_fsdp_standalone.py"}
 SCRIPT_NAME = {NVIDIA: "run_nvidia_all.sh", AMD: "run_amd_all.sh"}

@@ -1,0 +1,69 @@
+"""The seeded global order of packed samples: global batch k is the same samples whatever the world size."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from anygpu.batch import BatchPlan
+
+
+@dataclass(frozen=True)
+class GlobalOrder:
+    """One seeded permutation of the packed samples per epoch; global batch k is
+    samples [kG, (k+1)G) of it, whatever the world size (a final partial batch is dropped)."""
+
+    num_samples: int
+    global_batch_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.steps_per_epoch < 1:
+            raise ValueError(
+                f"the training set has {self.num_samples} packed samples, fewer than --global_batch_size "
+                f"{self.global_batch_size}: lower --global_batch_size (≤ {self.num_samples}) or --block_size, or add data."
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch_size
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def global_batch(self, step: int) -> list[int]:
+        """Sample indices of optimizer step `step` (0-based, counted over all epochs)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        G = self.global_batch_size
+        return self.permutation(epoch)[k * G : (k + 1) * G].tolist()
+
+    def micro_batches(self, step: int, plan: BatchPlan, rank: int) -> list[list[int]]:
+        """Rank `rank`'s share of global batch `step`, cut into its accumulation micro-batches."""
+        share = self.global_batch(step)[rank * plan.sequences_per_rank : (rank + 1) * plan.sequences_per_rank]
+        m = plan.per_device_train_batch_size
+        return [share[j * m : (j + 1) * m] for j in range(plan.gradient_accumulation_steps)]
+
+
+class MicroBatchSampler(torch.utils.data.Sampler):
+    """Yields this rank's micro-batches (lists of indices) for steps [start_step, end_step)."""
+
+    def __init__(self, order: GlobalOrder, plan: BatchPlan, rank: int, start_step: int, end_step: int) -> None:
+        self.order, self.plan, self.rank = order, plan, rank
+        self.start_step, self.end_step = start_step, end_step
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start_step, self.end_step):
+            yield from self.order.micro_batches(step, self.plan, self.rank)
+
+    def __len__(self) -> int:
+        return (self.end_step - self.start_step) * self.plan.gradient_accumulation_steps
+
+
+def eval_shards(num_samples: int, world_size: int, rank: int, batch_size: int) -> list[list[int]]:
+    """This rank's evaluation batches; every rank gets the same number (collectives), short ranks get []."""
+    per_rank = -(-num_samples // world_size)
+    mine = list(range(rank * per_rank, min(num_samples, (rank + 1) * per_rank)))
+    num_batches = -(-per_rank // batch_size)
+    return [mine[i * batch_size : (i + 1) * batch_size] for i in range(num_batches)]

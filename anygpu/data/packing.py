@@ -1,0 +1,74 @@
+"""Tokenised text → packed blocks of `block_size` tokens, cached on disk per corpus × tokenizer × block size,
+and the batches read from them."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from datasets import Dataset, DatasetDict, load_from_disk
+
+logger = logging.getLogger(__name__)
+
+PACKING_VERSION = "1"
+
+
+def _tokenizer_key(tokenizer) -> str:
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest() if hasattr(tokenizer, "backend_tokenizer") else tokenizer.name_or_path
+
+
+def pack(
+    raw: DatasetDict,
+    tokenizer,
+    block_size: int,
+    text_column: str,
+    corpus_fingerprint: str,
+    cache_dir: str,
+    num_proc: int | None = None,
+) -> DatasetDict:
+    """Tokenise every text, join them with EOS, cut into blocks of `block_size` (cached on disk)."""
+    key = hashlib.sha256(
+        f"{PACKING_VERSION}|{corpus_fingerprint}|{_tokenizer_key(tokenizer)}|{block_size}|{text_column}".encode()
+    ).hexdigest()[:20]
+    path = Path(cache_dir) / "packed" / key
+    if (path / "dataset_dict.json").exists():
+        logger.info("packed data from cache %s", path)
+        return load_from_disk(str(path))
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch: dict) -> dict:
+        ids = tokenizer([t for t in batch[text_column] if t], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [x + [eos] for x in ids]}
+
+    def group(batch: dict) -> dict:
+        flat = [t for ids in batch["input_ids"] for t in ids]
+        n = len(flat) // block_size * block_size
+        return {"input_ids": [flat[i : i + block_size] for i in range(0, n, block_size)]}
+
+    packed = DatasetDict()
+    for split, ds in raw.items():
+        tok = ds.map(tokenize, batched=True, remove_columns=ds.column_names, num_proc=num_proc, desc=f"tokenise {split}")
+        packed[split] = tok.map(group, batched=True, batch_size=2000, num_proc=num_proc, desc=f"pack {split} into {block_size}-token blocks")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{key}."))
+    packed.save_to_disk(str(tmp))
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return load_from_disk(str(path))
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    ids = torch.tensor([s["input_ids"] for s in samples], dtype=torch.long)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def read_batch(dataset: Dataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    """Rows `indices` as a batch, in one Arrow read (row-by-row reads cost ~0.1 ms each)."""
+    ids = torch.tensor(dataset[indices]["input_ids"], dtype=torch.long)
+    return {"input_ids": ids, "labels": ids.clone()}

@@ -1,0 +1,109 @@
+"""Raw training text: a datasets hub id or saved folder, local txt/json/jsonl/csv/parquet files, or
+(with no data arguments) the .py files of this Python's standard library."""
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from pathlib import Path
+from typing import Iterator
+
+from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+
+from anygpu.args import DataArguments
+
+FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's own .py files (test suites left out), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_SKIP_DIRS)
+        found += [Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py")]
+    return found
+
+
+def stdlib_corpus(validation_percentage: float, max_mb: float | None = None) -> DatasetDict:
+    """The embedded default corpus, split by a hash of each file's path (the same on every machine)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    train, val, budget = [], [], (max_mb * 1e6 if max_mb else float("inf"))
+    for path in stdlib_files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        budget -= len(text)
+        if budget < 0:
+            break
+        rel = path.relative_to(root).as_posix()
+        bucket = int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 10000
+        (val if bucket < validation_percentage * 100 else train).append(text)
+    if not val:  # a tiny --max_corpus_mb can leave the hash split empty
+        val.append(train.pop())
+    return DatasetDict(train=Dataset.from_dict({"text": train}), validation=Dataset.from_dict({"text": val}))
+
+
+def _load_files(path_or_glob: str, text_column: str) -> Dataset:
+    suffix = Path(path_or_glob).suffix.lower()
+    builder = FILE_BUILDERS.get(suffix)
+    if builder is None:
+        raise ValueError(f"file {path_or_glob}: unknown format {suffix!r}; use one of {', '.join(sorted(FILE_BUILDERS))}.")
+    kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+    ds = load_dataset(builder, data_files=path_or_glob, split="train", **kwargs)
+    return ds.rename_column("text", text_column) if builder == "text" and text_column != "text" else ds
+
+
+def load_raw_text(args: DataArguments, seed: int = 0) -> tuple[DatasetDict, bool]:
+    """{'train','validation'} of raw texts, and whether it is the embedded default corpus."""
+    if args.dataset_name:
+        if Path(args.dataset_name).is_dir() and (Path(args.dataset_name) / "dataset_dict.json").exists():
+            raw = load_from_disk(args.dataset_name)
+        elif Path(args.dataset_name).is_dir() and (Path(args.dataset_name) / "dataset_info.json").exists():
+            raw = DatasetDict(train=load_from_disk(args.dataset_name))
+        else:
+            raw = load_dataset(args.dataset_name, args.dataset_config_name)
+        if not isinstance(raw, DatasetDict):
+            raw = DatasetDict(train=raw)
+        if "train" not in raw:
+            raise ValueError(f"--dataset_name {args.dataset_name} has no 'train' split (splits: {list(raw)}).")
+        if "validation" not in raw and "test" in raw:
+            raw["validation"] = raw["test"]
+    elif args.train_file:
+        raw = DatasetDict(train=_load_files(args.train_file, args.text_column))
+        if args.validation_file:
+            raw["validation"] = _load_files(args.validation_file, args.text_column)
+    else:
+        return stdlib_corpus(args.validation_split_percentage, args.max_corpus_mb), True
+    source = args.dataset_name or args.train_file
+    for split, ds in raw.items():
+        if args.text_column not in ds.column_names:
+            raise ValueError(
+                f"--text_column {args.text_column!r} is not a column of {source} ({split}): "
+                f"its columns are {ds.column_names}."
+            )
+    raw = DatasetDict({k: raw[k] for k in ("train", "validation") if k in raw})
+    if "validation" not in raw:
+        # A fixed seed: the split must not move when --seed changes.
+        parts = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=0)
+        raw = DatasetDict(train=parts["train"], validation=parts["test"])
+    return raw, False
+
+
+def fingerprint(raw: DatasetDict, text_column: str) -> str:
+    """A content key for the corpus, for the tokenizer and packing caches."""
+    h = hashlib.sha256()
+    for split in ("train", "validation"):
+        ds = raw[split]
+        fp = getattr(ds, "_fingerprint", None)
+        if ds.cache_files and fp:  # file-backed: datasets' own fingerprint covers the files
+            h.update(f"{split}:{fp}".encode())
+        else:
+            for text in ds[text_column]:
+                h.update(text.encode("utf-8", errors="replace"))
+                h.update(b"\0")
+    return h.hexdigest()
+
+
+def iter_texts(ds: Dataset, text_column: str, batch: int = 1000) -> Iterator[list[str]]:
+    for i in range(0, len(ds), batch):
+        yield [t for t in ds[i : i + batch][text_column] if t]

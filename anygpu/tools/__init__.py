@@ -1,0 +1,1 @@
+"""The `anygpu` command and its tools."""
