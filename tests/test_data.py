@@ -94,8 +94,8 @@ def test_global_batch_is_the_same_whatever_the_split(n, G, step, seed):
         got = [i for r in range(W) for mb in go.micro_batches(step, plan, r) for i in mb]
         assert got == batch
     # within an epoch no sample repeats
-    if step < order.steps_per_epoch:
-        seen = [i for s in range(order.steps_per_epoch) for i in order.global_batch(s)]
+    if step < go.steps_per_epoch:
+        seen = [i for s in range(go.steps_per_epoch) for i in go.global_batch(s)]
         assert len(seen) == len(set(seen))
 
 
