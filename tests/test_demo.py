@@ -7,7 +7,11 @@ pass the unigram plateau (a 20% drop), not to show the full run's 30%.
 """
 import json
 
+import pytest
+
 from conftest import python
+
+pytestmark = pytest.mark.slow  # starts training processes
 
 # 1 MB of corpus: the tokenizer the other tests trained (same corpus, same vocabulary) is reused
 SHORT = ["--max_corpus_mb", "1", "--block_size", "128", "--global_batch_size", "8", "--max_steps", "40",

@@ -11,6 +11,8 @@ import pytest
 
 from conftest import BIN, ROOT, TINY, assert_close, env, losses, python, torchrun
 
+pytestmark = pytest.mark.slow  # starts training processes
+
 SCRIPT = "run_fsdp_standalone.py"
 TEN = [*TINY, "--max_steps", "10"]
 

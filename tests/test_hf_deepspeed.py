@@ -12,6 +12,8 @@ import pytest
 from conftest import TINY, assert_close, losses
 from test_hf_engine import accelerate, records
 
+pytestmark = pytest.mark.slow  # starts training processes
+
 TEN = [*TINY, "--max_steps", "10", "--max_eval_samples", "24"]
 
 

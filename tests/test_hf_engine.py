@@ -14,6 +14,8 @@ import pytest
 
 from conftest import BIN, ROOT, TINY, assert_close, env, losses, python, run
 
+pytestmark = pytest.mark.slow  # starts training processes
+
 SCRIPT = "run_hf_standalone.py"
 TEN = [*TINY, "--max_steps", "10", "--max_eval_samples", "24"]
 RECORD_KEYS = {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens_per_second_per_device",

@@ -12,6 +12,8 @@ import pytest
 from conftest import TINY, assert_close, losses, torchrun
 from test_hf_engine import accelerate, records
 
+pytestmark = pytest.mark.slow  # starts training processes
+
 TWENTY = [*TINY, "--max_steps", "20", "--max_eval_samples", "24", "--export_final", "false"]
 
 

@@ -427,6 +427,7 @@ def test_cpu_only_torch_refuses_listed_gpus():
     assert "--cpu" in p.stderr
 
 
+@pytest.mark.slow
 def test_detection_and_dry_run_need_only_the_standard_library(tmp_path):
     bare = tmp_path / "bare"  # a virtualenv with no packages at all
     subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(bare)],
@@ -448,6 +449,7 @@ def hf_engine():
         pytest.fail("run_hf_standalone.py is missing")
 
 
+@pytest.mark.slow
 def test_hf_engine_configs(hf_engine):
     many = dry(NVIDIA, "--count-from", "smi")
     one = dry(NVIDIA, "--count-from", "smi", "--gpus", "2", "--max-restarts", "1")
@@ -557,6 +559,7 @@ def cpu_run(engine: str, tmp_path_factory) -> tuple[subprocess.CompletedProcess,
     return _CPU_RUNS[engine]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["fsdp", "hf"])
 def test_cpu_end_to_end(engine, tmp_path_factory):
     p, out = cpu_run(engine, tmp_path_factory)
@@ -567,6 +570,7 @@ def test_cpu_end_to_end(engine, tmp_path_factory):
     assert all(r["world_size"] == 1 for r in recs if "loss" in r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["fsdp", "hf"])
 def test_two_nodes_on_one_machine_match_one_node(engine, tmp_path, tmp_path_factory):
     """Two launchers (NNODES=2, NODE_RANK=0/1, one CPU process each) train one job together.
@@ -600,6 +604,7 @@ def test_two_nodes_on_one_machine_match_one_node(engine, tmp_path, tmp_path_fact
     assert all(abs(two[s] - ref[s]) <= 1e-5 * abs(ref[s]) for s in ref), (two, ref)
 
 
+@pytest.mark.slow
 def test_failing_rank_ends_the_job_fast():
     start = time.monotonic()
     p = launch_real(NVIDIA, *FAST, "--engine", "fsdp", "--nproc", "2", "--script", str(FAKES / "fault_train.py"),
@@ -611,6 +616,7 @@ def test_failing_rank_ends_the_job_fast():
     assert "rank 0 step 2 sum 2" in out and "rank 0 step 4" not in out  # rank 0 was really waiting on it
 
 
+@pytest.mark.slow
 def test_max_restarts_restarts_the_workers():
     p = launch_real(NVIDIA, *FAST, "--engine", "fsdp", "--nproc", "2", "--max-restarts", "1", "--script",
                     str(FAKES / "fault_train.py"), "--", "--steps", "4", "--fail-attempts", "1", timeout=120,
