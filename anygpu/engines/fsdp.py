@@ -82,7 +82,7 @@ def evaluate(model, dataset, collator: Collator, batch_size: int, info: distribu
     for idx in eval_shards(len(dataset), info.world_size, info.rank, batch_size):
         batch = {k: v.to(info.device) for k, v in collator.read(dataset, idx or [0]).items()}
         # num_items_in_batch=1 turns the model's loss into a token-loss sum (HF's own loss path)
-        loss_sum = model(**batch, num_items_in_batch=torch.tensor(1, device=info.device)).loss
+        loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=info.device)).loss
         if idx:
             totals += torch.stack([loss_sum.double(), torch.tensor(float(count_targets(batch)), device=info.device, dtype=torch.float64)])
     distributed.all_reduce_sum(totals)
@@ -101,7 +101,8 @@ def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo) -> 
     for j, batch in enumerate(batches):
         model.set_requires_gradient_sync(j == len(batches) - 1)  # reduce-scatter once per step
         batch = {k: v.to(info.device) for k, v in batch.items()}
-        loss = model(**batch, num_items_in_batch=num_targets).loss
+        # no KV cache: transformers confines attention to packed samples only without one
+        loss = model(**batch, use_cache=False, num_items_in_batch=num_targets).loss
         (loss * info.world_size).backward()
         loss_sum += loss.detach()
     return distributed.all_reduce_sum(loss_sum).item()

@@ -64,6 +64,10 @@ class AnygpuTrainer(Trainer):
         return DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.prep.collator, num_workers=0,
                           pin_memory=self.args.device.type == "cuda")
 
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        # No KV cache in training: transformers confines attention to packed samples only without one.
+        return {**super()._prepare_inputs(inputs), "use_cache": False}
+
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         """The step's micro-batches and its target-token count, counted here rather than by Trainer: releases
         before transformers#46204 count labels[:, 0] too (never a target: the model shifts labels)."""
@@ -117,7 +121,7 @@ class AnygpuTrainer(Trainer):
         for idx in eval_shards(len(dataset), self.args.world_size, self.args.process_index, batch_size):
             batch = {k: v.to(device) for k, v in self.prep.collator.read(dataset, idx or [0]).items()}
             # num_items_in_batch=1: the model's loss is the token-loss sum (HF's own loss path).
-            loss_sum = model(**batch, num_items_in_batch=torch.tensor(1, device=device)).loss
+            loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=device)).loss
             if idx:
                 totals += torch.stack([loss_sum.double(), torch.tensor(float(count_targets(batch)), device=device,
                                                                         dtype=torch.float64)])
