@@ -179,3 +179,9 @@ def test_chat_rows_are_cached_with_their_counts(tmp_path, tok, caplog):
         again, stats2 = samples.build_rows(raw, tok, opts, True, "fp", str(tmp_path))
     assert "from cache" in caplog.text and stats2 == stats and again["train"]["input_ids"] == rows["train"]["input_ids"]
     assert json.dumps(stats2["train"].__dict__)
+
+
+@pytest.mark.parametrize("option, value", [("--truncation_mode", "cut"), ("--txt_sample_by", "sentence")])
+def test_unknown_choices_are_refused_with_the_valid_ones(option, value):
+    with pytest.raises(ValueError, match=f"{option} '{value}' is unknown: use one of"):
+        parse_args([option, value])
