@@ -99,7 +99,9 @@ def main() -> None:
             results[packing].append(epoch(model, opt, prep, a.per_device))
     tps = {k: statistics.median(r / s for r, _, s in v) for k, v in results.items()}
     pad = {k: 1 - v[0][0] / v[0][1] for k, v in results.items()}
-    print(f"tokens/s   packed {tps['true']:,.0f}   padded {tps['false']:,.0f}   packed/padded {tps['true'] / tps['false']:.2f}×")
+    rounds = [(t[0] / t[2]) / (f[0] / f[2]) for t, f in zip(results["true"], results["false"])]
+    print(f"tokens/s   packed {tps['true']:,.0f}   padded {tps['false']:,.0f}   packed/padded {tps['true'] / tps['false']:.2f}× "
+          f"(rounds: {', '.join(f'{r:.2f}' for r in rounds)})")
     print(f"padding    packed {pad['true']:.1%}   padded {pad['false']:.1%}")
     distributed.destroy()
 
