@@ -2,8 +2,10 @@
 (with no data arguments) the .py files of this Python's standard library."""
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
+import re
 import sysconfig
 from pathlib import Path
 from typing import Iterator
@@ -48,9 +50,6 @@ def txt_sample_by(path_or_glob: str, choice: str) -> str:
     """What one document of a .txt file is; `auto`: paragraphs when the (first) file has a blank line, else lines."""
     if choice != "auto":
         return choice
-    import glob
-    import re
-
     first = sorted(glob.glob(path_or_glob)) or [path_or_glob]
     with open(first[0], encoding="utf-8", errors="replace") as f:
         head = f.read(16 << 20)
@@ -68,7 +67,8 @@ def _load_files(path_or_glob: str, text_column: str, sample_by: str = "auto") ->
 
 
 def load_raw_text(args: DataArguments, seed: int = 0) -> tuple[DatasetDict, bool]:
-    """{'train','validation'} of raw texts, and whether it is the embedded default corpus."""
+    """{'train','validation'} of raw data (only 'train' when there are too few documents to split: the
+    validation rows are then carved after tokenising), and whether it is the embedded default corpus."""
     if args.dataset_name:
         if Path(args.dataset_name).is_dir() and (Path(args.dataset_name) / "dataset_dict.json").exists():
             raw = load_from_disk(args.dataset_name)
