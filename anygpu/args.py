@@ -18,6 +18,8 @@ from transformers import HfArgumentParser
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+TRUNCATION_MODES = ("keep_start", "keep_end", "drop")
+TXT_SAMPLE_BY = ("auto", "line", "paragraph", "document")
 
 
 def preset_names() -> list[str]:
@@ -90,6 +92,31 @@ class DataArguments:
         default=None,
         metadata={"help": "Where tokenised/packed data and trained tokenizers are cached. Default: $ANYGPU_CACHE or ~/.cache/anygpu."},
     )
+    # Fine-tuning data (TRL's SFTConfig names). The format is detected from the columns: `text`,
+    # `prompt` + `completion`, or `messages`; --block_size is the maximum length (TRL's max_length).
+    completion_only_loss: bool = field(
+        default=True, metadata={"help": "prompt + completion data: train only on the completion tokens (false: on every token)."}
+    )
+    assistant_only_loss: bool = field(
+        default=True, metadata={"help": "messages data: train only on the assistant turns (false: on every token of the chat)."}
+    )
+    packing: bool | None = field(
+        default=None,
+        metadata={"help": "prompt-completion and messages data: several samples per --block_size row, attention confined to "
+                          "each sample (position ids restart per sample); false: one sample per row, padded per "
+                          "micro-batch. Default: packed where the model's attention honours sample boundaries. "
+                          "Raw text is always cut into full blocks."},
+    )
+    truncation_mode: str = field(
+        default="keep_start",
+        metadata={"help": "Samples longer than --block_size: keep_start (cut the end), keep_end (cut the start) or drop "
+                          "(leave the sample out). Counted in the banner."},
+    )
+    txt_sample_by: str = field(
+        default="auto",
+        metadata={"help": ".txt files: one document per line, per paragraph (blank-line separated) or per file "
+                          "(document); auto: paragraph when the file has blank lines, else line."},
+    )
 
     def __post_init__(self) -> None:
         if self.dataset_name and self.train_file:
@@ -106,6 +133,8 @@ class DataArguments:
             raise ValueError(f"--validation_split_percentage {self.validation_split_percentage} must be in (0, 100), e.g. 5.")
         if self.data_cache_dir is None:
             self.data_cache_dir = os.environ.get("ANYGPU_CACHE", str(Path.home() / ".cache" / "anygpu"))
+        _check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
+        _check_choice("txt_sample_by", self.txt_sample_by, TXT_SAMPLE_BY)
 
 
 @dataclass
@@ -193,6 +222,11 @@ class TrainArguments:
         if self.global_batch_size is None and self.global_batch_tokens is None and \
                 self.per_device_train_batch_size is None and self.gradient_accumulation_steps is None:
             self.global_batch_size = 16
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"--{name} {value!r} is unknown: use one of {', '.join(choices)}.")
 
 
 def _glob_matches(path: str) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +16,10 @@ from transformers import PretrainedConfig
 from anygpu import distributed, hardware, modeling
 from anygpu.data import tokenizer as tok_lib
 from anygpu.data.order import GlobalOrder
-from anygpu.data.packing import pack
-from anygpu.data.sources import fingerprint, iter_texts, load_raw_text
+from anygpu.data.collate import Collator, packing_supported
+from anygpu.data.formats import TEXT, training_texts
+from anygpu.data.samples import make_rows
+from anygpu.data.sources import data_format, fingerprint, load_raw_text
 from anygpu.args import DataArguments, ModelArguments, TrainArguments
 from anygpu.batch import BatchPlan, plan_batch, resolve_global_batch
 from anygpu.distributed import DistInfo
@@ -36,6 +38,8 @@ class Prepared:
     total_steps: int  # the schedule's length (max_steps or epochs × steps per epoch)
     from_scratch: bool
     used_default_corpus: bool
+    collator: Collator | None = None  # rows → batches (padding, position ids, labels)
+    data_lines: list[str] = field(default_factory=list)  # format, counts, template: for the banner
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -66,14 +70,16 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
     config, block_size, plan = checked or check_run(model_args, data_args, train_args, info.world_size)
     with distributed.local_main_first(info):
         raw, is_default = load_raw_text(data_args)
+        fmt = data_format(raw, data_args.text_column)
         fp = fingerprint(raw, data_args.text_column)
         tokenizer = tok_lib.load_or_train(
             model_args.tokenizer_name or model_args.model_name_or_path,
-            lambda: (t for batch in iter_texts(raw["train"], data_args.text_column) for t in batch),
+            lambda: training_texts(raw["train"], fmt, data_args.text_column),
             fp, model_args.vocab_size, data_args.data_cache_dir, info.is_local_main, model_args.trust_remote_code,
         )
-        packed = pack(raw, tokenizer, block_size, data_args.text_column, fp, data_args.data_cache_dir,
-                           data_args.preprocessing_num_workers)
+        packing = resolve_packing(data_args.packing, fmt, config.model_type, model_args.attn_implementation)
+        data = make_rows(raw, fmt, tokenizer, block_size, data_args, packing, fp)
+        packed = data.rows
     if data_args.max_train_samples:
         packed["train"] = packed["train"].select(range(min(data_args.max_train_samples, len(packed["train"]))))
     if data_args.max_eval_samples and data_args.max_eval_samples > 0:
@@ -87,7 +93,21 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
         total = train_args.max_steps
     else:
         total = max(1, int(train_args.num_train_epochs * order.steps_per_epoch))
-    return Prepared(config, tokenizer, packed, block_size, plan, order, total, from_scratch, is_default)
+    return Prepared(config, tokenizer, packed, block_size, plan, order, total, from_scratch, is_default,
+                    data.collator, data.describe())
+
+
+def resolve_packing(requested: bool | None, fmt: str, model_type: str, attn_implementation: str) -> bool:
+    """Pack variable-length samples unless asked not to, where the model's attention honours sample boundaries."""
+    if fmt == TEXT or requested is False:
+        return requested is not False
+    supported = packing_supported(model_type, attn_implementation)
+    if requested and not supported:
+        raise ValueError(f"--packing true: {model_type} with --attn_implementation {attn_implementation} cannot confine "
+                         "attention to each packed sample; use --packing false (padding per micro-batch).")
+    if not supported:
+        logger.info("%s cannot confine attention to packed samples: one sample per row, padded per micro-batch", model_type)
+    return supported
 
 
 
@@ -98,8 +118,10 @@ def summary_lines(prep: Prepared, model, train_args: TrainArguments, tf32: bool)
     return [
         hardware.describe(),
         f"model: {prep.config.model_type}, {n / 1e6:.1f}M parameters, vocab {prep.config.vocab_size}, block {prep.block_size}",
-        f"data: {len(prep.datasets['train'])} train / {len(prep.datasets['validation'])} eval blocks"
+        (prep.data_lines[0] if prep.data_lines else
+         f"data: {len(prep.datasets['train'])} train / {len(prep.datasets['validation'])} eval blocks")
         + (" (embedded default: Python standard library sources)" if prep.used_default_corpus else ""),
+        *prep.data_lines[1:],
         prep.plan.banner(),
         f"steps: {prep.total_steps} ({prep.order.steps_per_epoch} per epoch), precision: {precision}"
         + (", TF32 matmuls" if tf32 else ""),

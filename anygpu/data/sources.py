@@ -2,8 +2,10 @@
 (with no data arguments) the .py files of this Python's standard library."""
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
+import re
 import sysconfig
 from pathlib import Path
 from typing import Iterator
@@ -11,6 +13,7 @@ from typing import Iterator
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
 from anygpu.args import DataArguments
+from anygpu.data.formats import TEXT, detect_format, row_key
 
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -43,18 +46,29 @@ def stdlib_corpus(validation_percentage: float, max_mb: float | None = None) -> 
     return DatasetDict(train=Dataset.from_dict({"text": train}), validation=Dataset.from_dict({"text": val}))
 
 
-def _load_files(path_or_glob: str, text_column: str) -> Dataset:
+def txt_sample_by(path_or_glob: str, choice: str) -> str:
+    """What one document of a .txt file is; `auto`: paragraphs when the (first) file has a blank line, else lines."""
+    if choice != "auto":
+        return choice
+    first = sorted(glob.glob(path_or_glob)) or [path_or_glob]
+    with open(first[0], encoding="utf-8", errors="replace") as f:
+        head = f.read(16 << 20)
+    return "paragraph" if re.search(r"\n[ \t\r]*\n", head.strip()) else "line"
+
+
+def _load_files(path_or_glob: str, text_column: str, sample_by: str = "auto") -> Dataset:
     suffix = Path(path_or_glob).suffix.lower()
     builder = FILE_BUILDERS.get(suffix)
     if builder is None:
         raise ValueError(f"file {path_or_glob}: unknown format {suffix!r}; use one of {', '.join(sorted(FILE_BUILDERS))}.")
-    kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+    kwargs = {"sample_by": txt_sample_by(path_or_glob, sample_by)} if builder == "text" else {}
     ds = load_dataset(builder, data_files=path_or_glob, split="train", **kwargs)
     return ds.rename_column("text", text_column) if builder == "text" and text_column != "text" else ds
 
 
 def load_raw_text(args: DataArguments, seed: int = 0) -> tuple[DatasetDict, bool]:
-    """{'train','validation'} of raw texts, and whether it is the embedded default corpus."""
+    """{'train','validation'} of raw data (only 'train' when there are too few documents to split: the
+    validation rows are then carved after tokenising), and whether it is the embedded default corpus."""
     if args.dataset_name:
         if Path(args.dataset_name).is_dir() and (Path(args.dataset_name) / "dataset_dict.json").exists():
             raw = load_from_disk(args.dataset_name)
@@ -69,37 +83,47 @@ def load_raw_text(args: DataArguments, seed: int = 0) -> tuple[DatasetDict, bool
         if "validation" not in raw and "test" in raw:
             raw["validation"] = raw["test"]
     elif args.train_file:
-        raw = DatasetDict(train=_load_files(args.train_file, args.text_column))
+        raw = DatasetDict(train=_load_files(args.train_file, args.text_column, args.txt_sample_by))
         if args.validation_file:
-            raw["validation"] = _load_files(args.validation_file, args.text_column)
+            raw["validation"] = _load_files(args.validation_file, args.text_column, args.txt_sample_by)
     else:
         return stdlib_corpus(args.validation_split_percentage, args.max_corpus_mb), True
     source = args.dataset_name or args.train_file
-    for split, ds in raw.items():
-        if args.text_column not in ds.column_names:
-            raise ValueError(
-                f"--text_column {args.text_column!r} is not a column of {source} ({split}): "
-                f"its columns are {ds.column_names}."
-            )
+    formats = {split: detect_format(ds.column_names, args.text_column, f"{source} ({split})") for split, ds in raw.items()}
+    if len(set(formats.values())) > 1:
+        raise ValueError(f"{source}: the splits hold different formats ({formats}): give the same columns in each.")
     raw = DatasetDict({k: raw[k] for k in ("train", "validation") if k in raw})
-    if "validation" not in raw:
+    if "validation" not in raw and len(raw["train"]) * args.validation_split_percentage / 100 >= 1:
         # A fixed seed: the split must not move when --seed changes.
         parts = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=0)
         raw = DatasetDict(train=parts["train"], validation=parts["test"])
+    # Too few documents for a share of them to be the validation set: prepare() carves it from the rows.
     return raw, False
+
+
+def data_format(raw: DatasetDict, text_column: str) -> str:
+    return detect_format(raw["train"].column_names, text_column, "the training data")
 
 
 def fingerprint(raw: DatasetDict, text_column: str) -> str:
     """A content key for the corpus, for the tokenizer and packing caches."""
     h = hashlib.sha256()
+    fmt = data_format(raw, text_column)
     for split in ("train", "validation"):
+        if split not in raw:
+            h.update(f"{split}:none".encode())
+            continue
         ds = raw[split]
         fp = getattr(ds, "_fingerprint", None)
         if ds.cache_files and fp:  # file-backed: datasets' own fingerprint covers the files
             h.update(f"{split}:{fp}".encode())
-        else:
+        elif fmt == TEXT:
             for text in ds[text_column]:
                 h.update(text.encode("utf-8", errors="replace"))
+                h.update(b"\0")
+        else:
+            for row in row_key(ds, fmt, text_column):
+                h.update(row)
                 h.update(b"\0")
     return h.hexdigest()
 

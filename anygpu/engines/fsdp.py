@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from anygpu import checkpoint, distributed, hardware, metrics, modeling, optim, parallel
 from anygpu.data.order import eval_shards
-from anygpu.data.packing import read_batch
+from anygpu.data.collate import Collator, count_targets
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.prepare import Prepared, check_run, prepare, summary_lines
 
@@ -75,17 +75,16 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
 
 
 @torch.no_grad()
-def evaluate(model, dataset, batch_size: int, info: distributed.DistInfo) -> float:
+def evaluate(model, dataset, collator: Collator, batch_size: int, info: distributed.DistInfo) -> float:
     """Mean token loss over the whole validation set (every rank runs the same number of batches)."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=info.device)
     for idx in eval_shards(len(dataset), info.world_size, info.rank, batch_size):
-        batch = read_batch(dataset, idx or [0])
-        ids = batch["input_ids"].to(info.device)
+        batch = {k: v.to(info.device) for k, v in collator.read(dataset, idx or [0]).items()}
         # num_items_in_batch=1 turns the model's loss into a token-loss sum (HF's own loss path)
-        loss_sum = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(1, device=info.device)).loss
+        loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=info.device)).loss
         if idx:
-            totals += torch.stack([loss_sum.double(), torch.tensor(float(ids[:, 1:].numel()), device=info.device, dtype=torch.float64)])
+            totals += torch.stack([loss_sum.double(), torch.tensor(float(count_targets(batch)), device=info.device, dtype=torch.float64)])
     distributed.all_reduce_sum(totals)
     model.train()
     return (totals[0] / totals[1]).item()
@@ -93,15 +92,17 @@ def evaluate(model, dataset, batch_size: int, info: distributed.DistInfo) -> flo
 
 def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo) -> float:
     """Forward/backward of one optimizer step's micro-batches; returns the global-batch mean loss."""
-    batches = [read_batch(prep.datasets["train"], idx) for idx in prep.order.micro_batches(step, prep.plan, info.rank)]
-    # labels are shifted inside the model: each sequence has len-1 targets (no padding in packed data)
-    num_targets = torch.tensor(float(sum((b["labels"][:, 1:] != -100).sum().item() for b in batches)), device=info.device)
+    batches = [prep.collator.read(prep.datasets["train"], idx) for idx in prep.order.micro_batches(step, prep.plan, info.rank)]
+    # The target tokens of the whole global batch (ranks and micro-batches hold different counts with
+    # padded or masked data); labels are shifted inside the model, so position 0 is never a target.
+    num_targets = torch.tensor(float(sum(count_targets(b) for b in batches)), device=info.device)
     distributed.all_reduce_sum(num_targets)
     loss_sum = torch.zeros((), device=info.device)
     for j, batch in enumerate(batches):
         model.set_requires_gradient_sync(j == len(batches) - 1)  # reduce-scatter once per step
-        ids, labels = batch["input_ids"].to(info.device), batch["labels"].to(info.device)
-        loss = model(input_ids=ids, labels=labels, num_items_in_batch=num_targets).loss
+        batch = {k: v.to(info.device) for k, v in batch.items()}
+        # no KV cache: transformers confines attention to packed samples only without one
+        loss = model(**batch, use_cache=False, num_items_in_batch=num_targets).loss
         (loss * info.world_size).backward()
         loss_sum += loss.detach()
     return distributed.all_reduce_sum(loss_sum).item()
@@ -176,7 +177,8 @@ class FSDPTrainer:
         self.last = {**self.last, **rec}
 
     def log_eval(self, step: int) -> None:
-        eval_loss = evaluate(self.model, self.prep.datasets["validation"], self.args.per_device_eval_batch_size, self.info)
+        eval_loss = evaluate(self.model, self.prep.datasets["validation"], self.prep.collator,
+                             self.args.per_device_eval_batch_size, self.info)
         self._log({"step": step, "eval_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)})
 
     def log_train(self, step: int, loss: float, lr: float, grad_norm: float, seconds: float, num_steps: int) -> None:

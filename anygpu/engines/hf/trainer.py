@@ -5,8 +5,9 @@ What the loop computes, per optimizer step k and rank r (G = m·W·A as in `anyg
 - data: rank r's A micro-batches of m sequences from global batch k of `GlobalOrder`, from a batch
   sampler of our own that accelerate never sees (so it cannot reshard, reshuffle or drop), started
   at the resume step (so Trainer's skip-batches logic is switched off: `ignore_data_skip`);
-- loss: Trainer counts the target tokens of the rank's A micro-batches and sums the count over the
-  ranks (`average_tokens_across_devices`): N = target tokens of the whole global batch. Each
+- loss: `get_batch_samples` counts the target tokens (`labels[:, 1:] != -100`) of the rank's A
+  micro-batches itself, whatever the transformers release, and sums the count over the ranks
+  (`average_tokens_across_devices`): N = target tokens of the whole global batch. Each
   micro-batch's loss is its token-loss sum / N, times W (Trainer's `loss *= num_processes`) because
   DDP/ZeRO/FSDP average gradients over ranks: the step's gradient is that of the global-batch token
   mean, whatever W, m and A — the same normalisation as the FSDP2 engine. The logged loss (per-rank
@@ -29,7 +30,7 @@ from transformers import Trainer, TrainerCallback
 
 from anygpu import checkpoint, distributed, metrics, optim
 from anygpu.data.order import MicroBatchSampler, eval_shards
-from anygpu.data.packing import collate, read_batch
+from anygpu.data.collate import count_targets
 from anygpu.args import TrainArguments
 from anygpu.batch import BatchPlan
 from anygpu.prepare import Prepared
@@ -60,8 +61,30 @@ class AnygpuTrainer(Trainer):
         """
         sampler = MicroBatchSampler(self.prep.order, self.sampler_plan, self.args.process_index, self.start_step,
                                          self.prep.total_steps)
-        return DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0,
+        return DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.prep.collator, num_workers=0,
                           pin_memory=self.args.device.type == "cuda")
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        # No KV cache in training: transformers confines attention to packed samples only without one.
+        return {**super()._prepare_inputs(inputs), "use_cache": False}
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        """The step's micro-batches and its target-token count, counted here rather than by Trainer: releases
+        before transformers#46204 count labels[:, 0] too (never a target: the model shifts labels)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if not batches:
+            return batches, None
+        num_items = torch.tensor(sum(count_targets(b) for b in batches), dtype=torch.long, device=device)
+        if self.args.world_size > 1:  # average_tokens_across_devices: the global batch's count
+            num_items = self.accelerator.gather(num_items.reshape(1)).sum()
+        if self.args.n_gpu > 1:  # DataParallel: every replica's loss is divided by the same count
+            num_items = num_items.unsqueeze(0).expand(self.args.n_gpu, -1)
+        return batches, num_items
 
     # ------------------------------------------------------------------ optimizer and schedule
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
@@ -96,11 +119,11 @@ class AnygpuTrainer(Trainer):
         totals = torch.zeros(2, dtype=torch.float64, device=device)
         batch_size = self.train_config.per_device_eval_batch_size
         for idx in eval_shards(len(dataset), self.args.world_size, self.args.process_index, batch_size):
-            ids = read_batch(dataset, idx or [0])["input_ids"].to(device)
+            batch = {k: v.to(device) for k, v in self.prep.collator.read(dataset, idx or [0]).items()}
             # num_items_in_batch=1: the model's loss is the token-loss sum (HF's own loss path).
-            loss_sum = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(1, device=device)).loss
+            loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=device)).loss
             if idx:
-                totals += torch.stack([loss_sum.double(), torch.tensor(float(ids[:, 1:].numel()), device=device,
+                totals += torch.stack([loss_sum.double(), torch.tensor(float(count_targets(batch)), device=device,
                                                                         dtype=torch.float64)])
         distributed.all_reduce_sum(totals)
         if was_training:

@@ -1,0 +1,168 @@
+"""Data formats detected from the columns, as TRL does, and their encoding into trainable samples.
+
+- `text`: raw text, packed into full `block_size` blocks across documents (anygpu.data.packing);
+- `prompt` + `completion` (strings, or lists of messages: conversational prompt-completion);
+- `messages`: a list of `{role, content}`, rendered with the tokenizer's chat template.
+
+A prompt-completion or messages sample becomes `input_ids` and `labels`, where `labels` is -100 on
+the tokens that are not trained on (the prompt, the non-assistant turns) and always on the first
+token: no token predicts it within its sample, so a packed row never trains one sample's last token
+to predict the next sample's first. Samples longer than the maximum length are truncated or dropped
+(`--truncation_mode`); samples left without any target token are dropped; both are counted.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from datasets import Dataset, DatasetDict
+
+from anygpu.data import chat_template
+
+TEXT, PROMPT_COMPLETION, MESSAGES = "text", "prompt_completion", "messages"
+IGNORE = -100
+
+
+def detect_format(columns: list[str], text_column: str, where: str) -> str:
+    """The format of a data set with these columns; TRL's precedence: messages, prompt + completion, text."""
+    if "messages" in columns:
+        return MESSAGES
+    if "prompt" in columns and "completion" in columns:
+        return PROMPT_COMPLETION
+    if text_column in columns:
+        return TEXT
+    raise ValueError(
+        f"--text_column {text_column!r} is not a column of {where}: its columns are {columns}. Name the text column "
+        "with --text_column, or give 'prompt' and 'completion' columns, or a 'messages' column (chat)."
+    )
+
+
+def training_texts(ds: Dataset, fmt: str, text_column: str, batch: int = 1000) -> Iterator[str]:
+    """Every string of the data set, for training a tokenizer on the spot."""
+    columns = {TEXT: [text_column], PROMPT_COMPLETION: ["prompt", "completion"], MESSAGES: ["messages"]}[fmt]
+    for i in range(0, len(ds), batch):
+        rows = ds[i : i + batch]
+        for column in columns:
+            for value in rows[column]:
+                if isinstance(value, str):
+                    if value:
+                        yield value
+                else:  # a list of messages
+                    yield from (m["content"] for m in value if m.get("content"))
+
+
+def row_key(ds: Dataset, fmt: str, text_column: str) -> Iterator[bytes]:
+    """The content of each row as bytes, for fingerprinting in-memory data sets."""
+    columns = [text_column] if fmt == TEXT else [c for c in ("prompt", "completion", "messages") if c in ds.column_names]
+    for i in range(0, len(ds), 1000):
+        rows = ds[i : i + 1000]
+        for values in zip(*(rows[c] for c in columns)):
+            yield json.dumps(values, sort_keys=True, default=str).encode("utf-8", errors="replace")
+
+
+def _encode_prompt_completion(tokenizer, prompt: Any, completion: Any, completion_only: bool) -> tuple[list[int], list[bool]]:
+    if isinstance(prompt, str):
+        # The prompt with the tokenizer's usual specials (BOS where it adds one); the completion ends with EOS,
+        # a target, so the model learns where to stop.
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    else:  # conversational: the prompt's rendering (with the generation prompt) is a prefix of the whole chat's
+        prompt, completion = chat_template.clean_messages(prompt), chat_template.clean_messages(completion)
+        prompt_text = chat_template.render(tokenizer, prompt, add_generation_prompt=True)
+        full_text = chat_template.render(tokenizer, prompt + completion)
+        if not full_text.startswith(prompt_text):
+            raise ValueError("the chat template renders the prompt differently inside the whole conversation: "
+                             "use string prompts and completions, or a 'messages' column.")
+        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+        completion_ids = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
+    ids = prompt_ids + completion_ids
+    return ids, [not completion_only] * len(prompt_ids) + [True] * len(completion_ids)
+
+
+@dataclass
+class EncodeStats:
+    """What happened to the samples of one split, for the banner."""
+
+    samples: int = 0
+    truncated: int = 0
+    dropped_too_long: int = 0
+    dropped_no_target: int = 0
+    tokens: int = 0
+    target_tokens: int = 0
+
+    def describe(self) -> str:
+        parts = [f"{self.samples} samples"]
+        if self.truncated:
+            parts.append(f"{self.truncated} truncated")
+        if self.dropped_too_long:
+            parts.append(f"{self.dropped_too_long} too long, dropped")
+        if self.dropped_no_target:
+            parts.append(f"{self.dropped_no_target} without target tokens, dropped")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    fmt: str
+    max_length: int
+    completion_only_loss: bool = True
+    assistant_only_loss: bool = True
+    truncation_mode: str = "keep_start"
+
+    def key(self) -> str:
+        return f"{self.fmt}|{self.max_length}|{self.completion_only_loss}|{self.assistant_only_loss}|{self.truncation_mode}"
+
+
+def encode_sample(tokenizer, row: dict[str, Any], opts: EncodeOptions) -> tuple[list[int], list[int], bool]:
+    """(input_ids, labels, overlong) of one sample, before dropping; labels -100 where not trained on."""
+    if opts.fmt == MESSAGES:
+        ids, trained = chat_template.encode_chat(tokenizer, row["messages"], opts.assistant_only_loss)
+    else:
+        ids, trained = _encode_prompt_completion(tokenizer, row["prompt"], row["completion"], opts.completion_only_loss)
+    labels = [t if keep else IGNORE for t, keep in zip(ids, trained)]
+    overlong = len(ids) > opts.max_length
+    if overlong and opts.truncation_mode == "keep_start":
+        ids, labels = ids[: opts.max_length], labels[: opts.max_length]
+    elif overlong and opts.truncation_mode == "keep_end":
+        ids, labels = ids[-opts.max_length :], labels[-opts.max_length :]
+    if labels:
+        labels[0] = IGNORE
+    return ids, labels, overlong
+
+
+def encode_split(ds: Dataset, tokenizer, opts: EncodeOptions, num_proc: int | None, split: str) -> tuple[Dataset, EncodeStats]:
+    """Tokenise and mask every sample of a split; drop what cannot be trained on; count what happened."""
+    columns = ["messages"] if opts.fmt == MESSAGES else ["prompt", "completion"]
+
+    def encode(batch: dict) -> dict:
+        out = {"input_ids": [], "labels": [], "overlong": [], "num_targets": []}
+        for values in zip(*(batch[c] for c in columns)):
+            ids, labels, overlong = encode_sample(tokenizer, dict(zip(columns, values)), opts)
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out["overlong"].append(overlong)
+            out["num_targets"].append(sum(1 for t in labels if t != IGNORE))
+        return out
+
+    enc = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=num_proc, desc=f"encode {split} ({opts.fmt})")
+    overlong, num_targets = enc["overlong"], enc["num_targets"]
+    drop_long = opts.truncation_mode == "drop"
+    keep = [i for i, (o, n) in enumerate(zip(overlong, num_targets)) if n > 0 and not (drop_long and o)]
+    stats = EncodeStats(
+        samples=len(keep),
+        truncated=0 if drop_long else sum(overlong),
+        dropped_too_long=sum(overlong) if drop_long else 0,
+        dropped_no_target=sum(1 for o, n in zip(overlong, num_targets) if n == 0 and not (drop_long and o)),
+        target_tokens=sum(num_targets[i] for i in keep),
+    )
+    enc = enc.select(keep) if len(keep) < len(enc) else enc
+    stats.tokens = sum(len(x) for x in enc["input_ids"])
+    return enc.remove_columns(["overlong", "num_targets"]), stats
+
+
+def encode(raw: DatasetDict, tokenizer, opts: EncodeOptions, num_proc: int | None) -> tuple[DatasetDict, dict[str, EncodeStats]]:
+    out, stats = DatasetDict(), {}
+    for split, ds in raw.items():
+        out[split], stats[split] = encode_split(ds, tokenizer, opts, num_proc, split)
+    return out, stats
