@@ -21,6 +21,7 @@ from anygpu.data.sources import fingerprint, iter_texts, load_raw_text
 from anygpu.args import DataArguments, ModelArguments, TrainArguments
 from anygpu.batch import BatchPlan, plan_batch, resolve_global_batch
 from anygpu.distributed import DistInfo
+from anygpu.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class Prepared:
     total_steps: int  # the schedule's length (max_steps or epochs × steps per epoch)
     from_scratch: bool
     used_default_corpus: bool
+    data_fingerprint: str = ""  # the raw corpus (resume fingerprint, ranks-agree check)
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -45,7 +47,7 @@ def check_output_dir(output_dir: str) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"--output_dir {output_dir} cannot be written ({e.strerror or e}): choose a writable folder, e.g. ./outputs/run1.") from e
+        raise UsageError(f"--output_dir {output_dir} cannot be written ({e.strerror or e}): choose a writable folder, e.g. ./outputs/run1.") from e
 
 
 def check_run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments, world_size: int
@@ -74,12 +76,13 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
         )
         packed = pack(raw, tokenizer, block_size, data_args.text_column, fp, data_args.data_cache_dir,
                            data_args.preprocessing_num_workers)
+    distributed.wait_for_all("preparing the data")  # other nodes may still be packing: no collective timeout
     if data_args.max_train_samples:
         packed["train"] = packed["train"].select(range(min(data_args.max_train_samples, len(packed["train"]))))
     if data_args.max_eval_samples and data_args.max_eval_samples > 0:
         packed["validation"] = packed["validation"].select(range(min(data_args.max_eval_samples, len(packed["validation"]))))
     if len(packed["validation"]) == 0:
-        raise ValueError(f"the validation split has no full {block_size}-token block: lower --block_size or give more validation text.")
+        raise UsageError(f"the validation split has no full {block_size}-token block: lower --block_size or give more validation text.")
     from_scratch = model_args.model_name_or_path is None
     config = modeling.fit_config_to_tokenizer(config, tokenizer, from_scratch)
     order = GlobalOrder(len(packed["train"]), plan.global_batch_size, train_args.seed)
@@ -87,7 +90,7 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
         total = train_args.max_steps
     else:
         total = max(1, int(train_args.num_train_epochs * order.steps_per_epoch))
-    return Prepared(config, tokenizer, packed, block_size, plan, order, total, from_scratch, is_default)
+    return Prepared(config, tokenizer, packed, block_size, plan, order, total, from_scratch, is_default, fp)
 
 
 

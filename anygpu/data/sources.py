@@ -11,6 +11,8 @@ from typing import Iterator
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
 from anygpu.args import DataArguments
+from anygpu.data import checks
+from anygpu.errors import UsageError
 
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -43,13 +45,14 @@ def stdlib_corpus(validation_percentage: float, max_mb: float | None = None) -> 
     return DatasetDict(train=Dataset.from_dict({"text": train}), validation=Dataset.from_dict({"text": val}))
 
 
-def _load_files(path_or_glob: str, text_column: str) -> Dataset:
+def _load_files(path_or_glob: str, text_column: str, option: str = "--train_file") -> Dataset:
     suffix = Path(path_or_glob).suffix.lower()
     builder = FILE_BUILDERS.get(suffix)
     if builder is None:
-        raise ValueError(f"file {path_or_glob}: unknown format {suffix!r}; use one of {', '.join(sorted(FILE_BUILDERS))}.")
+        raise UsageError(f"file {path_or_glob}: unknown format {suffix!r}; use one of {', '.join(sorted(FILE_BUILDERS))}.")
     kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-    ds = load_dataset(builder, data_files=path_or_glob, split="train", **kwargs)
+    ds = checks.load_checked(path_or_glob, builder, option,
+                             lambda: load_dataset(builder, data_files=path_or_glob, split="train", **kwargs))
     return ds.rename_column("text", text_column) if builder == "text" and text_column != "text" else ds
 
 
@@ -65,22 +68,23 @@ def load_raw_text(args: DataArguments, seed: int = 0) -> tuple[DatasetDict, bool
         if not isinstance(raw, DatasetDict):
             raw = DatasetDict(train=raw)
         if "train" not in raw:
-            raise ValueError(f"--dataset_name {args.dataset_name} has no 'train' split (splits: {list(raw)}).")
+            raise UsageError(f"--dataset_name {args.dataset_name} has no 'train' split (splits: {list(raw)}).")
         if "validation" not in raw and "test" in raw:
             raw["validation"] = raw["test"]
     elif args.train_file:
         raw = DatasetDict(train=_load_files(args.train_file, args.text_column))
         if args.validation_file:
-            raw["validation"] = _load_files(args.validation_file, args.text_column)
+            raw["validation"] = _load_files(args.validation_file, args.text_column, "--validation_file")
     else:
         return stdlib_corpus(args.validation_split_percentage, args.max_corpus_mb), True
     source = args.dataset_name or args.train_file
     for split, ds in raw.items():
         if args.text_column not in ds.column_names:
-            raise ValueError(
+            raise UsageError(
                 f"--text_column {args.text_column!r} is not a column of {source} ({split}): "
                 f"its columns are {ds.column_names}."
             )
+        checks.check_text_column(ds, args.text_column, source, split)
     raw = DatasetDict({k: raw[k] for k in ("train", "validation") if k in raw})
     if "validation" not in raw:
         # A fixed seed: the split must not move when --seed changes.

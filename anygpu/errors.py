@@ -1,0 +1,43 @@
+"""The project's error types and the one place that turns them into exit codes.
+
+`UsageError` is a refusal of user input: one line naming the argument, the value and a valid
+alternative, printed once (by rank 0), exit code 2. Every other exception keeps its traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable
+
+EXIT_USAGE = 2  # bad input, refused before any work
+EXIT_PREEMPTED = 143  # SIGTERM/SIGUSR1: every rank saved a checkpoint of the step it finished, then stopped
+EXIT_NO_CHECKPOINT = 75  # a second signal, or a collective stuck on a dead peer: stopped at once, no new checkpoint
+
+
+class UsageError(ValueError):
+    """Bad user input (arguments, data, output folder); `every_rank`: print it on every rank that raises it
+    (for facts only that rank can see, e.g. a missing shared filesystem), not only on rank 0."""
+
+    def __init__(self, message: str, every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def run_main(body: Callable[[], object], cleanup: Callable[[], None]) -> None:
+    """Run an engine's `main` body: a UsageError is one line and exit 2; anything else keeps its traceback."""
+    try:
+        body()
+    except UsageError as e:
+        if rank() == 0 or e.every_rank:
+            where = f" (rank {rank()})" if e.every_rank and rank() != 0 else ""
+            print(f"error{where}: {e}", file=sys.stderr, flush=True)
+        cleanup()
+        sys.exit(EXIT_USAGE)
+
+
+class SaveError(RuntimeError):
+    """A checkpoint could not be written (full disk): says what is intact and what to do; keeps its traceback."""
