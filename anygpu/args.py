@@ -239,6 +239,9 @@ def _file_to_argv(path: str) -> list[str]:
     for key, value in data.items():
         if value is None:
             continue
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, (dict, list, tuple)) for v in items):
+            raise UsageError(f"{path}: the value of {key!r} is {value!r}: give a number, a string, a boolean or a list of them.")
         argv.append(f"--{key}")
         if isinstance(value, (list, tuple)):
             argv.extend(str(v) for v in value)
