@@ -149,7 +149,7 @@ def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, 
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank-{rank}.pt")
-    preempt.slow_write_for_tests()
+    preempt.test_fault("save", int(tmp.name.split("-")[1].split(".")[0]))
 
 
 def finalize(root: Path, tmp: Path, final: Path, step: int, world_size: int, engine: str,

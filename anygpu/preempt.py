@@ -102,8 +102,12 @@ def _say(message: str) -> None:
     print(f"[rank {os.environ.get('RANK', '0')}] {message}", file=sys.stderr, flush=True)
 
 
-def slow_write_for_tests() -> None:
-    """Test hook: ANYGPU_TEST_SLOW_SAVE_S seconds of sleep inside a checkpoint write (to kill it mid-write)."""
-    delay = float(os.environ.get("ANYGPU_TEST_SLOW_SAVE_S", "0") or 0)
-    if delay > 0:
-        time.sleep(delay)
+def test_fault(point: str, step: int) -> None:
+    """Fault injection for the tests, off unless set: ANYGPU_TEST_SIGTERM_AT=eval:4 makes rank 0 send itself
+    SIGTERM as the evaluation at step 4 starts; ANYGPU_TEST_SLOW_SAVE=10:60 sleeps 60 s inside the write of
+    checkpoint-10 (after the shards, before the rename), so a test can kill the job mid-write."""
+    if os.environ.get("ANYGPU_TEST_SIGTERM_AT") == f"{point}:{step}" and os.environ.get("RANK", "0") == "0":
+        os.kill(os.getpid(), signal.SIGTERM)
+    slow = os.environ.get("ANYGPU_TEST_SLOW_SAVE", "")
+    if point == "save" and slow.startswith(f"{step}:"):
+        time.sleep(float(slow.split(":")[1]))

@@ -24,7 +24,7 @@ from anygpu.data.packing import read_batch
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.prepare import Prepared, check_run, prepare, summary_lines
 from anygpu.errors import UsageError
-from anygpu.preempt import Preemption, protected
+from anygpu.preempt import Preemption, protected, test_fault
 
 logger = logging.getLogger("anygpu")
 
@@ -156,6 +156,7 @@ class FSDPTrainer:
         self.last = {**self.last, **rec}
 
     def log_eval(self, step: int) -> None:
+        test_fault("eval", step)
         eval_loss = evaluate(self.model, self.prep.datasets["validation"], self.args.per_device_eval_batch_size, self.info)
         self._log({"step": step, "eval_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)})
 

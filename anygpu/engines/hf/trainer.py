@@ -32,7 +32,7 @@ from anygpu.data.packing import collate, read_batch
 from anygpu.args import TrainArguments
 from anygpu.batch import BatchPlan
 from anygpu.preempt import Preemption, protected
-from anygpu.preempt import slow_write_for_tests as preempt_hook
+from anygpu.preempt import test_fault
 from anygpu.prepare import Prepared
 
 ANYGPU_STATE = "anygpu_state.json"  # our keys next to Trainer's trainer_state.json in each checkpoint
@@ -87,6 +87,7 @@ class AnygpuTrainer(Trainer):
         Every rank runs the same number of forward passes (ZeRO-3 and FSDP gather parameters
         collectively); a rank short of samples runs a dummy batch and discards it.
         """
+        test_fault("eval", self.state.global_step)
         model = self.model_wrapped
         if isinstance(model, torch.nn.DataParallel):  # evaluation needs no second GPU
             model = model.module
@@ -133,7 +134,7 @@ class AnygpuTrainer(Trainer):
         with protected(), checkpoint._disk_errors(root, staging, final, 0 if self.args.should_save else 1):
             try:
                 super()._save_checkpoint(model, trial)
-                preempt_hook()
+                test_fault("save", step)
             finally:
                 self._staging_dir = None
             distributed.barrier()  # every rank's files (RNG states, ZeRO partitions) are in place
