@@ -97,13 +97,17 @@ def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(referen
     proc = start(torchrun_cmd(2, args), ANYGPU_TEST_SLOW_SAVE="10:120")
     wait_until(lambda: len(list(tmp_path.glob(".checkpoint-10.tmp/rng/*.pt"))) == 2 or proc.poll() is not None,
                what="the write of checkpoint-10")
-    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in [proc.pid, *_children(proc.pid)]:  # the agent and its workers (in sessions of their own) at once
+        os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     assert [c.name for c in tmp_path.glob("checkpoint-*")] == ["checkpoint-5"]
 
     resumed = [*args, "--resume_from_checkpoint", "latest"]
+    before = (tmp_path / "args.json").stat().st_mtime_ns
     proc = start(torchrun_cmd(2, resumed))
     stop_after = random.Random().randint(6, 9)
+    # args.json is rewritten once the resume has cut metrics.jsonl back to step 5
+    wait_until(lambda: (tmp_path / "args.json").stat().st_mtime_ns != before or proc.poll() is not None, what="resume")
     wait_until(lambda: len(steps_logged(tmp_path)) >= stop_after or proc.poll() is not None, what=f"step {stop_after}")
     os.killpg(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=300)
@@ -228,3 +232,22 @@ def _environ(pid: int) -> dict[str, str]:
     except OSError:
         return {}
     return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def test_hf_engine_sigterm_during_an_evaluation_resumes_exactly(tmp_path):
+    """The HF Trainer engine: SIGTERM as the evaluation at step 4 starts (rank 0 only); both processes
+    finish it, save checkpoint-4 and exit 143; auto resumes on one process with the uninterrupted losses."""
+    hf = "run_hf_standalone.py"
+    args = [*TINY, "--max_steps", "8", "--eval_steps", "4", "--max_eval_samples", "32", "--export_final", "false"]
+    python(hf, [*args, "--output_dir", str(tmp_path / "ref")])
+    out = tmp_path / "run"
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
+           hf, *args, "--output_dir", str(out)]
+    proc = start(cmd, ANYGPU_TEST_SIGTERM_AT="eval:4", ANYGPU_SIGTERM_GRACE_S="1")
+    log, _ = proc.communicate(timeout=300)
+    assert "SIGTERM: saved checkpoint-4, exiting (exit 143)" in log, log[-3000:]
+    assert [c.name for c in out.glob("checkpoint-*")] == ["checkpoint-4"] and (out / "checkpoint-4" / "manifest.json").exists()
+    python(hf, [*args, "--output_dir", str(out), "--resume_from_checkpoint", "auto"])
+    assert sorted(losses(out)) == list(range(1, 9))
+    assert_close(losses(tmp_path / "ref"), losses(out), rel=1e-5)
+    assert evals(out) == pytest.approx(evals(tmp_path / "ref"), rel=1e-5)

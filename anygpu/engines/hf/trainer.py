@@ -234,11 +234,11 @@ class MetricsCallback(TrainerCallback):
 
 
 class FlowCallback(TrainerCallback):
-    """When to evaluate, save and stop: the FSDP2 engine's rules, plus a checkpoint on SIGTERM.
+    """When to evaluate, save and stop: the FSDP2 engine's rules, plus a checkpoint on SIGTERM/SIGUSR1.
 
     Evaluate every --eval_steps and once at the end of the schedule; save every --save_steps and at
-    the last step of this run (--stop_at_step or the end); stop at --stop_at_step. A SIGTERM seen by
-    any rank makes every rank save at the next step boundary and stop.
+    the last step of this run (--stop_at_step or the end); stop at --stop_at_step. A SIGTERM or SIGUSR1
+    seen by any rank makes every rank save at the next step boundary and stop (see `anygpu.preempt`).
     """
 
     def __init__(self, train_config: TrainArguments, total_steps: int, end_step: int, device: torch.device) -> None:
