@@ -58,10 +58,9 @@ def claim_output_dir(train_args: Any, rank: int) -> None:
     if resume or restarted:
         target = checkpoint.resolve_resume(resume, str(root), warn=True)
         if target is not None:
-            set_aside_newer(root, target, train_args.allow_rewind)
+            # latest/auto resolved to the newest intact checkpoint: whatever is newer is damaged
+            set_aside_newer(root, target, train_args.allow_rewind or resume in ("latest", "auto") or not resume)
             return
-        if resume == "latest":
-            return  # resolve_resume has refused already
     if used(root):
         if train_args.overwrite_output_dir or resume == "auto" or restarted:
             clear(root)
@@ -97,8 +96,8 @@ def clear(root: Path) -> None:
 
 
 def set_aside_newer(root: Path, target: Path, allow_rewind: bool) -> None:
-    """Checkpoints newer than the resumed one: damaged ones (skipped by latest) and, with --allow_rewind,
-    intact ones are moved to <output_dir>/abandoned/<time>/; intact ones without it refuse the rewind."""
+    """Checkpoints newer than the resumed one are moved to <output_dir>/abandoned/<time>/: damaged ones
+    always, intact ones only with --allow_rewind (without it they refuse the rewind)."""
     from anygpu import manifest
 
     step = checkpoint.step_of(target)
