@@ -110,6 +110,9 @@ class AnygpuTrainer(Trainer):
         eval_loss = (totals[0] / totals[1]).item()
         result = {f"{metric_key_prefix}_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)}
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=result)
+        for flow in (c for c in self.callback_handler.callbacks if isinstance(c, FlowCallback)):
+            # a signal during the evaluation: the checkpoint is of this step, saved right after it
+            self.control = flow.check_preemption(self.control)
         return result
 
     # ------------------------------------------------------------------ checkpoints
@@ -255,6 +258,10 @@ class FlowCallback(TrainerCallback):
             control.should_save = True
         if step >= self.end_step:
             control.should_training_stop = True
+        return self.check_preemption(control)
+
+    def check_preemption(self, control):
+        """At a step boundary (or after the evaluation that follows one): a signal on any rank → save and stop."""
         self.preemption.beat()
         if distributed.any_rank(self.preemption.requested is not None, self.device):
             self.terminated = True
