@@ -15,12 +15,8 @@ EXIT_NO_CHECKPOINT = 75  # a second signal, or a collective stuck on a dead peer
 
 
 class UsageError(ValueError):
-    """Bad user input (arguments, data, output folder); `every_rank`: print it on every rank that raises it
-    (for facts only that rank can see, e.g. a missing shared filesystem), not only on rank 0."""
-
-    def __init__(self, message: str, every_rank: bool = False) -> None:
-        super().__init__(message)
-        self.every_rank = every_rank
+    """Bad user input (arguments, data, output folder). Raised on every rank alike (checks that need other
+    ranks' facts gather them first), so rank 0 alone prints it."""
 
 
 def rank() -> int:
@@ -32,9 +28,8 @@ def run_main(body: Callable[[], object], cleanup: Callable[[], None]) -> None:
     try:
         body()
     except UsageError as e:
-        if rank() == 0 or e.every_rank:
-            where = f" (rank {rank()})" if e.every_rank and rank() != 0 else ""
-            print(f"error{where}: {e}", file=sys.stderr, flush=True)
+        if rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         cleanup()
         sys.exit(EXIT_USAGE)
 

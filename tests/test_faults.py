@@ -251,3 +251,28 @@ def test_hf_engine_sigterm_during_an_evaluation_resumes_exactly(tmp_path):
     assert sorted(losses(out)) == list(range(1, 9))
     assert_close(losses(tmp_path / "ref"), losses(out), rel=1e-5)
     assert evals(out) == pytest.approx(evals(tmp_path / "ref"), rel=1e-5)
+
+
+CONNECT = r"""
+import time, torch.distributed as dist
+from anygpu import run_guard
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    time.sleep(20)  # a rank that never reaches the first collective
+else:
+    try:
+        run_guard.check_connectivity(timeout_s=3)
+    except RuntimeError as e:
+        print("CHECK:", str(e).splitlines()[0], flush=True)
+"""
+
+
+def test_the_connectivity_check_names_the_backend_and_the_missing_rank(tmp_path):
+    script = tmp_path / "connect.py"
+    script.write_text(CONNECT)
+    start_t = time.time()
+    proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(script)], cwd=ROOT,
+                          env={**env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("CHECK:")), proc.stdout + proc.stderr[-2000:])
+    assert "connectivity check failed (backend gloo, 2 ranks, 3 s)" in line and "1" in line.split("):", 1)[1], line
+    assert time.time() - start_t < 60
