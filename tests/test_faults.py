@@ -254,7 +254,7 @@ def test_hf_engine_sigterm_during_an_evaluation_resumes_exactly(tmp_path):
 
 
 CONNECT = r"""
-import time, torch.distributed as dist
+import sys, time, torch.distributed as dist
 from anygpu import run_guard
 dist.init_process_group("gloo")
 if dist.get_rank() == 1:
@@ -264,6 +264,7 @@ else:
         run_guard.check_connectivity(timeout_s=3)
     except RuntimeError as e:
         print("CHECK:", str(e).splitlines()[0], flush=True)
+        raise SystemExit(3)  # torchrun then ends the sleeping rank at once
 """
 
 
