@@ -160,9 +160,11 @@ class TrainArguments:
         metadata={"help": "End this run after step N with a checkpoint, keeping the schedule of --max_steps "
                           "(for time-sliced jobs: resume later with --resume_from_checkpoint latest)."},
     )
-    save_total_limit: int | None = field(default=2, metadata={"help": "Keep at most this many checkpoints (oldest deleted)."})
+    save_total_limit: int | None = field(default=2, metadata={"help": "Keep at most this many checkpoints (oldest deleted; never the newest or the only intact one)."})
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "'latest' (the newest complete checkpoint in --output_dir), or a checkpoint folder."}
+        default=None, metadata={"help": "'latest' (the newest intact checkpoint in --output_dir; damaged ones are skipped with a warning), 'auto' "
+                          "(the same, or a fresh start when there is none: for restarted or requeued jobs), or a "
+                          "checkpoint folder (refused if damaged)."}
     )
     report_to: list[str] = field(
         default_factory=lambda: ["tensorboard"], metadata={"help": "Where metrics go besides metrics.jsonl: tensorboard, none."}
