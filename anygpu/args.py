@@ -2,7 +2,7 @@
 
 Names follow Hugging Face's (`run_clm.py`, `TrainingArguments`) so that a command line
 written for one engine runs on the other. Checks that need only the arguments live in
-`__post_init__` and raise `ValueError` naming the argument, the value and an alternative.
+`__post_init__` and raise `UsageError` naming the argument, the value and an alternative.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 from transformers import HfArgumentParser
+from anygpu.arg_checks import check_ranges
+from anygpu.errors import UsageError
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -55,10 +57,11 @@ class ModelArguments:
     )
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         if self.vocab_size < 300:
-            raise ValueError(f"--vocab_size {self.vocab_size} is too small for a byte-level BPE (256 bytes + specials): use at least 300, e.g. 8192.")
+            raise UsageError(f"--vocab_size {self.vocab_size} is too small for a byte-level BPE (256 bytes + specials): use at least 300, e.g. 8192.")
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
-            raise ValueError(f"--attn_implementation {self.attn_implementation!r} is unknown: use sdpa, eager or flash_attention_2.")
+            raise UsageError(f"--attn_implementation {self.attn_implementation!r} is unknown: use sdpa, eager or flash_attention_2.")
 
 
 @dataclass
@@ -119,18 +122,19 @@ class DataArguments:
     )
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         if self.dataset_name and self.train_file:
-            raise ValueError(f"--dataset_name {self.dataset_name} and --train_file {self.train_file} both name the data: give one.")
+            raise UsageError(f"--dataset_name {self.dataset_name} and --train_file {self.train_file} both name the data: give one.")
         for name in ("train_file", "validation_file"):
             path = getattr(self, name)
             if path and not _glob_matches(path):
-                raise ValueError(f"--{name} {path}: no such file. Give an existing .txt/.jsonl/.json/.csv/.parquet file.")
+                raise UsageError(f"--{name} {path}: no such file. Give an existing .txt/.jsonl/.json/.csv/.parquet file.")
         if self.validation_file and not (self.train_file or self.dataset_name):
-            raise ValueError("--validation_file needs --train_file (or --dataset_name) too.")
+            raise UsageError("--validation_file needs --train_file (or --dataset_name) too.")
         if self.block_size is not None and self.block_size < 2:
-            raise ValueError(f"--block_size {self.block_size} must be at least 2 tokens, e.g. 512.")
+            raise UsageError(f"--block_size {self.block_size} must be at least 2 tokens, e.g. 512.")
         if not 0 < self.validation_split_percentage < 100:
-            raise ValueError(f"--validation_split_percentage {self.validation_split_percentage} must be in (0, 100), e.g. 5.")
+            raise UsageError(f"--validation_split_percentage {self.validation_split_percentage} must be in (0, 100), e.g. 5.")
         if self.data_cache_dir is None:
             self.data_cache_dir = os.environ.get("ANYGPU_CACHE", str(Path.home() / ".cache" / "anygpu"))
         _check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
@@ -185,9 +189,11 @@ class TrainArguments:
         metadata={"help": "End this run after step N with a checkpoint, keeping the schedule of --max_steps "
                           "(for time-sliced jobs: resume later with --resume_from_checkpoint latest)."},
     )
-    save_total_limit: int | None = field(default=2, metadata={"help": "Keep at most this many checkpoints (oldest deleted)."})
+    save_total_limit: int | None = field(default=2, metadata={"help": "Keep at most this many checkpoints (oldest deleted; never the newest or the only intact one)."})
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "'latest' (the newest complete checkpoint in --output_dir), or a checkpoint folder."}
+        default=None, metadata={"help": "'latest' (the newest intact checkpoint in --output_dir; damaged ones are skipped with a warning), 'auto' "
+                          "(the same, or a fresh start when there is none: for restarted or requeued jobs), or a "
+                          "checkpoint folder (refused if damaged)."}
     )
     report_to: list[str] = field(
         default_factory=lambda: ["tensorboard"], metadata={"help": "Where metrics go besides metrics.jsonl: tensorboard, none."}
@@ -195,30 +201,51 @@ class TrainArguments:
     ddp_timeout: int = field(default=1800, metadata={"help": "Process-group timeout in seconds (collectives and rendezvous)."})
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
     export_final: bool = field(default=True, metadata={"help": "Export the final model as safetensors to <output_dir>/final."})
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Start a fresh run in an --output_dir that holds another run's metrics or checkpoints, "
+                          "deleting them (without it such a run is refused, unless it resumes)."},
+    )
+    allow_changed_args: bool = field(
+        default=False,
+        metadata={"help": "Resume although arguments that define the training math (data, tokenizer, model, seed, "
+                          "schedule…) differ from the checkpoint's; the banner lists the differences."},
+    )
+    allow_rewind: bool = field(
+        default=False,
+        metadata={"help": "Resume from a checkpoint older than the newest: the newer ones are moved aside to "
+                          "<output_dir>/abandoned/ (without it such a resume is refused)."},
+    )
+    save_on_preempt: bool = field(
+        default=True,
+        metadata={"help": "On SIGTERM or SIGUSR1, every rank finishes its step, saves a checkpoint and exits with "
+                          "code 143. False: stop at once (exit 75), keeping the previous checkpoint."},
+    )
 
     def __post_init__(self) -> None:
+        check_ranges(self)
         if self.lr_scheduler_type not in SCHEDULERS:
-            raise ValueError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown: use one of {', '.join(SCHEDULERS)}.")
+            raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown: use one of {', '.join(SCHEDULERS)}.")
         if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 both set: choose one (bf16 on GPUs that have it).")
+            raise UsageError("--bf16 and --fp16 both set: choose one (bf16 on GPUs that have it).")
         if self.max_steps == 0 or self.max_steps < -1:
-            raise ValueError(f"--max_steps {self.max_steps} must be positive, or -1 to follow --num_train_epochs.")
+            raise UsageError(f"--max_steps {self.max_steps} must be positive, or -1 to follow --num_train_epochs.")
         if self.max_steps == -1 and self.num_train_epochs <= 0:
-            raise ValueError(f"--num_train_epochs {self.num_train_epochs} must be positive (or set --max_steps).")
+            raise UsageError(f"--num_train_epochs {self.num_train_epochs} must be positive (or set --max_steps).")
         for name in ("logging_steps",):
             if getattr(self, name) <= 0:
-                raise ValueError(f"--{name} {getattr(self, name)} must be at least 1.")
+                raise UsageError(f"--{name} {getattr(self, name)} must be at least 1.")
         for name in ("eval_steps", "save_steps", "warmup_steps"):
             if getattr(self, name) < 0:
-                raise ValueError(f"--{name} {getattr(self, name)} must be 0 or more.")
+                raise UsageError(f"--{name} {getattr(self, name)} must be 0 or more.")
         if self.learning_rate <= 0:
-            raise ValueError(f"--learning_rate {self.learning_rate} must be positive, e.g. 3e-4.")
+            raise UsageError(f"--learning_rate {self.learning_rate} must be positive, e.g. 3e-4.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise ValueError(f"--save_total_limit {self.save_total_limit} must be at least 1 (or leave it out to keep all).")
+            raise UsageError(f"--save_total_limit {self.save_total_limit} must be at least 1 (or leave it out to keep all).")
         self.report_to = [r for r in self.report_to if r != "none"]
         for r in self.report_to:
             if r not in ("tensorboard", "all"):
-                raise ValueError(f"--report_to {r!r} is not supported: use tensorboard or none.")
+                raise UsageError(f"--report_to {r!r} is not supported: use tensorboard or none.")
         if self.global_batch_size is None and self.global_batch_tokens is None and \
                 self.per_device_train_batch_size is None and self.gradient_accumulation_steps is None:
             self.global_batch_size = 16
@@ -226,7 +253,7 @@ class TrainArguments:
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"--{name} {value!r} is unknown: use one of {', '.join(choices)}.")
+        raise UsageError(f"--{name} {value!r} is unknown: use one of {', '.join(choices)}.")
 
 
 def _glob_matches(path: str) -> bool:
@@ -237,14 +264,20 @@ def _glob_matches(path: str) -> bool:
 
 def _file_to_argv(path: str) -> list[str]:
     """A YAML/JSON file of {argument: value} as command-line words, so the CLI can override it."""
-    text = Path(path).read_text()
-    data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
+        raise UsageError(f"config file {path} cannot be read ({str(e).splitlines()[0]}): give a YAML/JSON mapping such as 'learning_rate: 3e-4'.") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of argument names to values, got {type(data).__name__}.")
+        raise UsageError(f"{path}: expected a mapping of argument names to values, got {type(data).__name__}.")
     argv: list[str] = []
     for key, value in data.items():
         if value is None:
             continue
+        items = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, (dict, list, tuple)) for v in items):
+            raise UsageError(f"{path}: the value of {key!r} is {value!r}: give a number, a string, a boolean or a list of them.")
         argv.append(f"--{key}")
         if isinstance(value, (list, tuple)):
             argv.extend(str(v) for v in value)
@@ -262,20 +295,25 @@ def parse_args(argv: list[str] | None = None, extra: tuple[type, ...] = ()) -> t
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml", ".json")):
         if not Path(argv[0]).is_file():
-            raise ValueError(f"config file {argv[0]}: no such file.")
+            raise UsageError(f"config file {argv[0]}: no such file.")
         argv = _file_to_argv(argv[0]) + argv[1:]
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainArguments, *extra))
     parser.prog = Path(sys.argv[0]).name
     parser.allow_abbrev = False  # a typo such as --learning_rat must not silently match --learning_rate
     parser.epilog = "Arguments may also come from one YAML or JSON file given first; the command line overrides it."
+    parser.error = _refuse  # argparse would print usage and exit; one line and exit 2 through UsageError instead
     parsed, unknown = parser.parse_known_args(argv)
     if unknown:
-        raise ValueError(f"unknown option(s): {' '.join(unknown)}. See --help for the valid ones.")
+        raise UsageError(f"unknown option(s): {' '.join(unknown)}. See --help for the valid ones.")
     outputs = []
     for dtype in parser.dataclass_types:
         keys = {f for f in dtype.__dataclass_fields__ if dtype.__dataclass_fields__[f].init}
         outputs.append(dtype(**{k: v for k, v in vars(parsed).items() if k in keys}))
     return tuple(outputs)
+
+
+def _refuse(message: str) -> None:
+    raise UsageError(f"{message}. See --help for the valid options and values.")
 
 
 def resolved_dict(*args_objs: Any) -> dict[str, Any]:

@@ -7,6 +7,7 @@ per-device micro-batch and A the gradient accumulation steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from anygpu.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -40,20 +41,20 @@ def resolve_global_batch(
 ) -> int:
     """The global batch in sequences, from whichever of the batch arguments was given."""
     if global_batch_size is not None and global_batch_tokens is not None:
-        raise ValueError(
+        raise UsageError(
             f"--global_batch_size {global_batch_size} and --global_batch_tokens {global_batch_tokens} "
             "both set the global batch: give only one of them."
         )
     if global_batch_tokens is not None:
         if global_batch_tokens <= 0 or global_batch_tokens % block_size:
-            raise ValueError(
+            raise UsageError(
                 f"--global_batch_tokens {global_batch_tokens} must be a positive multiple of "
                 f"--block_size {block_size}, e.g. {max(1, round(global_batch_tokens / block_size)) * block_size}."
             )
         return global_batch_tokens // block_size
     if global_batch_size is not None:
         if global_batch_size <= 0:
-            raise ValueError(f"--global_batch_size {global_batch_size} must be a positive number of sequences, e.g. 64.")
+            raise UsageError(f"--global_batch_size {global_batch_size} must be a positive number of sequences, e.g. 64.")
         return global_batch_size
     # No global batch given: the HF way, G follows from the per-device numbers.
     return (per_device_train_batch_size or 1) * (gradient_accumulation_steps or 1) * world_size
@@ -73,22 +74,22 @@ def plan_batch(
     """Split G over W ranks; refuse any split that would change G."""
     G, W = global_batch_size, world_size
     if W <= 0:
-        raise ValueError(f"world size {W} must be at least 1")
+        raise UsageError(f"world size {W} must be at least 1")
     if G % W:
         valid = sorted({max(W, (G // W) * W), (G // W + 1) * W})
-        raise ValueError(
+        raise UsageError(
             f"--global_batch_size {G} cannot be split evenly over {W} devices: "
             f"use a multiple of {W} (e.g. {' or '.join(map(str, valid))}) or another number of devices."
         )
     per_rank = G // W
     m, A = per_device_train_batch_size, gradient_accumulation_steps
     if m is not None and m <= 0:
-        raise ValueError(f"--per_device_train_batch_size {m} must be at least 1.")
+        raise UsageError(f"--per_device_train_batch_size {m} must be at least 1.")
     if A is not None and A <= 0:
-        raise ValueError(f"--gradient_accumulation_steps {A} must be at least 1.")
+        raise UsageError(f"--gradient_accumulation_steps {A} must be at least 1.")
     if m is not None and A is not None:
         if m * A != per_rank:
-            raise ValueError(
+            raise UsageError(
                 f"--per_device_train_batch_size {m} × --gradient_accumulation_steps {A} × {W} devices = "
                 f"{m * A * W}, not --global_batch_size {G}: drop --gradient_accumulation_steps "
                 f"(it follows from the global batch) or set it to {per_rank // m if per_rank % m == 0 else 'a value that fits'}."
@@ -96,14 +97,14 @@ def plan_batch(
     elif m is not None:
         if per_rank % m:
             fits = [d for d in _divisors(per_rank) if d <= m]
-            raise ValueError(
+            raise UsageError(
                 f"--per_device_train_batch_size {m} does not divide the {per_rank} sequences each of {W} devices "
                 f"gets from --global_batch_size {G}: use one of {fits[-3:]}."
             )
         A = per_rank // m
     elif A is not None:
         if per_rank % A:
-            raise ValueError(
+            raise UsageError(
                 f"--gradient_accumulation_steps {A} does not divide the {per_rank} sequences each of {W} devices "
                 f"gets from --global_batch_size {G}: use one of {_divisors(per_rank)[-3:]}, or leave it out."
             )

@@ -64,14 +64,69 @@ def barrier() -> None:
         dist.barrier()
 
 
+_waits = 0  # how many local_main_first sections this process has entered (their store keys)
+
+
 @contextlib.contextmanager
 def local_main_first(info: DistInfo) -> Iterator[None]:
-    """Let local rank 0 of each node do the work (and fill the cache) before the others read it."""
+    """Let local rank 0 of each node do the work (and fill the cache) before the others read it.
+
+    The others wait for as long as it takes (tokenizer training and packing of a large corpus can
+    outlast --ddp_timeout), polling the job's key-value store and saying so once a minute, instead
+    of waiting in a barrier that the collective timeout would end."""
+    global _waits
+    _waits += 1
+    store = _store()
+    if store is None:  # no process group (tests, plain python): nothing to wait for
+        yield
+        return
+    key = f"anygpu/local_main_done/{_waits}/{info.rank - info.local_rank}"
     if not info.is_local_main:
-        barrier()
-    yield
+        wait_for_key(store, key, "local rank 0 of this node to prepare the tokenizer and the packed data")
+        if store.get(key) != b"ok":
+            raise RuntimeError("local rank 0 of this node failed while preparing the data (see its error above)")
+    try:
+        yield
+    except BaseException:
+        if info.is_local_main:
+            store.set(key, "failed")
+        raise
     if info.is_local_main:
-        barrier()
+        store.set(key, "ok")
+
+
+def _store():
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def wait_for_key(store, key: str, what: str, poll_s: float = 0.5, say_every_s: float = 60.0) -> None:
+    """Poll `store` for `key` without a time limit (a dead peer ends the job through the launcher)."""
+    import logging
+    import time
+
+    start = last = time.monotonic()
+    while not store.check([key]):
+        time.sleep(poll_s)
+        if time.monotonic() - last >= say_every_s:
+            last = time.monotonic()
+            logging.getLogger("anygpu").warning("rank %d: still waiting for %s (%.0f s)", dist.get_rank(), what,
+                                                last - start)
+
+
+def wait_for_all(what: str) -> None:
+    """A barrier without the collective timeout: every rank posts a key and waits for all of them."""
+    global _waits
+    store = _store()
+    if store is None:
+        return
+    _waits += 1
+    store.set(f"anygpu/all/{_waits}/{dist.get_rank()}", "ok")
+    for r in range(dist.get_world_size()):
+        wait_for_key(store, f"anygpu/all/{_waits}/{r}", f"rank {r} to finish {what}")
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

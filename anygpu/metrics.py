@@ -67,8 +67,13 @@ class MetricsWriter:
             self.tb = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop records of steps past the checkpoint (they will be redone)."""
-        if not (self.enabled and self.path.exists()):
+        """On resume, drop records (and TensorBoard events) of steps past the checkpoint (they will be redone)."""
+        if not self.enabled:
+            return
+        from anygpu.event_files import trim_after
+
+        trim_after(self.path.parent / "runs", step)
+        if not self.path.exists():
             return
         keep = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
         self.path.write_text("".join(line + "\n" for line in keep))

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from anygpu.args import PRESETS_DIR, ModelArguments, preset_names
+from anygpu.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +35,13 @@ def resolve_config(args: ModelArguments) -> PretrainedConfig:
     elif "/" in name and not Path(name).exists():  # a cached hub id
         return AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code)
     else:
-        raise ValueError(
+        raise UsageError(
             f"--config_name {name!r} is neither a preset ({', '.join(preset_names())}) nor a config.json file or folder."
         )
     data = json.loads(path.read_text())
     model_type = data.pop("model_type", None)
     if model_type is None:
-        raise ValueError(f"--config_name {path}: config has no 'model_type' (e.g. \"llama\").")
+        raise UsageError(f"--config_name {path}: config has no 'model_type' (e.g. \"llama\").")
     return AutoConfig.for_model(model_type, **data)
 
 
@@ -57,7 +58,7 @@ def resolve_block_size(block_size: int | None, config: PretrainedConfig) -> int:
     if block_size is None:
         return min(1024, limit or 1024)
     if limit is not None and block_size > limit:
-        raise ValueError(
+        raise UsageError(
             f"--block_size {block_size} is above the model's maximum positions ({limit}): use --block_size {min(limit, 1024)} "
             f"or less, or a config with a larger max_position_embeddings."
         )
@@ -72,7 +73,7 @@ def fit_config_to_tokenizer(config: PretrainedConfig, tokenizer, from_scratch: b
         config.eos_token_id = tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
     elif len(tokenizer) > config.vocab_size:
-        raise ValueError(
+        raise UsageError(
             f"--tokenizer_name has {len(tokenizer)} tokens but the model's vocabulary is {config.vocab_size}: "
             "use the model's own tokenizer (leave --tokenizer_name out)."
         )
@@ -167,7 +168,7 @@ def load_pretrained_weights(model: nn.Module, path: str) -> None:
         folder = Path(snapshot_download(path, allow_patterns=["*.safetensors", "*.json"]))
         files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"--model_name_or_path {path}: no *.safetensors weights found (convert .bin weights with save_pretrained).")
+        raise UsageError(f"--model_name_or_path {path}: no *.safetensors weights found (convert .bin weights with save_pretrained).")
     params = dict(model.named_parameters())
     missing = set(params)
     for file in files:
@@ -184,7 +185,7 @@ def load_pretrained_weights(model: nn.Module, path: str) -> None:
                     param.copy_(full)
                 missing.discard(key)
     if missing:
-        raise ValueError(f"--model_name_or_path {path}: weights missing for {sorted(missing)[:5]}…")
+        raise UsageError(f"--model_name_or_path {path}: weights missing for {sorted(missing)[:5]}…")
 
 
 def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
@@ -200,5 +201,5 @@ def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not classes:
-        raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules={sorted(names)}): cannot shard it per layer.")
+        raise UsageError(f"{type(model).__name__} names no decoder layer class (_no_split_modules={sorted(names)}): cannot shard it per layer.")
     return tuple(classes)

@@ -23,6 +23,7 @@ from anygpu.data.sources import data_format, fingerprint, load_raw_text
 from anygpu.args import DataArguments, ModelArguments, TrainArguments
 from anygpu.batch import BatchPlan, plan_batch, resolve_global_batch
 from anygpu.distributed import DistInfo
+from anygpu.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class Prepared:
     used_default_corpus: bool
     collator: Collator | None = None  # rows → batches (padding, position ids, labels)
     data_lines: list[str] = field(default_factory=list)  # format, counts, template: for the banner
+    data_fingerprint: str = ""  # the raw corpus (resume fingerprint, ranks-agree check)
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -49,12 +51,12 @@ def check_output_dir(output_dir: str) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"--output_dir {output_dir} cannot be written ({e.strerror or e}): choose a writable folder, e.g. ./outputs/run1.") from e
+        raise UsageError(f"--output_dir {output_dir} cannot be written ({e.strerror or e}): choose a writable folder, e.g. ./outputs/run1.") from e
 
 
 def check_run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments, world_size: int
               ) -> tuple[PretrainedConfig, int, BatchPlan]:
-    """The cheap checks: model config, block size, batch math, output dir. Raises ValueError."""
+    """The cheap checks: model config, block size, batch math, output dir. Raises UsageError."""
     config = modeling.resolve_config(model_args)
     block_size = modeling.resolve_block_size(data_args.block_size, config)
     G = resolve_global_batch(train_args.global_batch_size, train_args.global_batch_tokens, block_size,
@@ -80,12 +82,13 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
         packing = resolve_packing(data_args.packing, fmt, config.model_type, model_args.attn_implementation)
         data = make_rows(raw, fmt, tokenizer, block_size, data_args, packing, fp)
         packed = data.rows
+    distributed.wait_for_all("preparing the data")  # other nodes may still be packing: no collective timeout
     if data_args.max_train_samples:
         packed["train"] = packed["train"].select(range(min(data_args.max_train_samples, len(packed["train"]))))
     if data_args.max_eval_samples and data_args.max_eval_samples > 0:
         packed["validation"] = packed["validation"].select(range(min(data_args.max_eval_samples, len(packed["validation"]))))
     if len(packed["validation"]) == 0:
-        raise ValueError(f"the validation split has no full {block_size}-token block: lower --block_size or give more validation text.")
+        raise UsageError(f"the validation split has no full {block_size}-token block: lower --block_size or give more validation text.")
     from_scratch = model_args.model_name_or_path is None
     config = modeling.fit_config_to_tokenizer(config, tokenizer, from_scratch)
     order = GlobalOrder(len(packed["train"]), plan.global_batch_size, train_args.seed)
@@ -94,7 +97,7 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
     else:
         total = max(1, int(train_args.num_train_epochs * order.steps_per_epoch))
     return Prepared(config, tokenizer, packed, block_size, plan, order, total, from_scratch, is_default,
-                    data.collator, data.describe())
+                    data.collator, data.describe(), fp)
 
 
 def resolve_packing(requested: bool | None, fmt: str, model_type: str, attn_implementation: str) -> bool:
@@ -103,7 +106,7 @@ def resolve_packing(requested: bool | None, fmt: str, model_type: str, attn_impl
         return requested is not False
     supported = packing_supported(model_type, attn_implementation)
     if requested and not supported:
-        raise ValueError(f"--packing true: {model_type} with --attn_implementation {attn_implementation} cannot confine "
+        raise UsageError(f"--packing true: {model_type} with --attn_implementation {attn_implementation} cannot confine "
                          "attention to each packed sample; use --packing false (padding per micro-batch).")
     if not supported:
         logger.info("%s cannot confine attention to packed samples: one sample per row, padded per micro-batch", model_type)

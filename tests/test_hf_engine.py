@@ -145,6 +145,7 @@ def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
     assert step >= 3
     # it loads and goes on from exactly there, here as plain python (one process)
     proc = python(SCRIPT, [*TINY, "--max_steps", str(step + 2), "--output_dir", str(tmp_path),
-                           "--resume_from_checkpoint", "latest", "--export_final", "false"])
-    assert f"at step {step}" in proc.stdout
+                           "--resume_from_checkpoint", "latest", "--export_final", "false",
+                           "--allow_changed_args", "true"])  # a shorter --max_steps: another schedule
+    assert f"at step {step}" in proc.stdout and "resuming with changed training math: --max_steps" in proc.stdout
     assert max(losses(tmp_path)) == step + 2

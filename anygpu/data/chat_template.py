@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from anygpu.errors import UsageError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -67,7 +69,7 @@ def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], text: str) -
         before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
         through = render(tokenizer, messages[: i + 1])
         if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)):
-            raise ValueError(
+            raise UsageError(
                 f"the chat template does not render conversations prefix by prefix (turn {i}), so the assistant "
                 "tokens cannot be found: use a template with {% generation %} markers, or --assistant_only_loss false."
             )

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 from datasets import Dataset, DatasetDict
 
 from anygpu.data import chat_template
+from anygpu.errors import UsageError
 
 TEXT, PROMPT_COMPLETION, MESSAGES = "text", "prompt_completion", "messages"
 IGNORE = -100
@@ -32,7 +33,7 @@ def detect_format(columns: list[str], text_column: str, where: str) -> str:
         return PROMPT_COMPLETION
     if text_column in columns:
         return TEXT
-    raise ValueError(
+    raise UsageError(
         f"--text_column {text_column!r} is not a column of {where}: its columns are {columns}. Name the text column "
         "with --text_column, or give 'prompt' and 'completion' columns, or a 'messages' column (chat)."
     )
@@ -72,7 +73,7 @@ def _encode_prompt_completion(tokenizer, prompt: Any, completion: Any, completio
         prompt_text = chat_template.render(tokenizer, prompt, add_generation_prompt=True)
         full_text = chat_template.render(tokenizer, prompt + completion)
         if not full_text.startswith(prompt_text):
-            raise ValueError("the chat template renders the prompt differently inside the whole conversation: "
+            raise UsageError("the chat template renders the prompt differently inside the whole conversation: "
                              "use string prompts and completions, or a 'messages' column.")
         prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
         completion_ids = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]

@@ -7,6 +7,7 @@ from typing import Iterator
 import torch
 
 from anygpu.batch import BatchPlan
+from anygpu.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class GlobalOrder:
 
     def __post_init__(self) -> None:
         if self.steps_per_epoch < 1:
-            raise ValueError(
+            raise UsageError(
                 f"the training set has {self.num_samples} packed samples, fewer than --global_batch_size "
                 f"{self.global_batch_size}: lower --global_batch_size (≤ {self.num_samples}) or --block_size, or add data."
             )

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from datasets import Dataset, DatasetDict, load_from_disk
 
+from anygpu.errors import UsageError
+
 logger = logging.getLogger(__name__)
 
 PACKING_VERSION = "1"
@@ -53,6 +55,9 @@ def pack(
     for split, ds in raw.items():
         tok = ds.map(tokenize, batched=True, remove_columns=ds.column_names, num_proc=num_proc, desc=f"tokenise {split}")
         packed[split] = tok.map(group, batched=True, batch_size=2000, num_proc=num_proc, desc=f"pack {split} into {block_size}-token blocks")
+        if len(packed[split]) == 0:  # (an empty split would also break save_to_disk/load_from_disk)
+            raise UsageError(f"the {split} split has no full {block_size}-token block: lower --block_size or give more "
+                             f"{split} text.")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{key}."))
     packed.save_to_disk(str(tmp))

@@ -18,6 +18,7 @@ from anygpu.data import chat_template
 from anygpu.data.collate import Collator, pack_samples
 from anygpu.data.formats import MESSAGES, PROMPT_COMPLETION, TEXT, EncodeOptions, EncodeStats, encode
 from anygpu.data.packing import _tokenizer_key, pack
+from anygpu.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class TrainingRows:
 def carve_validation(train: Dataset, percentage: float) -> DatasetDict:
     """The last rows of the training set as validation (at least one), when the raw data had too few documents."""
     if len(train) < 2:
-        raise ValueError(f"the training data makes {len(train)} row(s): too little to carve a validation split from; "
+        raise UsageError(f"the training data makes {len(train)} row(s): too little to carve a validation split from; "
                          "give --validation_file, more data, or a smaller --block_size.")
     num_val = min(len(train) - 1, max(1, round(len(train) * percentage / 100)))
     return DatasetDict(train=train.select(range(len(train) - num_val)),

@@ -14,6 +14,8 @@ from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
 from anygpu.args import DataArguments
 from anygpu.data.formats import TEXT, detect_format, row_key
+from anygpu.data import checks
+from anygpu.errors import UsageError
 
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -56,13 +58,14 @@ def txt_sample_by(path_or_glob: str, choice: str) -> str:
     return "paragraph" if re.search(r"\n[ \t\r]*\n", head.strip()) else "line"
 
 
-def _load_files(path_or_glob: str, text_column: str, sample_by: str = "auto") -> Dataset:
+def _load_files(path_or_glob: str, text_column: str, option: str = "--train_file", sample_by: str = "auto") -> Dataset:
     suffix = Path(path_or_glob).suffix.lower()
     builder = FILE_BUILDERS.get(suffix)
     if builder is None:
-        raise ValueError(f"file {path_or_glob}: unknown format {suffix!r}; use one of {', '.join(sorted(FILE_BUILDERS))}.")
+        raise UsageError(f"file {path_or_glob}: unknown format {suffix!r}; use one of {', '.join(sorted(FILE_BUILDERS))}.")
     kwargs = {"sample_by": txt_sample_by(path_or_glob, sample_by)} if builder == "text" else {}
-    ds = load_dataset(builder, data_files=path_or_glob, split="train", **kwargs)
+    ds = checks.load_checked(path_or_glob, builder, option,
+                             lambda: load_dataset(builder, data_files=path_or_glob, split="train", **kwargs))
     return ds.rename_column("text", text_column) if builder == "text" and text_column != "text" else ds
 
 
@@ -79,19 +82,22 @@ def load_raw_text(args: DataArguments, seed: int = 0) -> tuple[DatasetDict, bool
         if not isinstance(raw, DatasetDict):
             raw = DatasetDict(train=raw)
         if "train" not in raw:
-            raise ValueError(f"--dataset_name {args.dataset_name} has no 'train' split (splits: {list(raw)}).")
+            raise UsageError(f"--dataset_name {args.dataset_name} has no 'train' split (splits: {list(raw)}).")
         if "validation" not in raw and "test" in raw:
             raw["validation"] = raw["test"]
     elif args.train_file:
-        raw = DatasetDict(train=_load_files(args.train_file, args.text_column, args.txt_sample_by))
+        raw = DatasetDict(train=_load_files(args.train_file, args.text_column, "--train_file", args.txt_sample_by))
         if args.validation_file:
-            raw["validation"] = _load_files(args.validation_file, args.text_column, args.txt_sample_by)
+            raw["validation"] = _load_files(args.validation_file, args.text_column, "--validation_file", args.txt_sample_by)
     else:
         return stdlib_corpus(args.validation_split_percentage, args.max_corpus_mb), True
     source = args.dataset_name or args.train_file
     formats = {split: detect_format(ds.column_names, args.text_column, f"{source} ({split})") for split, ds in raw.items()}
     if len(set(formats.values())) > 1:
-        raise ValueError(f"{source}: the splits hold different formats ({formats}): give the same columns in each.")
+        raise UsageError(f"{source}: the splits hold different formats ({formats}): give the same columns in each.")
+    for split, ds in raw.items():
+        if formats[split] == TEXT:
+            checks.check_text_column(ds, args.text_column, source, split)
     raw = DatasetDict({k: raw[k] for k in ("train", "validation") if k in raw})
     if "validation" not in raw and len(raw["train"]) * args.validation_split_percentage / 100 >= 1:
         # A fixed seed: the split must not move when --seed changes.

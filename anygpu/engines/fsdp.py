@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,43 +17,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from anygpu import checkpoint, distributed, hardware, metrics, modeling, optim, parallel
+from anygpu import checkpoint, distributed, errors, hardware, metrics, modeling, optim, parallel, resume_guard, run_guard
 from anygpu.data.order import eval_shards
 from anygpu.data.collate import Collator, count_targets
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.prepare import Prepared, check_run, prepare, summary_lines
+from anygpu.errors import UsageError
+from anygpu.preempt import Preemption, protected, test_fault
 
 logger = logging.getLogger("anygpu")
-
-
-class _Terminate:
-    """Remembers a SIGTERM so the loop can checkpoint at the next step boundary.
-
-    torchrun also sends SIGTERM to the survivors when a rank dies; they are then stuck in a
-    collective that will never complete, so if no checkpoint has started after
-    ANYGPU_SIGTERM_GRACE_S seconds (default 20, under torchrun's 30 s before SIGKILL) the
-    process exits at once: a failed job ends in seconds, not at the collective timeout.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.saving = False
-        self.grace_s = float(os.environ.get("ANYGPU_SIGTERM_GRACE_S", "20"))
-        signal.signal(signal.SIGTERM, self._handler)
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            return
-        self.requested = True
-        timer = threading.Timer(self.grace_s, self._give_up)
-        timer.daemon = True
-        timer.start()
-
-    def _give_up(self) -> None:
-        if not self.saving:
-            print(f"SIGTERM: no step boundary within {self.grace_s:.0f} s (a peer rank is gone?): exiting without a checkpoint",
-                  file=sys.stderr, flush=True)
-            os._exit(143)
 
 
 def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
@@ -123,17 +92,25 @@ class FSDPTrainer:
 
     def __init__(self, model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
         checked = check_run(model_args, data_args, train_args, distributed.world_size_from_env())  # refuse bad input first
+        run_guard.claim_output_dir(train_args, errors.rank())  # lock, repairs, used output_dir, rewinds
         self.args = train_args
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
+        run_guard.check_ranks(info, resolved_dict(model_args, data_args, train_args), train_args.output_dir)
         logging.basicConfig(level=logging.INFO if info.is_main else logging.WARNING, format="[%(levelname)s] %(message)s")
         if train_args.fp16:
-            raise ValueError("--fp16 is not supported by the FSDP2 engine: use --bf16 (same memory, no loss scaling).")
+            raise UsageError("--fp16 is not supported by the FSDP2 engine: use --bf16 (same memory, no loss scaling).")
         if train_args.bf16 and info.device.type == "cuda" and not hardware.supports_bf16():
-            raise ValueError("--bf16: this GPU has no bf16; drop --bf16 (fp32) or use the HF engine with --fp16.")
+            raise UsageError("--bf16: this GPU has no bf16; drop --bf16 (fp32) or use the HF engine with --fp16.")
         tf32 = hardware.configure_tf32(train_args.tf32)
         torch.manual_seed(train_args.seed + info.rank)
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
-        resume = checkpoint.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir)
+        run_guard.check_data_agrees(info, prep.data_fingerprint)
+        resume = checkpoint.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, warn=False)
+        self.fingerprint = resume_guard.fingerprint(train_args, prep)
+        changed = []
+        if resume is not None:  # before loading: a changed model or the other engine's files get a message
+            resume_guard.check_engine(resume, "fsdp")
+            changed = resume_guard.check(resume, self.fingerprint, train_args.allow_changed_args)
         self.model = build_model(prep, model_args, train_args, info)
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
         self.scheduler = optim.build_scheduler(self.optimizer, train_args, prep.total_steps)
@@ -147,6 +124,8 @@ class FSDPTrainer:
             print(banner(prep, self.model, train_args, tf32), flush=True)
             if resume is not None:
                 print(f"resumed from {resume} at step {self.start_step} (was {self.resumed_world_size} ranks, now {info.world_size})", flush=True)
+                if line := resume_guard.banner_line(changed):
+                    print(line, flush=True)
             out = Path(train_args.output_dir)
             (out / "args.json").write_text(json.dumps(resolved_dict(model_args, data_args, train_args), indent=2, default=str))
             prep.tokenizer.save_pretrained(str(out / "tokenizer"))
@@ -155,7 +134,7 @@ class FSDPTrainer:
         state = checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.info.rank)
         G = self.prep.plan.global_batch_size
         if state["global_batch_size"] != G:
-            raise ValueError(
+            raise UsageError(
                 f"--resume_from_checkpoint {path}: trained with --global_batch_size {state['global_batch_size']}; "
                 f"resuming with {G} would change the data order: pass --global_batch_size {state['global_batch_size']}."
             )
@@ -168,7 +147,7 @@ class FSDPTrainer:
         checkpoint.save(self.args.output_dir, step, self.model, self.optimizer, self.scheduler, {
             "global_step": step, "global_batch_size": prep.plan.global_batch_size, "world_size": self.info.world_size,
             "seed": self.args.seed, "num_train_samples": prep.order.num_samples, "total_steps": prep.total_steps,
-        }, self.args.save_total_limit, self.info.rank)
+        }, self.args.save_total_limit, self.info.rank, {resume_guard.FINGERPRINT_FILE: self.fingerprint})
 
     def _log(self, rec: dict[str, Any]) -> None:
         self.writer.write(rec)
@@ -177,6 +156,7 @@ class FSDPTrainer:
         self.last = {**self.last, **rec}
 
     def log_eval(self, step: int) -> None:
+        test_fault("eval", step)
         eval_loss = evaluate(self.model, self.prep.datasets["validation"], self.prep.collator,
                              self.args.per_device_eval_batch_size, self.info)
         self._log({"step": step, "eval_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)})
@@ -206,7 +186,8 @@ class FSDPTrainer:
     def train(self) -> dict[str, Any]:
         """Train from start_step to end_step; return the last logged record (rank 0)."""
         args, info, total = self.args, self.info, self.prep.total_steps
-        terminate = _Terminate()
+        preemption = Preemption(args.save_on_preempt)
+        preemption.watch(self.model)
         if args.eval_on_start and self.start_step == 0:
             self.log_eval(0)
         bar = tqdm(total=self.end_step, initial=self.start_step, disable=args.disable_tqdm or not info.is_main,
@@ -224,13 +205,14 @@ class FSDPTrainer:
                 window_start, window_steps = time.perf_counter(), 0
             if args.eval_steps and step % args.eval_steps == 0 and step != total:
                 self.log_eval(step)
-            if distributed.any_rank(terminate.requested, info.device):
-                terminate.saving = True
+            preemption.beat()
+            if distributed.any_rank(preemption.requested is not None, info.device):
                 if info.is_main:
-                    tqdm.write(f"SIGTERM: saving checkpoint-{step} before exiting")
+                    tqdm.write(f"{preemption.requested or 'SIGTERM'}: saving checkpoint-{step} before exiting "
+                               f"(exit {errors.EXIT_PREEMPTED})")
                 self.save(step)
                 self.close(bar)
-                sys.exit(143)
+                sys.exit(errors.EXIT_PREEMPTED)
             if args.save_steps and step % args.save_steps == 0 and step != self.end_step:
                 self.save(step)
         bar.close()
@@ -245,7 +227,8 @@ class FSDPTrainer:
         if self.end_step > self.start_step:
             self.save(self.end_step)
         if self.end_step == self.prep.total_steps and self.args.export_final:
-            final = checkpoint.export_safetensors(self.model, self.prep.config, self.prep.tokenizer, out / "final", self.info.rank)
+            with protected():  # the preemption watchdog waits for the export, however long
+                final = checkpoint.export_safetensors(self.model, self.prep.config, self.prep.tokenizer, out / "final", self.info.rank)
             if self.info.is_main:
                 print(f"final model: {final} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
         if self.info.is_main:
@@ -265,10 +248,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        model_args, data_args, train_args = parse_args(argv)
-        run(model_args, data_args, train_args)
-    except ValueError as e:  # bad input: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        distributed.destroy(sync=False)
-        sys.exit(2)
+    def body() -> None:
+        try:
+            run(*parse_args(argv))
+        finally:
+            run_guard.release_locks()
+
+    errors.run_main(body, cleanup=lambda: distributed.destroy(sync=False))

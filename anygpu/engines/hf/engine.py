@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anygpu import distributed, hardware
+from anygpu import distributed, errors, hardware, resume_guard, run_guard
 from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.batch import BatchPlan
+from anygpu.errors import UsageError
 
 if TYPE_CHECKING:
     from anygpu.prepare import Prepared
@@ -101,12 +101,12 @@ def _resume_step(resume: Path | None, prep: Prepared) -> int:
 
     state = read_anygpu_state(resume)
     if state is None:
-        raise ValueError(
+        raise UsageError(
             f"--resume_from_checkpoint {resume}: not a checkpoint of the HF engine (no anygpu_state.json); a "
             "checkpoint of run_fsdp_standalone.py resumes with that engine."
         )
     if state["global_batch_size"] != prep.plan.global_batch_size:
-        raise ValueError(
+        raise UsageError(
             f"--resume_from_checkpoint {resume}: trained with --global_batch_size {state['global_batch_size']}; "
             f"resuming with {prep.plan.global_batch_size} would change the data order: pass --global_batch_size {state['global_batch_size']}."
         )
@@ -125,12 +125,12 @@ def _check_resume_world(resume: Path | None, plan: hf_strategy.Plan) -> None:
     family = {"deepspeed": "DeepSpeed", "fsdp": "FSDP"}
     was, now = family.get(state.get("strategy"), "DDP"), family.get(plan.kind, "DDP")
     if was != now:
-        raise ValueError(
+        raise UsageError(
             f"--resume_from_checkpoint {resume}: a {was} checkpoint cannot be resumed with {now} (their model and "
             f"optimizer files differ): launch with the config the run started with."
         )
     if plan.kind == "deepspeed" and state["world_size"] != plan.request.num_processes:
-        raise ValueError(
+        raise UsageError(
             f"--resume_from_checkpoint {resume}: DeepSpeed ZeRO partitions its checkpoints over {state['world_size']} "
             f"processes; resume with --num_processes {state['world_size']} (or convert the checkpoint with DeepSpeed's "
             "ds_to_universal.py), or use the DDP config, whose checkpoints load on any number of processes."
@@ -142,12 +142,13 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     """Train; return the last logged record (rank 0)."""
     on_cpu = hardware.vendor() == "cpu"
     if train_args.fp16 and on_cpu:
-        raise ValueError("--fp16 needs a GPU: on CPU train in fp32 (leave it out) or with --bf16.")
+        raise UsageError("--fp16 needs a GPU: on CPU train in fp32 (leave it out) or with --bf16.")
     if train_args.bf16 and not on_cpu and not hardware.supports_bf16():
-        raise ValueError("--bf16: this GPU has no bf16; use --fp16 (with loss scaling) or fp32.")
+        raise UsageError("--bf16: this GPU has no bf16; use --fp16 (with loss scaling) or fp32.")
     # Decide the strategy before any process group exists: refusing here costs nothing.
     plan = hf_strategy.plan(hf_strategy.requested(), on_cpu, engine_args.allow_strategy_fallback)
     hf_strategy.apply_env(plan)
+    run_guard.claim_output_dir(train_args, errors.rank())  # lock, repairs, used output_dir, rewinds
     # Trainer and the data stack take seconds to import: only once the run is known to go ahead.
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.utils import logging as hf_logging
@@ -159,10 +160,12 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars between our lines
     tf32 = hardware.configure_tf32(train_args.tf32)
-    resume = checkpoint.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir)
-    _check_resume_world(resume, plan)
-
     targs = training_arguments(train_args, plan)  # joins the process group
+    # Resolved once rank 0's start-up checks (before the process group) are done.
+    resume = checkpoint.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, warn=False)
+    if resume is not None:
+        resume_guard.check_engine(resume, "hf")
+    _check_resume_world(resume, plan)
     is_main = targs.process_index == 0
     ds_plugin = targs.deepspeed_plugin
     if ds_plugin is not None and ds_plugin.offload_optimizer_device in ("cpu", "nvme"):
@@ -176,7 +179,12 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     # Data-parallel devices: processes, or the GPUs one process drives through DataParallel.
     dp_devices = targs.n_gpu if plan.kind == "dataparallel" else targs.world_size
     info = distributed.DistInfo(targs.process_index, targs.local_process_index, dp_devices, targs.device)
+    run_guard.check_ranks(info, resolved_dict(model_args, data_args, train_args, engine_args), train_args.output_dir)
     prep = prepare(model_args, data_args, train_args, info)
+    run_guard.check_data_agrees(info, prep.data_fingerprint)
+    changed = []
+    if resume is not None:
+        changed = resume_guard.check(resume, resume_guard.fingerprint(train_args, prep), train_args.allow_changed_args)
     p = prep.plan
     # One process feeds all its GPUs under DataParallel: its micro-batch is m × GPUs, cut by DataParallel.
     sampler_plan = BatchPlan(p.global_batch_size, p.per_device_train_batch_size * dp_devices, 1,
@@ -204,6 +212,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         writer.truncate_after(start_step)
     metrics_cb = MetricsCallback(writer, prep, train_args, dp_devices, targs.device, fpt, peak, start_step, end_step, is_main)
     flow_cb = FlowCallback(train_args, prep.total_steps, end_step, targs.device)
+    flow_cb.preemption.watch(model)
     trainer = AnygpuTrainer(
         model=model, args=targs, train_dataset=prep.datasets["train"], callbacks=[metrics_cb, flow_cb],
         prep=prep, sampler_plan=sampler_plan, start_step=start_step, train_config=train_args, num_devices=dp_devices,
@@ -216,7 +225,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     hf_strategy.check_in_effect(plan, acc.distributed_type.name, acc.num_processes,
                                 getattr(fsdp_plugin, "fsdp_version", None))
     if not trainer.model_accepts_loss_kwargs:
-        raise ValueError(
+        raise UsageError(
             f"{type(model).__name__}.forward takes no num_items_in_batch: Trainer could not normalise its loss over the "
             "global batch. Use a transformers causal LM whose forward accepts **kwargs, or the FSDP2 engine."
         )
@@ -226,6 +235,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         if resume is not None:
             was = read_anygpu_state(resume)["world_size"]
             print(f"resumed from {resume} at step {start_step} (was {was} devices, now {dp_devices})", flush=True)
+            if line := resume_guard.banner_line(changed):
+                print(line, flush=True)
         Path(train_args.output_dir, "args.json").write_text(json.dumps(
             {**resolved_dict(model_args, data_args, train_args, engine_args), "strategy": plan.describe()},
             indent=2, default=str))
@@ -237,10 +248,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         print(f"nothing to train: the run is at step {start_step} and ends at {end_step}", flush=True)
     if flow_cb.terminated:
         if is_main:
-            print(f"SIGTERM: saved checkpoint-{trainer.state.global_step}, exiting", flush=True)
+            print(f"{flow_cb.preemption.requested}: saved checkpoint-{trainer.state.global_step}, exiting "
+                  f"(exit {errors.EXIT_PREEMPTED})", flush=True)
         writer.close()
         distributed.destroy()
-        sys.exit(143)
+        sys.exit(errors.EXIT_PREEMPTED)
     if end_step == prep.total_steps and end_step > start_step and train_args.export_final:
         out = export_final(trainer.model, prep.config, prep.tokenizer, Path(train_args.output_dir) / "final", is_main)
         if is_main:
@@ -254,11 +266,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        model_args, data_args, train_args, engine_args = parse_args(argv, extra=(HFEngineArguments,))
-        run(model_args, data_args, train_args, engine_args)
-    except ValueError as e:  # bad input or a strategy this machine cannot run: one clear message, no traceback
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        distributed.destroy(sync=False)
-        sys.exit(2)
+    def body() -> None:
+        try:
+            run(*parse_args(argv, extra=(HFEngineArguments,)))
+        finally:
+            run_guard.release_locks()
+
+    # bad input or a strategy this machine cannot run: one clear message (UsageError); the rest keeps its traceback
+    errors.run_main(body, cleanup=lambda: distributed.destroy(sync=False))

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from anygpu.errors import UsageError
+
 FSDP_ON_CPU = (
     "the accelerate config asks for FSDP, but accelerate cannot run FSDP on CPU: it would silently "
     "train plain data parallel (DDP) instead. On a machine without a GPU use one of\n"
@@ -98,7 +100,7 @@ def plan(request: Request, on_cpu: bool, allow_fallback: bool) -> Plan:
         return Plan(request, request.kind, use_cpu=False, ddp_backend=None)
     if request.kind == "fsdp":
         if not allow_fallback:
-            raise ValueError(FSDP_ON_CPU)
+            raise UsageError(FSDP_ON_CPU)
         kind = "ddp" if request.num_processes > 1 else "single"
         note = "FSDP was requested; accelerate cannot run FSDP on CPU, so this trains DDP (--allow_strategy_fallback)"
         # Accelerate must not half-configure FSDP: the CPU path is plain multi-process data parallel.
@@ -120,7 +122,7 @@ def check_in_effect(p: Plan, distributed_type: str, num_processes: int, fsdp_ver
     """
     expected_world = p.request.num_processes
     if num_processes != expected_world:
-        raise ValueError(
+        raise UsageError(
             f"the launcher started {expected_world} processes but accelerate sees a world of {num_processes}: "
             f"each process would train alone on its own data. Launch with accelerate launch or torchrun, "
             f"and on a CPU-only host use the configs in accelerate_configs/."
@@ -134,7 +136,7 @@ def check_in_effect(p: Plan, distributed_type: str, num_processes: int, fsdp_ver
         "dataparallel": distributed_type == "NO",
     }[p.kind]
     if not ok:
-        raise ValueError(
+        raise UsageError(
             f"asked for {p.request.describe()} but accelerate set up {distributed_type}"
             + (f" (FSDP version {fsdp_version})" if distributed_type == "FSDP" else "")
             + ": refusing to train with another strategy than the one requested. Check the accelerate config "

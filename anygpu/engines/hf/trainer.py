@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,11 +27,13 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback
 
-from anygpu import checkpoint, distributed, metrics, optim
+from anygpu import checkpoint, distributed, metrics, optim, resume_guard
 from anygpu.data.order import MicroBatchSampler, eval_shards
 from anygpu.data.collate import count_targets
 from anygpu.args import TrainArguments
 from anygpu.batch import BatchPlan
+from anygpu.preempt import Preemption, protected
+from anygpu.preempt import test_fault
 from anygpu.prepare import Prepared
 
 ANYGPU_STATE = "anygpu_state.json"  # our keys next to Trainer's trainer_state.json in each checkpoint
@@ -109,6 +110,7 @@ class AnygpuTrainer(Trainer):
         Every rank runs the same number of forward passes (ZeRO-3 and FSDP gather parameters
         collectively); a rank short of samples runs a dummy batch and discards it.
         """
+        test_fault("eval", self.state.global_step)
         model = self.model_wrapped
         if isinstance(model, torch.nn.DataParallel):  # evaluation needs no second GPU
             model = model.module
@@ -131,6 +133,9 @@ class AnygpuTrainer(Trainer):
         eval_loss = (totals[0] / totals[1]).item()
         result = {f"{metric_key_prefix}_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)}
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=result)
+        for flow in (c for c in self.callback_handler.callbacks if isinstance(c, FlowCallback)):
+            # a signal during the evaluation: the checkpoint is of this step, saved right after it
+            self.control = flow.check_preemption(self.control)
         return result
 
     # ------------------------------------------------------------------ checkpoints
@@ -151,28 +156,24 @@ class AnygpuTrainer(Trainer):
             staging.mkdir(parents=True)
         distributed.barrier()
         self._staging_dir = str(staging)
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self._staging_dir = None
-        folder = staging / f"checkpoint-{step}"
-        if self.args.should_save:
-            checkpoint.write_json(folder / ANYGPU_STATE, {
-                "global_step": step, "global_batch_size": self.prep.plan.global_batch_size,
-                "world_size": self.num_devices, "seed": self.train_config.seed,
-                "num_train_samples": self.prep.order.num_samples, "total_steps": self.prep.total_steps,
-                "strategy": self.strategy,
-            })
-        distributed.barrier()  # every rank's files (RNG states, ZeRO partitions) are in place
-        if self.args.should_save:
-            final = root / folder.name
-            checkpoint.replace_dir(folder, final)
-            shutil.rmtree(staging, ignore_errors=True)
-            checkpoint.fsync_dir(root)
-            limit = self.train_config.save_total_limit
-            if limit:
-                for old in checkpoint.checkpoints(root)[:-limit]:
-                    shutil.rmtree(old, ignore_errors=True)
+        folder, final = staging / f"checkpoint-{step}", root / f"checkpoint-{step}"
+        with protected(), checkpoint._disk_errors(root, staging, final, 0 if self.args.should_save else 1):
+            try:
+                super()._save_checkpoint(model, trial)
+                test_fault("save", step)
+            finally:
+                self._staging_dir = None
+            distributed.barrier()  # every rank's files (RNG states, ZeRO partitions) are in place
+            if self.args.should_save:
+                state = {"global_step": step, "global_batch_size": self.prep.plan.global_batch_size,
+                         "world_size": self.num_devices, "seed": self.train_config.seed,
+                         "num_train_samples": self.prep.order.num_samples, "total_steps": self.prep.total_steps,
+                         "strategy": self.strategy}
+                fingerprint = resume_guard.fingerprint(self.train_config, self.prep)
+                # state files, manifest (fsyncs Trainer's files), rename, rotation
+                checkpoint.finalize(root, folder, final, step, self.num_devices, "hf", self.train_config.save_total_limit,
+                                    {ANYGPU_STATE: state, resume_guard.FINGERPRINT_FILE: fingerprint})
+                shutil.rmtree(staging, ignore_errors=True)
         distributed.barrier()
 
     def _get_output_dir(self, trial: Any) -> str:
@@ -259,21 +260,17 @@ class MetricsCallback(TrainerCallback):
 
 
 class FlowCallback(TrainerCallback):
-    """When to evaluate, save and stop: the FSDP2 engine's rules, plus a checkpoint on SIGTERM.
+    """When to evaluate, save and stop: the FSDP2 engine's rules, plus a checkpoint on SIGTERM/SIGUSR1.
 
     Evaluate every --eval_steps and once at the end of the schedule; save every --save_steps and at
-    the last step of this run (--stop_at_step or the end); stop at --stop_at_step. A SIGTERM seen by
-    any rank makes every rank save at the next step boundary and stop.
+    the last step of this run (--stop_at_step or the end); stop at --stop_at_step. A SIGTERM or SIGUSR1
+    seen by any rank makes every rank save at the next step boundary and stop (see `anygpu.preempt`).
     """
 
     def __init__(self, train_config: TrainArguments, total_steps: int, end_step: int, device: torch.device) -> None:
         self.cfg, self.total_steps, self.end_step, self.device = train_config, total_steps, end_step, device
-        self.sigterm = False
         self.terminated = False
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self.sigterm = True
+        self.preemption = Preemption(train_config.save_on_preempt)
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
@@ -284,7 +281,12 @@ class FlowCallback(TrainerCallback):
             control.should_save = True
         if step >= self.end_step:
             control.should_training_stop = True
-        if distributed.any_rank(self.sigterm, self.device):
+        return self.check_preemption(control)
+
+    def check_preemption(self, control):
+        """At a step boundary (or after the evaluation that follows one): a signal on any rank → save and stop."""
+        self.preemption.beat()
+        if distributed.any_rank(self.preemption.requested is not None, self.device):
             self.terminated = True
             control.should_save = True
             control.should_training_stop = True
@@ -340,6 +342,12 @@ def export_final(model: torch.nn.Module, config: Any, tokenizer: Any, out_dir: s
     """<out_dir> as Hugging Face safetensors + config + tokenizer, written under a temporary name."""
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp")
+    with protected():  # the preemption watchdog waits for the export, however long
+        _export(model, config, tokenizer, out, tmp, is_main)
+    return out
+
+
+def _export(model: torch.nn.Module, config: Any, tokenizer: Any, out: Path, tmp: Path, is_main: bool) -> None:
     state = full_state_dict(model, is_main)
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -349,7 +357,6 @@ def export_final(model: torch.nn.Module, config: Any, tokenizer: Any, out_dir: s
         tokenizer.save_pretrained(str(tmp))
         checkpoint.replace_dir(tmp, out)
     distributed.barrier()
-    return out
 
 
 def read_resume_step(path: Path) -> int:

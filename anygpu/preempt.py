@@ -1,0 +1,113 @@
+"""Preemption: SIGTERM (Slurm, Kubernetes, torchrun) or SIGUSR1 (Slurm's --signal) asks every rank to
+finish its step, save a checkpoint together and exit with `errors.EXIT_PREEMPTED` (143).
+
+- A second SIGTERM exits at once (`EXIT_NO_CHECKPOINT`, 75): checkpoints are written under a temporary
+  name and renamed when complete, so the previous one is never harmed.
+- A dead peer: torchrun also sends SIGTERM to the survivors when a rank dies, and they are then stuck in
+  a collective that will never complete. A watchdog exits them fast (75) — but only when the process has
+  made no progress at all for ANYGPU_SIGTERM_GRACE_S seconds (default 20). Progress is a heartbeat bumped
+  by every forward pass of a decoder layer and every step boundary, and a save or an export in progress
+  holds the watchdog off, so a healthy job in a long step, an evaluation, a save or the export always
+  reaches its checkpoint.
+- `--save_on_preempt false`: the first signal exits at once (75).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Iterator
+
+from anygpu.errors import EXIT_NO_CHECKPOINT
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preemption:
+    """Installed once per run; `requested` is the name of the first signal seen (None before)."""
+
+    def __init__(self, save_on_preempt: bool = True) -> None:
+        self.save_on_preempt = save_on_preempt
+        self.requested: str | None = None
+        self.grace_s = float(os.environ.get("ANYGPU_SIGTERM_GRACE_S", "20"))
+        self.beats = 0
+        self.protected_depth = 0
+        for sig in SIGNALS:
+            signal.signal(sig, self._handler)
+        global _ACTIVE
+        _ACTIVE = self
+
+    def beat(self, *_: Any) -> None:
+        self.beats += 1
+
+    def watch(self, model: Any) -> None:
+        """Bump the heartbeat on every forward of the model and of its decoder layers (hooks survive wrapping)."""
+        from anygpu import modeling
+
+        model.register_forward_pre_hook(self.beat)
+        with contextlib.suppress(Exception):  # a model that names no decoder layer still beats once per forward
+            layer_types = modeling.decoder_layer_classes(model)
+            for module in model.modules():
+                if isinstance(module, layer_types):
+                    module.register_forward_pre_hook(self.beat)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if not self.save_on_preempt:
+            _say(f"{name}: --save_on_preempt false: exiting at once (exit {EXIT_NO_CHECKPOINT}); the last checkpoint is kept")
+            os._exit(EXIT_NO_CHECKPOINT)
+        if self.requested is not None:
+            if signum == signal.SIGTERM:
+                _say(f"second SIGTERM: exiting at once without a new checkpoint (exit {EXIT_NO_CHECKPOINT}); "
+                     "the previous checkpoint is intact")
+                os._exit(EXIT_NO_CHECKPOINT)
+            return
+        self.requested = name
+        threading.Thread(target=self._watchdog, daemon=True, name="anygpu-preempt-watchdog").start()
+
+    def _watchdog(self) -> None:
+        seen = self.beats
+        while True:
+            time.sleep(self.grace_s)
+            if self.protected_depth or self.beats != seen:
+                seen = self.beats
+                continue
+            _say(f"{self.requested}: no progress for {self.grace_s:.0f} s, stuck in a collective (a peer rank is gone?): "
+                 f"exiting without a checkpoint (exit {EXIT_NO_CHECKPOINT})")
+            os._exit(EXIT_NO_CHECKPOINT)
+
+
+_ACTIVE: Preemption | None = None
+
+
+@contextlib.contextmanager
+def protected() -> Iterator[None]:
+    """A save or export in progress: the watchdog waits for it, however long it takes."""
+    p = _ACTIVE
+    if p is None:
+        yield
+        return
+    p.protected_depth += 1
+    try:
+        yield
+    finally:
+        p.protected_depth -= 1
+        p.beat()
+
+
+def _say(message: str) -> None:
+    print(f"[rank {os.environ.get('RANK', '0')}] {message}", file=sys.stderr, flush=True)
+
+
+def test_fault(point: str, step: int) -> None:
+    """Fault injection for the tests, off unless set: ANYGPU_TEST_SIGTERM_AT=eval:4 makes rank 0 send itself
+    SIGTERM as the evaluation at step 4 starts; ANYGPU_TEST_SLOW_SAVE=10:60 sleeps 60 s inside the write of
+    checkpoint-10 (after the shards, before the rename), so a test can kill the job mid-write."""
+    if os.environ.get("ANYGPU_TEST_SIGTERM_AT") == f"{point}:{step}" and os.environ.get("RANK", "0") == "0":
+        os.kill(os.getpid(), signal.SIGTERM)
+    slow = os.environ.get("ANYGPU_TEST_SLOW_SAVE", "")
+    if point == "save" and slow.startswith(f"{step}:"):
+        time.sleep(float(slow.split(":")[1]))

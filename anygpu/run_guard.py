@@ -1,0 +1,257 @@
+"""Start-up guards of a run, both engines.
+
+Before the process group (rank 0 only, filesystem only):
+- one writer per --output_dir: a lock file holding host and pid; a stale lock of a dead process on this
+  host is taken over with a warning;
+- a checkpoint replaced half-way (`.checkpoint-N.old`) is repaired;
+- a fresh run into an --output_dir that holds another run is refused (naming --overwrite_output_dir), unless
+  it resumes; `--resume_from_checkpoint auto` with nothing to resume starts fresh and clears the old files;
+- a rewind (resuming from a checkpoint older than the newest) is refused, naming the newer checkpoints and
+  --allow_rewind, which moves them aside to <output_dir>/abandoned/ so that neither rotation nor `latest`
+  can mix the two branches. Newer checkpoints that are damaged are moved aside the same way.
+
+Once the process group exists (`check_ranks`, `check_data_agrees`):
+- a short connectivity check is the first collective: its failure names the backend and the missing ranks;
+- every rank compares the resolved arguments, the package version and (after data preparation) the corpus
+  fingerprint with rank 0's: a difference stops the job at once, naming the rank, its host and the field;
+- every rank must see --output_dir as rank 0 does (a probe file): otherwise a multi-node checkpoint would
+  hold only some nodes' shards.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from anygpu import checkpoint
+from anygpu.errors import UsageError
+
+LOCK = ".anygpu.lock"
+PER_NODE = ("data_cache_dir", "preprocessing_num_workers")  # may differ between nodes
+RUN_FILES = ("metrics.jsonl", "runs", "loss.png", "final")  # what a run leaves besides its checkpoints
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------- before the process group
+def claim_output_dir(train_args: Any, rank: int) -> None:
+    """Rank 0's start-up checks and repairs of --output_dir (see the module docstring)."""
+    if rank != 0:
+        return
+    root = Path(train_args.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    take_lock(root)
+    for line in checkpoint_repairs(root):
+        warn(line)
+    resume = train_args.resume_from_checkpoint
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if resume or restarted:
+        target = checkpoint.resolve_resume(resume, str(root), warn=True)
+        if target is not None:
+            # latest/auto resolved to the newest intact checkpoint: whatever is newer is damaged
+            set_aside_newer(root, target, train_args.allow_rewind or resume in ("latest", "auto") or not resume)
+            return
+    if used(root):
+        if train_args.overwrite_output_dir or resume == "auto" or restarted:
+            clear(root)
+        else:
+            raise UsageError(
+                f"--output_dir {root} already holds a run ({', '.join(used(root))}): a new run would mix its metrics "
+                "with the old ones. Resume it with --resume_from_checkpoint latest, choose another --output_dir, or "
+                "pass --overwrite_output_dir true to delete the old run."
+            )
+
+
+def checkpoint_repairs(root: Path) -> list[str]:
+    from anygpu import manifest
+
+    return manifest.recover_half_replaced(root)
+
+
+def used(root: Path) -> list[str]:
+    """What another run left in `root` (its metrics, curves, export and checkpoints)."""
+    found = [name for name in RUN_FILES if (root / name).exists()]
+    return found + [c.name for c in checkpoint.checkpoints(root)]
+
+
+def clear(root: Path) -> None:
+    for name in RUN_FILES:
+        path = root / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink()
+    for ckpt in checkpoint.checkpoints(root):
+        shutil.rmtree(ckpt, ignore_errors=True)
+
+
+def set_aside_newer(root: Path, target: Path, allow_rewind: bool) -> None:
+    """Checkpoints newer than the resumed one are moved to <output_dir>/abandoned/<time>/: damaged ones
+    always, intact ones only with --allow_rewind (without it they refuse the rewind)."""
+    from anygpu import manifest
+
+    step = checkpoint.step_of(target)
+    newer = [c for c in checkpoint.checkpoints(root) if checkpoint.step_of(c) > step]
+    intact = [c for c in newer if manifest.problem(c, checksums=False) is None]
+    if intact and not allow_rewind:
+        raise UsageError(
+            f"--resume_from_checkpoint {target}: newer checkpoints exist ({', '.join(c.name for c in intact)}); "
+            "resuming would start a second branch that rotation and 'latest' would mix with them. Pass "
+            "--allow_rewind true to move them aside to <output_dir>/abandoned/, or resume with latest."
+        )
+    if newer:
+        dest = root / "abandoned" / time.strftime("%Y%m%d-%H%M%S")
+        dest.mkdir(parents=True, exist_ok=True)
+        for c in newer:
+            os.replace(c, dest / c.name)
+        warn(f"moved {', '.join(c.name for c in newer)} aside to {dest} (newer than the resumed {target.name})")
+
+
+def take_lock(root: Path) -> None:
+    """One writer per output_dir; released when this process exits."""
+    path = root / LOCK
+    me = {"host": socket.gethostname(), "pid": os.getpid()}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            holder = _read_lock(path)
+            if holder == me:
+                return
+            if holder and holder.get("host") == me["host"] and not _alive(int(holder.get("pid", 0))):
+                warn(f"taking over the lock {path} of process {holder['pid']} on {holder['host']}, which is gone")
+                path.unlink(missing_ok=True)
+                continue
+            who = f"process {holder['pid']} on {holder['host']}" if holder else "an unknown process"
+            raise UsageError(
+                f"--output_dir {root} is in use by another run ({who}, lock file {path}): choose another "
+                "--output_dir, or wait for that run to end (if it is gone, delete the lock file)."
+            ) from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        _held.add(root)
+        return
+    raise UsageError(f"--output_dir {root}: could not take the lock {path}; delete it if no run uses the folder.")
+
+
+_held: set[Path] = set()
+
+
+@atexit.register
+def release_locks() -> None:
+    """Release the locks this process holds (at the end of a run, on an error and at exit)."""
+    while _held:
+        path = _held.pop() / LOCK
+        if _read_lock(path) == {"host": socket.gethostname(), "pid": os.getpid()}:
+            path.unlink(missing_ok=True)
+
+
+def _read_lock(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---------------------------------------------------------------------- once the process group exists
+def check_connectivity(timeout_s: float | None = None) -> None:
+    """The first collective: a barrier that names the ranks that did not arrive instead of hanging."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    timeout_s = timeout_s or float(os.environ.get("ANYGPU_CONNECT_TIMEOUT_S", "120"))
+    backend = dist.get_backend()
+    group = None if backend == "gloo" else dist.new_group(backend="gloo")
+    try:
+        dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"connectivity check failed (backend {backend}, {dist.get_world_size()} ranks, {timeout_s:.0f} s): "
+            f"{str(e).splitlines()[0]}. Check that every node runs the same command and reaches MASTER_ADDR."
+        ) from e
+
+
+def _gather(record: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [record]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, record)
+    return out
+
+
+def _first_difference(records: list[dict[str, Any]], what: str) -> None:
+    base = records[0]["fields"]
+    for r in records[1:]:
+        diff = [k for k in sorted(set(base) | set(r["fields"])) if base.get(k) != r["fields"].get(k)]
+        if diff:
+            k = diff[0]
+            raise UsageError(
+                f"rank {r['rank']} on host {r['host']} was started with different {what} than rank 0 on host "
+                f"{records[0]['host']}: {k} = {r['fields'].get(k)!r} there, {base.get(k)!r} on rank 0"
+                + (f" (and {len(diff) - 1} more: {', '.join(diff[1:4])})" if len(diff) > 1 else "")
+                + ". Start every node with the same command line, arguments and anygpu version."
+            )
+
+
+def check_ranks(info: Any, resolved: dict[str, Any], output_dir: str) -> None:
+    """Connectivity, same arguments and version on every rank, and a shared --output_dir."""
+    import torch.distributed as dist
+
+    from anygpu import __version__
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    check_connectivity()
+    host = socket.gethostname()
+    fields = {k: json.dumps(v, sort_keys=True, default=str) for k, v in resolved.items() if k not in PER_NODE}
+    fields["anygpu version"] = __version__
+    _first_difference(_gather({"rank": info.rank, "host": host, "fields": fields}), "arguments")
+    probe = Path(output_dir) / f".probe-{uuid.uuid4().hex[:12]}"
+    if info.rank == 0:
+        probe.write_text(host)
+    from anygpu import distributed
+
+    probe = Path(distributed.broadcast_object(str(probe)))
+    seen = _gather({"rank": info.rank, "host": host, "sees": probe.exists()})
+    dist.barrier()
+    if info.rank == 0:
+        probe.unlink(missing_ok=True)
+    blind = [r for r in seen if not r["sees"]]
+    if blind:
+        hosts = sorted({r["host"] for r in blind})
+        raise UsageError(
+            f"--output_dir {output_dir} is not shared: rank(s) {', '.join(str(r['rank']) for r in blind)} on "
+            f"{', '.join(hosts)} do not see the file rank 0 wrote there, so checkpoints would hold only some "
+            "nodes' shards. Put --output_dir on a filesystem every node mounts (NFS, Lustre, GPFS, …)."
+        )
+
+
+def check_data_agrees(info: Any, corpus_fingerprint: str) -> None:
+    """After data preparation: every rank read the same corpus."""
+    _first_difference(_gather({"rank": info.rank, "host": socket.gethostname(),
+                               "fields": {"corpus fingerprint": corpus_fingerprint[:16]}}), "data")

@@ -1,0 +1,188 @@
+"""Nothing lost, without training: verified checkpoints, repairs, rotation, rewinds, a used output_dir,
+the output_dir lock, TensorBoard trimming and a full disk. Checkpoint folders here are real folders
+with a real manifest; the engines' own runs are in test_faults.py."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from anygpu import checkpoint, manifest, run_guard
+from anygpu.errors import SaveError, UsageError
+
+
+def fake_checkpoint(root: Path, step: int, payload: bytes = b"weights") -> Path:
+    """checkpoint-<step> as finalize makes it: files, then the manifest, then the rename."""
+    tmp = root / f".checkpoint-{step}.tmp"
+    tmp.mkdir(parents=True)
+    (tmp / "__0_0.distcp").write_bytes(payload * 100)
+    checkpoint.finalize(root, tmp, root / f"checkpoint-{step}", step, 2, "fsdp", None,
+                        {checkpoint.STATE_FILE: {"global_step": step}})
+    return root / f"checkpoint-{step}"
+
+
+def args(root: Path, **kw) -> SimpleNamespace:
+    base = dict(output_dir=str(root), resume_from_checkpoint=None, overwrite_output_dir=False, allow_rewind=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def names(root: Path) -> list[str]:
+    return [c.name for c in checkpoint.checkpoints(root)]
+
+
+# ---------------------------------------------------------------------- verified checkpoints
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no-manifest"])
+def test_latest_skips_a_damaged_checkpoint_and_the_path_form_refuses_it(tmp_path, damage, capsys):
+    good, bad = fake_checkpoint(tmp_path, 3), fake_checkpoint(tmp_path, 6)
+    shard = bad / "__0_0.distcp"
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    elif damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[17] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "delete":
+        shard.unlink()
+    else:
+        (bad / manifest.MANIFEST).unlink()
+    assert checkpoint.resolve_resume("latest", str(tmp_path)) == good
+    warning = capsys.readouterr().err
+    assert "skipping checkpoint-6" in warning
+    named = "manifest.json" if damage == "no-manifest" else "__0_0.distcp"
+    assert named in warning
+    with pytest.raises(UsageError, match=f"--resume_from_checkpoint {bad}: .*{named}.*use latest"):
+        checkpoint.resolve_resume(str(bad), str(tmp_path))
+    assert checkpoint.resolve_resume(str(good), str(tmp_path)) == good
+
+
+def test_auto_starts_fresh_when_nothing_is_intact_and_latest_refuses(tmp_path):
+    assert checkpoint.resolve_resume("auto", str(tmp_path)) is None
+    with pytest.raises(UsageError, match="latest: no intact checkpoint.*use auto"):
+        checkpoint.resolve_resume("latest", str(tmp_path))
+
+
+def test_a_half_replaced_checkpoint_is_recovered_at_start_up(tmp_path):
+    """A crash between the two renames of replace_dir: `.checkpoint-N.old` and no checkpoint-N."""
+    ckpt = fake_checkpoint(tmp_path, 4)
+    os.replace(ckpt, tmp_path / ".checkpoint-4.old")  # what the first rename leaves
+    run_guard.claim_output_dir(args(tmp_path, resume_from_checkpoint="latest"), rank=0)
+    assert names(tmp_path) == ["checkpoint-4"] and manifest.problem(tmp_path / "checkpoint-4") is None
+    assert not list(tmp_path.glob(".*.old"))
+    # the second rename happened too: the stale .old is removed, the new one kept
+    (tmp_path / ".checkpoint-4.old").mkdir()
+    run_guard.release_locks()
+    run_guard.claim_output_dir(args(tmp_path, resume_from_checkpoint="latest"), rank=0)
+    assert not list(tmp_path.glob(".*.old")) and names(tmp_path) == ["checkpoint-4"]
+    run_guard.release_locks()
+
+
+# ---------------------------------------------------------------------- rotation and rewinds
+def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
+    """The defect: with 100/200/300 on disk, saving 110 with a limit of 2 deleted 100 and 110."""
+    for step in (100, 200, 300):
+        fake_checkpoint(tmp_path, step)
+    tmp = tmp_path / ".checkpoint-110.tmp"
+    tmp.mkdir()
+    checkpoint.finalize(tmp_path, tmp, tmp_path / "checkpoint-110", 110, 1, "fsdp", 2, {"trainer_state.json": {}})
+    assert "checkpoint-110" in names(tmp_path) and "checkpoint-300" in names(tmp_path)
+
+
+def test_keep_last_k_keeps_the_only_loadable_checkpoint(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    for step in (4, 6):
+        (fake_checkpoint(tmp_path, step) / manifest.MANIFEST).write_text("{")  # damaged
+    fake_checkpoint(tmp_path, 8)
+    checkpoint.rotate(tmp_path, 2, tmp_path / "checkpoint-8")
+    assert names(tmp_path) == ["checkpoint-2", "checkpoint-8"]
+
+
+def test_a_rewind_is_refused_naming_the_newer_checkpoints_and_the_option(tmp_path):
+    for step in (100, 200, 300):
+        fake_checkpoint(tmp_path, step)
+    old = str(tmp_path / "checkpoint-100")
+    with pytest.raises(UsageError, match=r"newer checkpoints exist \(checkpoint-200, checkpoint-300\).*--allow_rewind true"):
+        run_guard.claim_output_dir(args(tmp_path, resume_from_checkpoint=old), rank=0)
+    run_guard.release_locks()
+    run_guard.claim_output_dir(args(tmp_path, resume_from_checkpoint=old, allow_rewind=True), rank=0)
+    run_guard.release_locks()
+    assert names(tmp_path) == ["checkpoint-100"]
+    assert sorted(p.name for p in (tmp_path / "abandoned").glob("*/checkpoint-*")) == ["checkpoint-200", "checkpoint-300"]
+    fake_checkpoint(tmp_path, 110)
+    checkpoint.rotate(tmp_path, 2, tmp_path / "checkpoint-110")
+    assert names(tmp_path) == ["checkpoint-100", "checkpoint-110"]
+    assert checkpoint.resolve_resume("latest", str(tmp_path)).name == "checkpoint-110"
+
+
+# ---------------------------------------------------------------------- a used output_dir and the lock
+def test_a_fresh_run_into_a_used_output_dir_is_refused(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(UsageError, match=f"--output_dir {tmp_path} already holds a run.*--overwrite_output_dir"):
+        run_guard.claim_output_dir(args(tmp_path), rank=0)
+    run_guard.release_locks()
+    run_guard.claim_output_dir(args(tmp_path, overwrite_output_dir=True), rank=0)
+    run_guard.release_locks()
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "runs").exists()
+    run_guard.claim_output_dir(args(tmp_path), rank=0)  # an empty folder (or one with only a lock) is fine
+    run_guard.release_locks()
+
+
+def test_one_writer_per_output_dir(tmp_path, capsys):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / run_guard.LOCK).write_text(json.dumps({"host": os.uname().nodename, "pid": sleeper.pid}))
+        with pytest.raises(UsageError, match=f"in use by another run \\(process {sleeper.pid} on"):
+            run_guard.claim_output_dir(args(tmp_path), rank=0)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    run_guard.claim_output_dir(args(tmp_path), rank=0)  # the holder is gone: taken over with a warning
+    assert f"taking over the lock {tmp_path / run_guard.LOCK} of process {sleeper.pid}" in capsys.readouterr().err
+    assert json.loads((tmp_path / run_guard.LOCK).read_text())["pid"] == os.getpid()
+    run_guard.release_locks()
+    assert not (tmp_path / run_guard.LOCK).exists()
+
+
+def test_tensorboard_events_past_the_resumed_step_are_dropped(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from anygpu.metrics import MetricsWriter
+
+    w = MetricsWriter(str(tmp_path), True, True)
+    for step in range(1, 9):
+        w.write({"step": step, "loss": 10.0 - step})
+    w.close()
+    MetricsWriter(str(tmp_path), True, False).truncate_after(5)
+    acc = EventAccumulator(str(tmp_path / "runs"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+# ---------------------------------------------------------------------- a full disk
+def test_a_full_disk_while_saving_is_a_clear_error_and_the_previous_checkpoint_stays(tmp_path, monkeypatch):
+    import torch
+
+    from anygpu import distributed, optim
+    from anygpu.args import TrainArguments
+
+    distributed.init_distributed()  # a one-rank gloo group, as under plain python
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = optim.build_scheduler(opt, TrainArguments(report_to=[]), 10)
+    first = checkpoint.save(str(tmp_path), 1, model, opt, sched, {"global_step": 1}, 2, 0)
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", full)
+    with pytest.raises(SaveError, match="no space left .* checkpoint-2 .* checkpoint-1 is intact; free space"):
+        checkpoint.save(str(tmp_path), 2, model, opt, sched, {"global_step": 2}, 2, 0)
+    assert names(tmp_path) == ["checkpoint-1"] and manifest.problem(first) is None
+    assert not list(tmp_path.glob(".checkpoint-*"))

@@ -1,0 +1,279 @@
+"""Fault injection on real runs of the FSDP2 engine (gloo on CPU): SIGTERM during an evaluation and at
+a random step, SIGKILL during a checkpoint write, a worker killed under the launcher's --max-restarts,
+damaged checkpoints, a changed resume, two nodes that disagree. Every interrupted run must end with the
+uninterrupted run's losses (1e-5). One reference run serves every comparison."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, ROOT, TINY, assert_close, env, losses, python, torchrun
+
+pytestmark = pytest.mark.slow
+SCRIPT = "run_fsdp_standalone.py"
+# 15 steps, checkpoints every 5, evaluations every 4 (4, 8, 12 and the end).
+RUN = [*TINY, "--max_steps", "15", "--save_steps", "5", "--eval_steps", "4", "--max_eval_samples", "32",
+       "--export_final", "false"]
+
+
+def evals(output_dir: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["eval_loss"] for r in recs if "eval_loss" in r}
+
+
+def steps_logged(output_dir: Path) -> list[int]:
+    path = output_dir / "metrics.jsonl"
+    return [json.loads(l)["step"] for l in path.read_text().splitlines() if '"loss"' in l] if path.exists() else []
+
+
+def start(cmd: list[str], **extra: str) -> subprocess.Popen:
+    """A job in its own process group (so a test can SIGKILL all of it)."""
+    return subprocess.Popen(cmd, cwd=ROOT, env={**env(), **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def wait_until(condition, timeout: float = 240, what: str = "") -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
+    return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run: one plain process (the global batch makes losses independent of the ranks)."""
+    out = tmp_path_factory.mktemp("reference")
+    python(SCRIPT, [*RUN, "--output_dir", str(out)])
+    assert sorted(losses(out)) == list(range(1, 16)) and sorted(evals(out)) == [4, 8, 12, 15]
+    return out
+
+
+def test_sigterm_during_an_evaluation_then_a_worker_killed_under_max_restarts(reference, tmp_path):
+    """Rank 0 gets SIGTERM as the evaluation at step 4 starts (grace 1 s, far less than the evaluation):
+    both ranks finish it, save checkpoint-4 and exit 143. Then the launcher's --max-restarts 1 with auto:
+    rank 1 is SIGKILLed at step 7, torchrun restarts both, auto resumes checkpoint-5 and finishes."""
+    args = [*RUN, "--output_dir", str(tmp_path), "--resume_from_checkpoint", "auto"]
+    proc = start(torchrun_cmd(2, args), ANYGPU_TEST_SIGTERM_AT="eval:4", ANYGPU_SIGTERM_GRACE_S="1")
+    out, _ = proc.communicate(timeout=300)
+    assert "SIGTERM: saving checkpoint-4 before exiting (exit 143)" in out, out[-3000:]
+    assert "exitcode  : 143" in out and "stuck in a collective" not in out
+    assert [c.name for c in tmp_path.glob("checkpoint-*")] == ["checkpoint-4"]
+    assert evals(tmp_path) == pytest.approx({4: evals(reference)[4]}, rel=1e-5)  # the evaluation completed
+
+    launcher = ["bash", str(ROOT / "run_nvidia_all.sh"), "--count-from", "smi", "--engine", "fsdp", "--nproc", "2",
+                "--max-restarts", "1", "--", *args]
+    cpu = {"FAKE_NVIDIA": "absent", "FAKE_AMD": "absent", "CUDA_VISIBLE_DEVICES": "", "PYTHON": str(BIN / "python"),
+           "PATH": os.pathsep.join([str(ROOT / "tests" / "fakes"), str(BIN), os.environ["PATH"]])}
+    proc = start(launcher, **cpu)
+    wait_until(lambda: 7 in steps_logged(tmp_path) or proc.poll() is not None, what="step 7")
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
+    rank1 = [pid for pid in _children(proc.pid) if _environ(pid).get("LOCAL_RANK") == "1"]
+    assert len(rank1) == 1, rank1
+    os.kill(rank1[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-4000:]
+    assert "resumed from" in out and "at step 5" in out  # the restarted workers resumed by themselves
+    assert sorted(losses(tmp_path)) == list(range(1, 16))
+    assert_close(losses(reference), losses(tmp_path), rel=1e-5)
+    assert evals(tmp_path) == pytest.approx(evals(reference), rel=1e-5)
+
+
+def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(reference, tmp_path):
+    """SIGKILL while checkpoint-10 is being written: latest resumes checkpoint-5. Then SIGTERM at a random
+    step: a checkpoint of that step. auto finishes the run: the losses are the uninterrupted ones."""
+    args = [*RUN, "--output_dir", str(tmp_path)]
+    proc = start(torchrun_cmd(2, args), ANYGPU_TEST_SLOW_SAVE="10:120")
+    wait_until(lambda: len(list(tmp_path.glob(".checkpoint-10.tmp/rng/*.pt"))) == 2 or proc.poll() is not None,
+               what="the write of checkpoint-10")
+    for pid in [proc.pid, *_children(proc.pid)]:  # the agent and its workers (in sessions of their own) at once
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert [c.name for c in tmp_path.glob("checkpoint-*")] == ["checkpoint-5"]
+
+    resumed = [*args, "--resume_from_checkpoint", "latest"]
+    before = (tmp_path / "args.json").stat().st_mtime_ns
+    proc = start(torchrun_cmd(2, resumed))
+    stop_after = random.Random().randint(6, 9)
+    # args.json is rewritten once the resume has cut metrics.jsonl back to step 5
+    wait_until(lambda: (tmp_path / "args.json").stat().st_mtime_ns != before or proc.poll() is not None, what="resume")
+    wait_until(lambda: len(steps_logged(tmp_path)) >= stop_after or proc.poll() is not None, what=f"step {stop_after}")
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert "at step 5" in out, out[-3000:]
+    saved = [c.name for c in tmp_path.glob("checkpoint-*")]
+    step = max(int(n.split("-")[1]) for n in saved)
+    assert f"SIGTERM: saving checkpoint-{step}" in out and step >= stop_after, (saved, stop_after, out[-2000:])
+
+    python(SCRIPT, [*args, "--resume_from_checkpoint", "auto"])
+    assert sorted(losses(tmp_path)) == list(range(1, 16))
+    assert_close(losses(reference), losses(tmp_path), rel=1e-5)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(reference, tmp_path, damage, capsys):
+    from anygpu.engines.fsdp import main
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    shard = out / "checkpoint-15" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    shard.write_bytes(bytes(data[:-100]) if damage == "truncated" else bytes(data[:50]) + bytes([data[50] ^ 1]) + bytes(data[51:]))
+    args = [*RUN, "--output_dir", str(out)]
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--resume_from_checkpoint", str(out / "checkpoint-15")])
+    assert e.value.code == 2 and f"{shard}" in capsys.readouterr().err
+    if damage == "flipped":  # once is enough: latest trains steps 11-15 again from checkpoint-10
+        main([*args, "--resume_from_checkpoint", "latest"])
+        err = capsys.readouterr().err
+        assert f"skipping checkpoint-15: {shard}" in err
+        assert_close(losses(reference), losses(out), rel=1e-5)
+        assert (out / "abandoned").exists() and manifest_ok(out / "checkpoint-15")
+
+
+def manifest_ok(path: Path) -> bool:
+    from anygpu import manifest
+
+    return manifest.problem(path) is None
+
+
+@pytest.mark.parametrize("change,expected", [
+    (["--block_size", "32"], "--block_size: 64 → 32"), (["--seed", "7"], "--seed: 42 → 7"),
+    (["--max_train_samples", "500"], "--num_train_samples"), (["--max_corpus_mb", "0.9"], "corpus fingerprint"),
+    (["--vocab_size", "4000"], "tokenizer fingerprint"), (["--max_steps", "20"], "--max_steps: 15 → 20"),
+    (["--learning_rate", "1e-3"], "--learning_rate: 0.003 → 0.001"),
+])
+def test_a_resume_that_changes_the_training_math_is_refused(reference, tmp_path, change, expected, capsys):
+    from anygpu.engines.fsdp import main
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    with pytest.raises(SystemExit) as e:
+        main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest", *change])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and expected in err and "--allow_changed_args true" in err, err
+
+
+def test_a_model_change_and_the_other_engines_checkpoint_get_a_message(reference, tmp_path, capsys):
+    from anygpu.engines.fsdp import main
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    cfg = tmp_path / "wider.json"
+    cfg.write_text((ROOT / "anygpu" / "presets" / "tiny.json").read_text().replace('"intermediate_size": ', '"intermediate_size": 1'))
+    with pytest.raises(SystemExit):
+        main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest", "--config_name", str(cfg)])
+    assert "model config intermediate_size" in capsys.readouterr().err
+    (out / "checkpoint-15" / "anygpu_state.json").write_text("{}")  # what the HF engine's checkpoints hold
+    m = json.loads((out / "checkpoint-15" / "manifest.json").read_text())
+    m["engine"] = "hf"
+    (out / "checkpoint-15" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SystemExit):
+        main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-15")])
+    assert "a checkpoint of run_hf_standalone.py" in capsys.readouterr().err
+
+
+def test_two_nodes_with_different_arguments_stop_within_seconds(tmp_path):
+    """Two torchrun agents (two 'nodes' of one process each) started with different --learning_rate."""
+    port = str(_free_port())
+    procs = []
+    start_t = time.time()
+    for node, lr in ((0, "1e-3"), (1, "2e-3")):
+        cmd = [str(BIN / "torchrun"), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
+               "--master-addr=127.0.0.1", f"--master-port={port}", SCRIPT, *TINY, "--max_steps", "50",
+               "--learning_rate", lr, "--output_dir", str(tmp_path)]
+        procs.append(start(cmd))
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert time.time() - start_t < 60 and all(p.returncode != 0 for p in procs)
+    text = "\n".join(outs)
+    assert "rank 1 on host" in text and "learning_rate = '0.002' there, '0.001' on rank 0" in text, text[-3000:]
+    assert not steps_logged(tmp_path)  # no training step was taken
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of `pid` (torchrun starts its workers in sessions of their own)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parents.items() if p in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def test_hf_engine_sigterm_during_an_evaluation_resumes_exactly(tmp_path):
+    """The HF Trainer engine: SIGTERM as the evaluation at step 4 starts (rank 0 only); both processes
+    finish it, save checkpoint-4 and exit 143; auto resumes on one process with the uninterrupted losses."""
+    hf = "run_hf_standalone.py"
+    args = [*TINY, "--max_steps", "8", "--eval_steps", "4", "--max_eval_samples", "32", "--export_final", "false"]
+    python(hf, [*args, "--output_dir", str(tmp_path / "ref")])
+    out = tmp_path / "run"
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
+           hf, *args, "--output_dir", str(out)]
+    proc = start(cmd, ANYGPU_TEST_SIGTERM_AT="eval:4", ANYGPU_SIGTERM_GRACE_S="1")
+    log, _ = proc.communicate(timeout=300)
+    assert "SIGTERM: saved checkpoint-4, exiting (exit 143)" in log, log[-3000:]
+    assert [c.name for c in out.glob("checkpoint-*")] == ["checkpoint-4"] and (out / "checkpoint-4" / "manifest.json").exists()
+    python(hf, [*args, "--output_dir", str(out), "--resume_from_checkpoint", "auto"])
+    assert sorted(losses(out)) == list(range(1, 9))
+    assert_close(losses(tmp_path / "ref"), losses(out), rel=1e-5)
+    assert evals(out) == pytest.approx(evals(tmp_path / "ref"), rel=1e-5)
+
+
+CONNECT = r"""
+import sys, time, torch.distributed as dist
+from anygpu import run_guard
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    time.sleep(20)  # a rank that never reaches the first collective
+else:
+    try:
+        run_guard.check_connectivity(timeout_s=3)
+    except RuntimeError as e:
+        print("CHECK:", str(e).splitlines()[0], flush=True)
+        raise SystemExit(3)  # torchrun then ends the sleeping rank at once
+"""
+
+
+def test_the_connectivity_check_names_the_backend_and_the_missing_rank(tmp_path):
+    script = tmp_path / "connect.py"
+    script.write_text(CONNECT)
+    start_t = time.time()
+    proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(script)], cwd=ROOT,
+                          env={**env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("CHECK:")), proc.stdout + proc.stderr[-2000:])
+    assert "connectivity check failed (backend gloo, 2 ranks, 3 s)" in line and "1" in line.split("):", 1)[1], line
+    assert time.time() - start_t < 60

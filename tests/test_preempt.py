@@ -1,0 +1,64 @@
+"""The preemption handler alone (real signals, a real process, no training): a healthy job in a long
+step or a long save always reaches its checkpoint; only a process stuck in a collective exits fast."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, env
+
+SCRIPT = r"""
+import os, signal, sys, time
+from anygpu.preempt import Preemption, protected
+p = Preemption(save_on_preempt=sys.argv[2] == "true")
+mode = sys.argv[1]
+os.kill(os.getpid(), signal.SIGUSR1 if mode == "usr1" else signal.SIGTERM)
+t0 = time.time()
+if mode in ("long-step", "usr1"):  # forward passes keep beating for three grace periods
+    while time.time() - t0 < 3:
+        p.beat()
+        time.sleep(0.05)
+elif mode == "long-save":  # no beat at all, but inside a save (or an export)
+    with protected():
+        time.sleep(3)
+elif mode == "stuck":  # a collective that never returns (a peer is gone)
+    time.sleep(30)
+elif mode == "second":
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+print("step boundary reached after", p.requested, flush=True)
+"""
+
+
+def run(mode: str, save_on_preempt: str = "true") -> tuple[subprocess.CompletedProcess, float]:
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, save_on_preempt], cwd=ROOT, capture_output=True, text=True,
+                          env={**env(), "ANYGPU_SIGTERM_GRACE_S": "1", "PYTHONPATH": str(ROOT)}, timeout=60)
+    return proc, time.time() - start
+
+
+@pytest.mark.parametrize("mode", ["long-step", "long-save", "usr1"])
+def test_a_healthy_job_always_reaches_its_step_boundary(mode):
+    proc, _ = run(mode)
+    assert proc.returncode == 0, proc.stderr
+    assert f"step boundary reached after {'SIGUSR1' if mode == 'usr1' else 'SIGTERM'}" in proc.stdout
+
+
+def test_a_process_stuck_in_a_collective_exits_fast_without_a_checkpoint():
+    proc, seconds = run("stuck")
+    assert proc.returncode == 75 and seconds < 15, (proc.returncode, seconds)
+    assert "no progress for 1 s, stuck in a collective" in proc.stderr
+
+
+def test_a_second_sigterm_exits_at_once():
+    proc, seconds = run("second")
+    assert proc.returncode == 75 and seconds < 15
+    assert "second SIGTERM: exiting at once" in proc.stderr and "previous checkpoint is intact" in proc.stderr
+
+
+def test_save_on_preempt_false_exits_at_the_first_signal():
+    proc, _ = run("long-step", "false")
+    assert proc.returncode == 75 and "--save_on_preempt false" in proc.stderr
