@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from anygpu import distributed, hardware
 from anygpu.engines.hf import strategy as hf_strategy
+from anygpu.engines.hf.gpu_count import check_processes_per_node
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.batch import BatchPlan
 
@@ -140,6 +141,7 @@ def _check_resume_world(resume: Path | None, plan: hf_strategy.Plan) -> None:
 def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments,
         engine_args: HFEngineArguments) -> dict[str, Any]:
     """Train; return the last logged record (rank 0)."""
+    check_processes_per_node()  # e.g. a config's num_processes: 8 on a 2-GPU node: stop before any work
     on_cpu = hardware.vendor() == "cpu"
     if train_args.fp16 and on_cpu:
         raise ValueError("--fp16 needs a GPU: on CPU train in fp32 (leave it out) or with --bf16.")
