@@ -10,6 +10,7 @@ commands:
   train [args]              the native FSDP2 engine in this process (same as run_fsdp_standalone.py;
                             use torchrun or the launchers for several processes)
   launch --vendor V [...]   the launcher behind run_nvidia_all.sh / run_amd_all.sh (see --help)
+  plan [...]                per-GPU memory of every strategy for a model, and the recommended one
 """
 
 
@@ -36,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
         from anygpu.launch.launcher import main as launch_main
 
         return launch_main(rest)
+    if command == "plan":
+        import anygpu
+
+        anygpu.set_offline_defaults()
+        from anygpu.tools.plan import main as plan_main
+
+        return plan_main(rest)
     print(f"anygpu: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 
