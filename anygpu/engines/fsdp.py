@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from anygpu import checkpoint, distributed, hardware, metrics, modeling, optim, parallel
+from anygpu import auto_batch, checkpoint, distributed, hardware, metrics, modeling, optim, parallel
 from anygpu.data.order import eval_shards
 from anygpu.data.packing import read_batch
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
@@ -134,6 +134,10 @@ class FSDPTrainer:
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
         resume = checkpoint.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir)
         self.model = build_model(prep, model_args, train_args, info)
+        self.auto_probe = None
+        if train_args.auto_micro_batch:  # the largest micro-batch that fits on every rank; G unchanged
+            self.auto_probe = auto_batch.apply(prep, model_args, train_args, info.device, "fsdp2", self.model)
+            print(f"rank {info.rank}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
         self.scheduler = optim.build_scheduler(self.optimizer, train_args, prep.total_steps)
         self.writer = metrics.MetricsWriter(train_args.output_dir, info.is_main, bool({"tensorboard", "all"} & set(train_args.report_to)))
@@ -144,6 +148,8 @@ class FSDPTrainer:
         self.last: dict[str, Any] = {}
         if info.is_main:
             print(banner(prep, self.model, train_args, tf32), flush=True)
+            if self.auto_probe is not None:
+                print(self.auto_probe.line(), flush=True)
             if resume is not None:
                 print(f"resumed from {resume} at step {self.start_step} (was {self.resumed_world_size} ranks, now {info.world_size})", flush=True)
             out = Path(train_args.output_dir)

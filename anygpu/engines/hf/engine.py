@@ -138,6 +138,17 @@ def _check_resume_world(resume: Path | None, plan: hf_strategy.Plan) -> None:
         )
 
 
+def plan_strategy(plan: hf_strategy.Plan, ds_plugin) -> str:
+    """The memory plan's name for the strategy that runs (anygpu/memory_plan.py)."""
+    if plan.kind == "fsdp":
+        return "fsdp2"
+    if plan.kind == "deepspeed":
+        stage = 3 if (plan.request.zero_stage or 2) >= 3 else 2
+        offload = ds_plugin is not None and ds_plugin.offload_optimizer_device in ("cpu", "nvme")
+        return f"zero{stage}" + ("_offload" if offload else "")
+    return "ddp"
+
+
 def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments,
         engine_args: HFEngineArguments) -> dict[str, Any]:
     """Train; return the last logged record (rank 0)."""
@@ -179,6 +190,12 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     dp_devices = targs.n_gpu if plan.kind == "dataparallel" else targs.world_size
     info = distributed.DistInfo(targs.process_index, targs.local_process_index, dp_devices, targs.device)
     prep = prepare(model_args, data_args, train_args, info)
+    probe = None
+    if train_args.auto_micro_batch:  # from the plan's estimate (Trainer builds the sharded model later); G unchanged
+        from anygpu import auto_batch
+
+        probe = auto_batch.apply(prep, model_args, train_args, targs.device, plan_strategy(plan, ds_plugin))
+        print(f"rank {targs.process_index}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
     p = prep.plan
     # One process feeds all its GPUs under DataParallel: its micro-batch is m × GPUs, cut by DataParallel.
     sampler_plan = BatchPlan(p.global_batch_size, p.per_device_train_batch_size * dp_devices, 1,
@@ -225,6 +242,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
 
     if is_main:
         print(banner_text, flush=True)
+        if probe is not None:
+            print(probe.line(), flush=True)
         if resume is not None:
             was = read_anygpu_state(resume)["world_size"]
             print(f"resumed from {resume} at step {start_step} (was {was} devices, now {dp_devices})", flush=True)
