@@ -11,6 +11,7 @@ commands:
                             use torchrun or the launchers for several processes)
   launch --vendor V [...]   the launcher behind run_nvidia_all.sh / run_amd_all.sh (see --help)
   plan [...]                per-GPU memory of every strategy for a model, and the recommended one
+  bench --nproc 1,2,4,8     tokens/s and scaling efficiency of a short job at several process counts
   doctor [...]              what this machine can do, the launchers' commands, active checks (exit 1 on failure)
 """
 
@@ -38,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from anygpu.launch.launcher import main as launch_main
 
         return launch_main(rest)
+    if command == "bench":
+        from anygpu.tools.bench import main as bench_main
+
+        return bench_main(rest)
     if command == "doctor":
         from anygpu.tools.doctor import main as doctor_main
 
