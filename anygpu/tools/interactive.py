@@ -77,7 +77,7 @@ def offer(vendor: str, args: argparse.Namespace) -> Defaults:
     else:
         lines.append(f"plan recommends {rec.strategy} (accelerate_configs/{rec.accelerate_config}.yaml), "
                      f"{rec.per_device_train_batch_size} per device × {count} GPUs × "
-                     f"{rec.gradient_accumulation_steps} accumulation steps for a global batch of {DEFAULT_GLOBAL_BATCH}")
+                     f"{rec.gradient_accumulation_steps} accumulation step(s) for a global batch of {DEFAULT_GLOBAL_BATCH}")
     return Defaults("hf", rec.accelerate_config, count, DEFAULT_GLOBAL_BATCH, DEFAULT_OUTPUT,
                     rec.per_device_train_batch_size, count, lines)
 

@@ -158,7 +158,7 @@ def recommendation(result: PlanResult) -> list[str]:
              f"{rec.accelerate_config}.yaml" if " " not in rec.accelerate_config else
              f"recommendation: {rec.strategy}, {rec.precision}: {rec.accelerate_config}",
              f"  global batch {result.global_batch_size} = {rec.micro_batch} per device × {n} devices × "
-             f"{result.gradient_accumulation_steps} accumulation steps "
+             f"{result.gradient_accumulation_steps} accumulation step{'' if result.gradient_accumulation_steps == 1 else 's'} "
              f"(peak ≈ {gib(rec.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU)"]
     if result.step_seconds is not None:
         lines.append(f"  estimated step time {result.step_seconds:.2f} s at MFU {result.mfu:.0%} "
