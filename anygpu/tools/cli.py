@@ -1,4 +1,4 @@
-"""`anygpu` console command: `anygpu info`, `anygpu train [args]`, `anygpu launch --vendor nvidia|amd [...]`."""
+"""`anygpu` console command: `info`, `train [args]`, `launch` (interactive, or `--vendor nvidia|amd` for the vendor launcher), `plan`, `doctor`, `bench`."""
 from __future__ import annotations
 
 import sys
