@@ -70,3 +70,16 @@ def test_auto_picks_the_largest_fitting_divisor_on_every_rank(runs):
 def test_auto_loss_curve_equals_the_hand_given_micro_batch(runs):
     _, auto_dir, hand_dir = runs
     assert_close(losses(auto_dir), losses(hand_dir), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_hf_engine_auto_under_a_budget(tmp_path):
+    """The HF engine (one process, plain python): 8 sequences per rank, a budget that fits 4 but not 8."""
+    from conftest import python
+
+    proc = python("run_hf_standalone.py", [*TINY, "--max_steps", "1", "--export_final", "false",
+                                           "--output_dir", str(tmp_path), "--per_device_train_batch_size", "auto",
+                                           "--max_memory_per_device_gb", str(budget_gb_between(4, 8, 1))])
+    assert "rank 0: micro-batch auto → 4" in proc.stdout
+    assert "global batch 8 = 4 per device × 1 device × 2 accumulation steps" in proc.stdout
+    assert "8 → " in proc.stdout and "chosen 4 on every rank" in proc.stdout
