@@ -8,7 +8,8 @@
 #
 # Options: --engine hf|fsdp (default hf), --accelerate-config NAME|PATH, --nproc N, --gpus LIST,
 # --cpu, --master-port PORT, --max-restarts K, --script PATH, --ifname IFACE,
-# --count-from auto|smi|torch, --dry-run, --help. Details: --help and README.md (Launching on every GPU).
+# --count-from auto|smi|torch, --dry-run, --interactive (ask, the plan's recommendation as defaults),
+# --help. Details: --help and README.md (Launching on every GPU).
 # Knob: PYTHON (default: the active virtualenv, else ./.venv, else python3).
 # The logic lives in anygpu/launch/launcher.py; this file and run_amd_all.sh differ only in VENDOR.
 set -euo pipefail
@@ -26,7 +27,15 @@ if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
   echo
 fi
 
+# --interactive (before --): the dialogue of `anygpu launch` (detect, recommend, ask), which then
+# runs this same launcher.
+MODULE=anygpu.launch.launcher
+for arg in "$@"; do
+  if [ "$arg" = "--" ]; then break; fi
+  if [ "$arg" = "--interactive" ]; then MODULE=anygpu.tools.interactive; fi
+done
+
 # exec: the training job's exit code and signals are this script's. The launcher is imported
 # from ROOT without touching PYTHONPATH, so the training processes inherit the caller's.
-exec "$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); from anygpu.launch.launcher import main; sys.exit(main(sys.argv[2:]))' \
-  "$ROOT" --vendor "$VENDOR" "$@"
+exec "$PY" -c 'import importlib, sys; sys.path.insert(0, sys.argv[1]); sys.exit(importlib.import_module(sys.argv[2]).main(sys.argv[3:]))' \
+  "$ROOT" "$MODULE" --vendor "$VENDOR" "$@"

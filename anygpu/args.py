@@ -158,7 +158,9 @@ class TrainArguments:
         default=None, metadata={"help": "The global batch in tokens instead (divided by --block_size); not with --global_batch_size."}
     )
     per_device_train_batch_size: int | None = field(
-        default=None, metadata={"help": "Sequences per device per micro-step. Default: the largest divisor of the per-device share up to 8."}
+        default=None, metadata={"help": "Sequences per device per micro-step, or 'auto': the largest divisor of the per-device "
+                                        "share that fits in memory (probed; see --max_memory_per_device_gb). Default: the largest "
+                                        "divisor of the per-device share up to 8."}
     )
     per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per device per evaluation step."})
     gradient_accumulation_steps: int | None = field(
@@ -221,6 +223,14 @@ class TrainArguments:
         metadata={"help": "On SIGTERM or SIGUSR1, every rank finishes its step, saves a checkpoint and exits with "
                           "code 143. False: stop at once (exit 75), keeping the previous checkpoint."},
     )
+    auto_micro_batch: bool = field(
+        default=False, metadata={"help": "Set by --per_device_train_batch_size auto: choose the micro-batch by memory."}
+    )
+    max_memory_per_device_gb: float | None = field(
+        default=None, metadata={"help": "Memory budget per device in GiB for --per_device_train_batch_size auto (needed on "
+                                        "CPU, where the plan's estimate is checked against it; on a GPU the smaller of this and "
+                                        "the GPU's memory)."}
+    )
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -246,6 +256,11 @@ class TrainArguments:
         for r in self.report_to:
             if r not in ("tensorboard", "all"):
                 raise UsageError(f"--report_to {r!r} is not supported: use tensorboard or none.")
+        if self.auto_micro_batch and self.gradient_accumulation_steps is not None:
+            raise UsageError("--per_device_train_batch_size auto with --gradient_accumulation_steps "
+                             f"{self.gradient_accumulation_steps}: leave the accumulation out (it follows from the choice).")
+        if self.max_memory_per_device_gb is not None and self.max_memory_per_device_gb <= 0:
+            raise UsageError(f"--max_memory_per_device_gb {self.max_memory_per_device_gb} must be positive, e.g. 40.")
         if self.global_batch_size is None and self.global_batch_tokens is None and \
                 self.per_device_train_batch_size is None and self.gradient_accumulation_steps is None:
             self.global_batch_size = 16
@@ -286,6 +301,19 @@ def _file_to_argv(path: str) -> list[str]:
     return argv
 
 
+def _auto_micro_batch(argv: list[str]) -> list[str]:
+    """`--per_device_train_batch_size auto` → `--auto_micro_batch true` (the field stays an int)."""
+    out = []
+    for i, word in enumerate(argv):
+        if word == "auto" and i and argv[i - 1] == "--per_device_train_batch_size":
+            out[-1:] = ["--auto_micro_batch", "true"]
+        elif word == "--per_device_train_batch_size=auto":
+            out += ["--auto_micro_batch", "true"]
+        else:
+            out.append(word)
+    return out
+
+
 def parse_args(argv: list[str] | None = None, extra: tuple[type, ...] = ()) -> tuple[Any, ...]:
     """(ModelArguments, DataArguments, TrainArguments, *extra) from argv and/or one YAML/JSON file.
 
@@ -297,6 +325,7 @@ def parse_args(argv: list[str] | None = None, extra: tuple[type, ...] = ()) -> t
         if not Path(argv[0]).is_file():
             raise UsageError(f"config file {argv[0]}: no such file.")
         argv = _file_to_argv(argv[0]) + argv[1:]
+    argv = _auto_micro_batch(argv)
     parser = HfArgumentParser((ModelArguments, DataArguments, TrainArguments, *extra))
     parser.prog = Path(sys.argv[0]).name
     parser.allow_abbrev = False  # a typo such as --learning_rat must not silently match --learning_rate

@@ -1,6 +1,6 @@
 """Every shipped accelerate config: loaded by accelerate's own loader and launcher, the keys the
-HF engine relies on asserted, unknown keys refused, no GPU count written in, a comment on every
-non-obvious key. In-process and fast: nothing is launched."""
+HF engine relies on asserted, unknown keys refused, `num_processes: 8` as typed (overridden by the
+command line), a comment on every non-obvious key. In-process and fast except `accelerate test`."""
 from __future__ import annotations
 
 import os
@@ -101,18 +101,37 @@ def test_loads_with_accelerates_loader_and_launcher(name):
 
 
 @pytest.mark.parametrize("name", SINGLE_NODE)
-def test_no_gpu_count_is_written_in(name):
+def test_eight_processes_as_typed_overridden_by_the_command_line(name):
+    """TRL's convention: `num_processes: 8` (the common node) so the line works as typed; the
+    command line (the launchers pass the GPU count they detected) overrides it."""
     raw = yaml.safe_load((CONFIG_DIR / f"{name}.yaml").read_text())
-    assert "num_processes" not in raw and raw.get("gpu_ids", "all") == "all"
+    assert raw["num_processes"] == 8 and raw.get("gpu_ids", "all") == "all"
     assert raw["num_machines"] == 1
     assert raw["main_process_port"] == 0  # a free port: two jobs on one host do not collide
+    assert launch_args(name)[0].num_processes == 8  # typed without --num_processes
     for n in (1, 2, 8):  # whatever the host has, passed by the launchers or the user
         assert launch_args(name, "--num_processes", str(n))[0].num_processes == n
 
 
-def test_without_num_processes_accelerate_says_what_is_missing():
+def test_multi_node_still_needs_the_total_on_the_command_line():
     with pytest.raises(ValueError, match="--num_processes"):
-        launch_args("ddp")
+        launch_args("multi_node")
+
+
+@pytest.mark.slow
+def test_accelerate_test_passes_as_typed(tmp_path):
+    """`accelerate test --config_file accelerate_configs/ddp.yaml`, accelerate's own check of a
+    config, as a user types it: 8 processes (on this CPU host, over gloo)."""
+    import subprocess
+    import sys
+
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    proc = subprocess.run([str(bindir / "accelerate"), "test", "--config_file", str(CONFIG_DIR / "ddp.yaml")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Test is a success" in proc.stdout + proc.stderr
 
 
 def test_ddp():

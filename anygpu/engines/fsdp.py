@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from anygpu import checkpoint, distributed, errors, hardware, metrics, modeling, optim, parallel, resume_guard, run_guard
+from anygpu import auto_batch, checkpoint, distributed, errors, hardware, metrics, modeling, optim, parallel, resume_guard, run_guard
 from anygpu.data.order import eval_shards
 from anygpu.data.collate import Collator, count_targets
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
@@ -112,6 +112,10 @@ class FSDPTrainer:
             resume_guard.check_engine(resume, "fsdp")
             changed = resume_guard.check(resume, self.fingerprint, train_args.allow_changed_args)
         self.model = build_model(prep, model_args, train_args, info)
+        self.auto_probe = None
+        if train_args.auto_micro_batch:  # the largest micro-batch that fits on every rank; G unchanged
+            self.auto_probe = auto_batch.apply(prep, model_args, train_args, info.device, "fsdp2", self.model)
+            print(f"rank {info.rank}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
         self.scheduler = optim.build_scheduler(self.optimizer, train_args, prep.total_steps)
         self.writer = metrics.MetricsWriter(train_args.output_dir, info.is_main, bool({"tensorboard", "all"} & set(train_args.report_to)))
@@ -122,6 +126,8 @@ class FSDPTrainer:
         self.last: dict[str, Any] = {}
         if info.is_main:
             print(banner(prep, self.model, train_args, tf32), flush=True)
+            if self.auto_probe is not None:
+                print(self.auto_probe.line(), flush=True)
             if resume is not None:
                 print(f"resumed from {resume} at step {self.start_step} (was {self.resumed_world_size} ranks, now {info.world_size})", flush=True)
                 if line := resume_guard.banner_line(changed):

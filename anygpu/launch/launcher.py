@@ -274,45 +274,54 @@ def _pin(vendor: str, chosen: Sequence[Gpu], present: Sequence[Gpu], env: Mappin
     return {"HIP_VISIBLE_DEVICES": ",".join(str(base.index(g)) for g in chosen)}
 
 
-def make_plan(argv: Sequence[str], environ: Mapping[str, str], run: Runner = gpu_detect.run_tool,
-              probe_torch: TorchProbe = torch_probe, python: str = sys.executable) -> Plan:
-    args, script_args = parse_args(argv)
-    vendor, engine = args.vendor, args.engine
-    label = VENDOR_LABEL[vendor]
-    env = dict(environ)
-    exported: dict[str, str] = {}
-    lines: list[str] = []
-    warnings: list[str] = []
+@dataclass
+class Devices:
+    """What the device step found: the GPUs present, the ones this job uses, or why it runs on CPU."""
+    present: list[Gpu] = field(default_factory=list)
+    chosen: list[Gpu] = field(default_factory=list)
+    cpu_reason: str = ""  # non-empty: no GPU for this job, and why
+    unresolved: str = ""  # visibility the smi tools could not resolve (torch must count)
+    torch_info: dict | None = None
 
+    @property
+    def count(self) -> int:
+        return 0 if self.cpu_reason else len(self.chosen)
+
+
+def validate_args(args: argparse.Namespace) -> Path:
+    """Refuse contradictory or out-of-range launcher options; return the training script."""
     for flag, value, lo in (("--nproc", args.nproc, 1), ("--max-restarts", args.max_restarts, 0),
                             ("--master-port", args.master_port, 0)):
         if value is not None and (value < lo or (flag == "--master-port" and value > 65535)):
             raise LaunchError(f"{flag} {value}: must be {'0..65535' if flag == '--master-port' else f'>= {lo}'}")
-    if args.accelerate_config and engine != "hf":
+    if args.accelerate_config and args.engine != "hf":
         raise LaunchError("--accelerate-config only applies to --engine hf (the fsdp engine shards by itself)")
     if args.cpu and args.gpus:
         raise LaunchError("--gpus and --cpu exclude each other")
-    script = Path(args.script).resolve() if args.script else ROOT / ENGINES[engine]
+    script = Path(args.script).resolve() if args.script else ROOT / ENGINES[args.engine]
     if not script.is_file():
         raise LaunchError(f"training script not found: {script}")
-    nodes = resolve_nodes(env, args.master_port, run)
+    return script
 
-    # ---- which devices
+
+def detect_devices(args: argparse.Namespace, env: dict[str, str], exported: dict[str, str], lines: list[str],
+                   run: Runner = gpu_detect.run_tool) -> Devices:
+    """The GPUs present (smi tools), those the visibility variables and --gpus leave; may pin ``env``."""
+    vendor = args.vendor
+    label = VENDOR_LABEL[vendor]
+    dev = Devices()
     usable: list[Gpu] = []
-    present: list[Gpu] = []
-    cpu_reason = ""
-    unresolved = ""
     if args.cpu:
-        cpu_reason = "--cpu given"
+        dev.cpu_reason = "--cpu given"
         hide = {"CUDA_VISIBLE_DEVICES": ""} if vendor == NVIDIA else {"HIP_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": ""}
         env.update(hide)
         exported.update(hide)
     else:
         found = gpu_detect.probe(vendor, run, env)
-        present = found.gpus
-        vis = gpu_detect.visible_gpus(vendor, present, env, found.migs)
-        usable, unresolved = vis.gpus, vis.unresolved
-        if not present:
+        dev.present = found.gpus
+        vis = gpu_detect.visible_gpus(vendor, dev.present, env, found.migs)
+        usable, dev.unresolved = vis.gpus, vis.unresolved
+        if not dev.present:
             other = next(v for v in gpu_detect.VENDORS if v != vendor)
             theirs = gpu_detect.probe(other, run, env)
             if theirs.gpus:
@@ -321,43 +330,50 @@ def make_plan(argv: Sequence[str], environ: Mapping[str, str], run: Runner = gpu
                     f"this is the {label} launcher, but this machine has {len(theirs.gpus)} "
                     f"{VENDOR_LABEL[other]} GPU(s) ({', '.join(names)}) and no {label} GPU ({found.problem}): "
                     f"run `bash {SCRIPT_NAME[other]}` instead (or pass --cpu to train on the CPU)")
-            cpu_reason = f"no {label} GPU ({found.problem})"
+            dev.cpu_reason = f"no {label} GPU ({found.problem})"
         else:
-            lines.append(f"{plural(len(present), label + ' GPU')} present ({found.tool}): "
-                         + gpu_detect.summarize(present))
+            lines.append(f"{plural(len(dev.present), label + ' GPU')} present ({found.tool}): "
+                         + gpu_detect.summarize(dev.present))
             lines += [f"{label} visibility: {n}" for n in vis.notes]
-            if unresolved:
+            if dev.unresolved:
                 if args.count_from == "smi":
-                    raise LaunchError(f"{unresolved}; use indices, or let torch count (--count-from auto)")
+                    raise LaunchError(f"{dev.unresolved}; use indices, or let torch count (--count-from auto)")
             elif not usable:
                 hidden = ", ".join(f"{k}={v!r}" for k, v in vis.variables.items())
-                cpu_reason = f"{plural(len(present), label + ' GPU')} present, but {hidden} hides all of them"
+                dev.cpu_reason = f"{plural(len(dev.present), label + ' GPU')} present, but {hidden} hides all of them"
 
-    chosen = usable
+    dev.chosen = usable
     if args.gpus is not None:
         if not usable:
             raise LaunchError(f"--gpus {args.gpus}: there is no usable {label} GPU to choose from "
-                              f"({cpu_reason or unresolved})")
+                              f"({dev.cpu_reason or dev.unresolved})")
         picked = _parse_gpu_list(args.gpus, len(usable))
-        chosen = [usable[i] for i in picked]
-        pin = _pin(vendor, chosen, present, env)
+        dev.chosen = [usable[i] for i in picked]
+        pin = _pin(vendor, dev.chosen, dev.present, env)
         env.update(pin)
         exported.update(pin)
         lines.append(f"--gpus {args.gpus}: " + ", ".join(f"{k}={v}" for k, v in pin.items()))
+    return dev
 
-    # ---- torch has the last word on the count: it applies the visibility variables itself
-    torch_info = None
+
+def apply_torch_count(args: argparse.Namespace, dev: Devices, env: Mapping[str, str], lines: list[str],
+                      warnings: list[str], probe_torch: TorchProbe = torch_probe, python: str = sys.executable) -> None:
+    """torch has the last word on the count: it applies the visibility variables itself."""
+    vendor = args.vendor
+    label = VENDOR_LABEL[vendor]
     if not args.cpu and args.count_from != "smi":
-        torch_info = probe_torch(env)
-        if torch_info is None:
-            if args.count_from == "torch" or unresolved:
-                raise LaunchError((unresolved + ", and t" if unresolved else "--count-from torch: t")
+        dev.torch_info = probe_torch(env)
+        if dev.torch_info is None:
+            if args.count_from == "torch" or dev.unresolved:
+                raise LaunchError((dev.unresolved + ", and t" if dev.unresolved else "--count-from torch: t")
                                   + f"orch is not importable by {python}")
             lines.append("torch is not importable here: counted with the smi tools only")
+    torch_info = dev.torch_info
     if torch_info is not None:
         build = NVIDIA if torch_info.get("cuda") else AMD if torch_info.get("hip") else None
         tcount = int(torch_info.get("count") or 0)
-        expected = 0 if cpu_reason else len(chosen)
+        expected = 0 if dev.cpu_reason else len(dev.chosen)
+        unresolved = dev.unresolved
         problem = ""
         if build is None and (expected or unresolved):
             problem = (f"torch {torch_info['torch']} is a CPU-only build and cannot use the {label} GPU(s) "
@@ -374,35 +390,40 @@ def make_plan(argv: Sequence[str], environ: Mapping[str, str], run: Runner = gpu
             if not unresolved:
                 warnings.append(f"torch counts {tcount} GPU(s) where the smi tools and the visibility rules "
                                 f"give {expected}: using torch's count")
-            chosen = chosen[:tcount] if len(chosen) >= tcount else [Gpu(i) for i in range(tcount)]
-            cpu_reason = unresolved = ""
+            dev.chosen = dev.chosen[:tcount] if len(dev.chosen) >= tcount else [Gpu(i) for i in range(tcount)]
+            dev.cpu_reason = dev.unresolved = ""
         if problem:
             if not args.dry_run:
                 raise LaunchError(problem)
             warnings.append(problem + " (a real run stops here)")
-    if unresolved:  # only reachable in a dry run whose torch could not count
-        cpu_reason = unresolved
-    count = 0 if cpu_reason else len(chosen)
+    if dev.unresolved:  # only reachable in a dry run whose torch could not count
+        dev.cpu_reason = dev.unresolved
 
-    # ---- processes on this node
-    use_gpus = count > 0
-    if use_gpus:
+
+def processes_per_node(args: argparse.Namespace, dev: Devices, lines: list[str]) -> int:
+    """Processes on this node (one per chosen GPU, or --nproc); trims ``dev.chosen`` to them."""
+    label = VENDOR_LABEL[args.vendor]
+    count = dev.count
+    if count > 0:
         nproc = args.nproc if args.nproc is not None else count
         if args.gpus is not None and args.nproc is not None and args.nproc != count:
             raise LaunchError(f"--nproc {args.nproc} disagrees with --gpus {args.gpus} ({count} GPUs)")
         if nproc > count:
             raise LaunchError(f"--nproc {nproc}: only {count} {label} GPU(s) usable here "
                               f"(valid: 1..{count})")
-        chosen = chosen[:nproc]
-        lines.append(f"using {plural(nproc, label + ' GPU')}: " + gpu_detect.summarize(chosen))
-    else:
-        nproc = args.nproc or 1
-        chosen = []
+        dev.chosen = dev.chosen[:nproc]
+        lines.append(f"using {plural(nproc, label + ' GPU')}: " + gpu_detect.summarize(dev.chosen))
+        return nproc
+    dev.chosen = []
+    return args.nproc or 1
 
-    # ---- environment presets (a value the caller set is kept)
-    rocm = vendor_env.parse_rocm_version((torch_info or {}).get("hip"))
-    wanted = vendor_env.presets(vendor, use_gpus=use_gpus, nproc_per_node=nproc,
-                                gpu_names=[g.name for g in chosen], rocm_version=rocm,
+
+def export_environment(args: argparse.Namespace, dev: Devices, nproc: int, env: dict[str, str],
+                       exported: dict[str, str]) -> dict[str, str]:
+    """Apply the vendor presets (a value the caller set is kept) and --ifname; return the kept ones."""
+    rocm = vendor_env.parse_rocm_version((dev.torch_info or {}).get("hip"))
+    wanted = vendor_env.presets(args.vendor, use_gpus=dev.count > 0, nproc_per_node=nproc,
+                                gpu_names=[g.name for g in dev.chosen], rocm_version=rocm,
                                 restarts=args.max_restarts > 0)
     preset_exported, kept = vendor_env.apply(env, wanted)
     exported.update(preset_exported)
@@ -410,11 +431,18 @@ def make_plan(argv: Sequence[str], environ: Mapping[str, str], run: Runner = gpu
         iface = {"NCCL_SOCKET_IFNAME": args.ifname, "GLOO_SOCKET_IFNAME": args.ifname}
         env.update(iface)
         exported.update(iface)
+    return kept
 
-    # ---- the command
+
+def build_command(args: argparse.Namespace, script: Path, script_args: Sequence[str], dev: Devices, nproc: int,
+                  nodes: Nodes, env: dict[str, str], exported: dict[str, str], lines: list[str],
+                  python: str = sys.executable) -> list[str]:
+    """The exact command: plain python, torchrun (fsdp) or accelerate launch (hf)."""
+    engine = args.engine
+    use_gpus = dev.count > 0
     total = nproc * nodes.nnodes
     plain = nodes.nnodes == 1 and nproc == 1 and args.max_restarts == 0 and not (engine == "hf" and args.accelerate_config)
-    cpu_line = f"{cpu_reason}: training on the CPU, {plural(nproc, 'process')} with gloo"
+    cpu_line = f"{dev.cpu_reason}: training on the CPU, {plural(nproc, 'process')} with gloo"
     if plain:
         cmd = [python, str(script), *script_args]
         how = "one process: plain python, no distributed launcher needed"
@@ -478,20 +506,43 @@ def make_plan(argv: Sequence[str], environ: Mapping[str, str], run: Runner = gpu
         cmd += [str(script), *script_args]
         where = cpu_line if not use_gpus else f"{plural(total, 'process')} in all"
         lines.append(f"{where}, accelerate launch with {_shown(config)}")
+    return cmd
+
+
+def check_runnable(args: argparse.Namespace, cmd: Sequence[str], python: str = sys.executable) -> None:
+    """The engines and the distributed launchers need torch (and accelerate); say so here
+    rather than as an ImportError in every process."""
+    needed = ["torch"] if (not args.script or cmd[1] == "-m") else []
+    needed += ["accelerate"] if "accelerate.commands.launch" in cmd else []
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        raise LaunchError(f"{' and '.join(missing)} not importable by {python}: run `bash scripts/setup.sh` "
+                          "(it creates ./.venv, which the launchers use), or set PYTHON to an interpreter "
+                          "that has them")
+
+
+def make_plan(argv: Sequence[str], environ: Mapping[str, str], run: Runner = gpu_detect.run_tool,
+              probe_torch: TorchProbe = torch_probe, python: str = sys.executable) -> Plan:
+    """parse → validate → nodes → devices → torch's count → processes → environment → command."""
+    args, script_args = parse_args(argv)
+    env = dict(environ)
+    exported: dict[str, str] = {}
+    lines: list[str] = []
+    warnings: list[str] = []
+    script = validate_args(args)
+    nodes = resolve_nodes(env, args.master_port, run)
+    dev = detect_devices(args, env, exported, lines, run)
+    apply_torch_count(args, dev, env, lines, warnings, probe_torch, python)
+    nproc = processes_per_node(args, dev, lines)
+    kept = export_environment(args, dev, nproc, env, exported)
+    cmd = build_command(args, script, script_args, dev, nproc, nodes, env, exported, lines, python)
     if not args.dry_run:
-        # The engines and the distributed launchers need torch (and accelerate); say so here
-        # rather than as an ImportError in every process.
-        needed = ["torch"] if (not args.script or cmd[1] == "-m") else []
-        needed += ["accelerate"] if "accelerate.commands.launch" in cmd else []
-        missing = [m for m in needed if importlib.util.find_spec(m) is None]
-        if missing:
-            raise LaunchError(f"{' and '.join(missing)} not importable by {python}: run `bash scripts/setup.sh` "
-                              "(it creates ./.venv, which the launchers use), or set PYTHON to an interpreter "
-                              "that has them")
+        check_runnable(args, cmd, python)
     if nodes.nnodes > 1:
         lines.append(f"node {nodes.node_rank} of {nodes.nnodes} ({nodes.source}), rendezvous "
                      f"{nodes.master_addr}:{nodes.master_port} id {nodes.rdzv_id}")
-    return Plan(vendor, engine, use_gpus, chosen, nproc, nodes, cmd, env, exported, kept, lines, warnings)
+    return Plan(args.vendor, args.engine, dev.count > 0, dev.chosen, nproc, nodes, cmd, env, exported, kept,
+                lines, warnings)
 
 
 def plural(n: int, word: str) -> str:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from anygpu import distributed, errors, hardware, resume_guard, run_guard
 from anygpu.engines.hf import strategy as hf_strategy
+from anygpu.engines.hf.gpu_count import check_processes_per_node
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.batch import BatchPlan
 from anygpu.errors import UsageError
@@ -137,9 +138,21 @@ def _check_resume_world(resume: Path | None, plan: hf_strategy.Plan) -> None:
         )
 
 
+def plan_strategy(plan: hf_strategy.Plan, ds_plugin) -> str:
+    """The memory plan's name for the strategy that runs (anygpu/memory_plan.py)."""
+    if plan.kind == "fsdp":
+        return "fsdp2"
+    if plan.kind == "deepspeed":
+        stage = 3 if (plan.request.zero_stage or 2) >= 3 else 2
+        offload = ds_plugin is not None and ds_plugin.offload_optimizer_device in ("cpu", "nvme")
+        return f"zero{stage}" + ("_offload" if offload else "")
+    return "ddp"
+
+
 def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments,
         engine_args: HFEngineArguments) -> dict[str, Any]:
     """Train; return the last logged record (rank 0)."""
+    check_processes_per_node()  # e.g. a config's num_processes: 8 on a 2-GPU node: stop before any work
     on_cpu = hardware.vendor() == "cpu"
     if train_args.fp16 and on_cpu:
         raise UsageError("--fp16 needs a GPU: on CPU train in fp32 (leave it out) or with --bf16.")
@@ -185,6 +198,12 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     changed = []
     if resume is not None:
         changed = resume_guard.check(resume, resume_guard.fingerprint(train_args, prep), train_args.allow_changed_args)
+    probe = None
+    if train_args.auto_micro_batch:  # from the plan's estimate (Trainer builds the sharded model later); G unchanged
+        from anygpu import auto_batch
+
+        probe = auto_batch.apply(prep, model_args, train_args, targs.device, plan_strategy(plan, ds_plugin))
+        print(f"rank {targs.process_index}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
     p = prep.plan
     # One process feeds all its GPUs under DataParallel: its micro-batch is m × GPUs, cut by DataParallel.
     sampler_plan = BatchPlan(p.global_batch_size, p.per_device_train_batch_size * dp_devices, 1,
@@ -232,6 +251,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
 
     if is_main:
         print(banner_text, flush=True)
+        if probe is not None:
+            print(probe.line(), flush=True)
         if resume is not None:
             was = read_anygpu_state(resume)["world_size"]
             print(f"resumed from {resume} at step {start_step} (was {was} devices, now {dp_devices})", flush=True)

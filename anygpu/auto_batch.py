@@ -1,0 +1,137 @@
+"""`--per_device_train_batch_size auto`: the largest micro-batch that fits, the global batch unchanged.
+
+Candidates are the divisors of the per-rank share G / W, largest first. On a GPU each candidate is
+probed: one forward + backward on random tokens of the run's block size, its peak
+(`torch.cuda.max_memory_allocated`) plus the optimizer state still to come checked against the
+budget with a safety margin. Elsewhere (CPU, or before the model exists) the plan's estimate
+(anygpu/memory_plan.py) is checked against `--max_memory_per_device_gb`. Every rank must agree, so
+after each candidate the ranks take the minimum of their verdicts: the smallest fitting wins. The
+accumulation steps follow: A = G / (m · W).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from anygpu import memory_plan
+from anygpu.batch import BatchPlan, plan_batch
+from anygpu.errors import UsageError
+
+GIB = 2**30
+
+
+@dataclass
+class Probe:
+    micro_batch: int
+    per_rank: int
+    budget_bytes: int
+    how: str  # "measured" (forward + backward on the device) or "estimated" (the plan)
+    tried: list[tuple[int, int, bool]] = field(default_factory=list)  # (m, bytes, fits)
+
+    def line(self) -> str:
+        tried = ", ".join(f"{m} → {b / GIB:.3f} GiB {'fits' if ok else 'too big'}" for m, b, ok in self.tried)
+        return (f"micro-batch auto ({self.how}, budget {self.budget_bytes / GIB:.3f} GiB × "
+                f"{memory_plan.SAFETY:.0%} per device): {tried}; chosen {self.micro_batch} on every rank "
+                f"(divisors of the {self.per_rank} sequences per rank)")
+
+
+def divisors_desc(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def agree_min(value: int, device: torch.device) -> int:
+    """The smallest value over all ranks (every rank calls this the same number of times)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def choose(per_rank: int, cost: Callable[[int], int], budget_bytes: int, device: torch.device, how: str) -> Probe:
+    """Largest divisor m of ``per_rank`` whose ``cost(m)`` fits ``SAFETY × budget`` on every rank."""
+    probe = Probe(1, per_rank, budget_bytes, how)
+    limit = budget_bytes * memory_plan.SAFETY
+    for m in divisors_desc(per_rank):
+        used = cost(m)
+        ok = agree_min(int(used <= limit), device) == 1
+        probe.tried.append((m, used, ok))
+        if ok:
+            probe.micro_batch = m
+            return probe
+    raise UsageError(
+        f"--per_device_train_batch_size auto: even 1 sequence per device needs {probe.tried[-1][1] / GIB:.3f} GiB, "
+        f"above {memory_plan.SAFETY:.0%} of the {budget_bytes / GIB:.3f} GiB budget: raise --max_memory_per_device_gb, "
+        "use --gradient_checkpointing true, a shorter --block_size, or more devices."
+    )
+
+
+def estimate_cost(shapes: memory_plan.Shapes, strategy: str, precision: str, world: int, block_size: int,
+                  checkpointing: bool) -> Callable[[int], int]:
+    """Per-device bytes the plan expects at micro-batch m (model states, activations, working copies)."""
+    states = sum(memory_plan.model_state_bytes(shapes, strategy, precision, world)[0].values())
+    extra = memory_plan.transient_bytes(shapes, strategy, precision, world)
+    return lambda m: states + extra + memory_plan.activation_bytes(shapes, m, block_size, precision, checkpointing)
+
+
+def measured_cost(model: torch.nn.Module, vocab_size: int, block_size: int, device: torch.device,
+                  optimizer_bytes: int) -> Callable[[int], int]:
+    """Peak device bytes of one forward + backward at micro-batch m, plus the optimizer state to come."""
+
+    def cost(m: int) -> int:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        gen = torch.Generator(device="cpu").manual_seed(m)
+        ids = torch.randint(0, vocab_size, (m, block_size), generator=gen).to(device)
+        try:
+            model(input_ids=ids, labels=ids).loss.backward()
+            used = torch.cuda.max_memory_allocated(device) + optimizer_bytes
+        except torch.OutOfMemoryError:
+            used = 1 << 62
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        return used
+
+    return cost
+
+
+def budget(max_memory_per_device_gb: float | None, device: torch.device) -> int:
+    """The smaller of the given budget and the device's memory; the given one alone on CPU."""
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    given = int(max_memory_per_device_gb * GIB) if max_memory_per_device_gb else None
+    if given is None and total is None:
+        raise UsageError("--per_device_train_batch_size auto on CPU needs --max_memory_per_device_gb (the memory a "
+                         "process may use, e.g. 8): there is no GPU memory to probe.")
+    return min(x for x in (given, total) if x is not None)
+
+
+def resolve(plan: BatchPlan, shapes: memory_plan.Shapes, strategy: str, precision: str, block_size: int,
+            checkpointing: bool, max_memory_per_device_gb: float | None, device: torch.device,
+            model: torch.nn.Module | None = None) -> tuple[BatchPlan, Probe]:
+    """The batch plan with the chosen micro-batch (G and W unchanged) and the probe's report."""
+    per_rank = plan.global_batch_size // plan.world_size
+    limit = budget(max_memory_per_device_gb, device)
+    if model is not None and device.type == "cuda":
+        states = memory_plan.model_state_bytes(shapes, strategy, precision, plan.world_size)[0]
+        cost, how = measured_cost(model, shapes.vocab_size, block_size, device, states["optimizer"]), "measured"
+    else:
+        cost, how = estimate_cost(shapes, strategy, precision, plan.world_size, block_size, checkpointing), "estimated"
+    probe = choose(per_rank, cost, limit, device, how)
+    return plan_batch(plan.global_batch_size, plan.world_size, probe.micro_batch), probe
+
+
+def apply(prep, model_args, train_args, device: torch.device, strategy: str,
+          model: torch.nn.Module | None = None) -> Probe:
+    """Choose the micro-batch for a prepared run and put it into ``prep.plan``; return the probe."""
+    from anygpu import modeling
+
+    shapes = memory_plan.shapes_from_model(modeling.build_meta_model(prep.config, model_args), prep.config)
+    precision = "bf16" if (train_args.bf16 or train_args.fp16) else "fp32"
+    prep.plan, probe = resolve(prep.plan, shapes, strategy, precision, prep.block_size,
+                               train_args.gradient_checkpointing, train_args.max_memory_per_device_gb, device, model)
+    return probe

@@ -1,0 +1,275 @@
+"""Per-GPU memory of a training run, before it starts: model states exact, activations estimated.
+
+Model states come from the model's real parameter shapes (built on the meta device, nothing
+allocated) and what each strategy keeps where:
+
+  bytes per parameter        parameters  gradients  optimizer (AdamW m, v [+ fp32 master])
+  fp32, any strategy         4           4          8                      = 16
+  bf16, DDP / FSDP2          4 (master)  4          8   (bf16 only in compute) = 16
+  bf16, ZeRO-2 / ZeRO-3      2           2          12  (fp32 master + m + v) = 16
+
+divided by N where the strategy shards: FSDP2 splits each parameter on dim 0 (rank r holds rows
+[r·⌈d0/N⌉, (r+1)·⌈d0/N⌉)), exactly as `fully_shard` does; DeepSpeed partitions the flattened
+parameters evenly. CPU offload moves the sharded states to CPU RAM. LoRA: the frozen base keeps only
+its parameters (4 bytes in fp32, 2 in bf16), the adapters are trained like full parameters.
+
+Activations (an estimate) follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models"), adapted to a Llama-style block's real shapes: the tensors autograd
+saves per token of one layer are the two RMSNorm inputs (upcast to fp32 by HF), the q/k/v inputs
+and outputs (GQA: k and v have num_key_value_heads·head_dim), the attention output, and SwiGLU's
+gate, up, SiLU(gate) and product (4·intermediate); attention itself is a fused SDPA kernel (no
+s² scores). The logits are kept in the compute dtype, upcast to fp32 and log-softmaxed in fp32.
+With activation checkpointing each layer keeps only its input, and one layer is recomputed at a time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+STRATEGIES = ("ddp", "fsdp2", "fsdp2_offload", "zero2", "zero2_offload", "zero3", "zero3_offload")
+ACCELERATE_CONFIG = {
+    "ddp": "ddp", "fsdp2": "fsdp", "fsdp2_offload": "fsdp_offload", "zero2": "deepspeed_zero2",
+    "zero2_offload": "deepspeed_zero2 with offload_optimizer_device: cpu", "zero3": "deepspeed_zero3",
+    "zero3_offload": "deepspeed_zero3_offload",
+}
+# Memory the framework holds besides tensors (CUDA/HIP context, allocator slack, kernels' workspaces).
+RESERVED_BYTES = 1 * 2**30
+SAFETY = 0.90  # plan to use at most 90% of a GPU's memory
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    trainable: bool = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the plan needs of a model: its parameters and the block's dimensions."""
+
+    params: tuple[Param, ...]
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    layer_param_numel: int  # one decoder layer (the unit FSDP2 / ZeRO-3 gather)
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(p.numel for p in self.params if p.trainable)
+
+
+def shapes_from_model(model, config, lora_r: int = 0, lora_targets: tuple[str, ...] = ()) -> Shapes:
+    """Shapes of a (meta) HF causal LM; with ``lora_r`` the base is frozen and rank-r adapters
+    (A: r×in, B: out×r) are added to every nn.Linear inside the decoder layers whose name ends in
+    one of ``lora_targets`` (all of them when empty)."""
+    from torch import nn
+
+    from anygpu.modeling import decoder_layer_classes
+
+    seen: set[int] = set()
+    params: list[Param] = []
+    for name, p in model.named_parameters():
+        if id(p) in seen:  # tied weights are one tensor
+            continue
+        seen.add(id(p))
+        params.append(Param(name, tuple(p.shape), trainable=lora_r == 0))
+    layers = [m for m in model.modules() if isinstance(m, decoder_layer_classes(model))]
+    if lora_r:
+        for i, layer in enumerate(layers):
+            for mname, mod in layer.named_modules():
+                if isinstance(mod, nn.Linear) and (not lora_targets or mname.split(".")[-1] in lora_targets):
+                    params.append(Param(f"layers.{i}.{mname}.lora_A", (lora_r, mod.in_features)))
+                    params.append(Param(f"layers.{i}.{mname}.lora_B", (mod.out_features, lora_r)))
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return Shapes(tuple(params), config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size),
+                  config.num_hidden_layers, heads, getattr(config, "num_key_value_heads", None) or heads, head_dim,
+                  config.vocab_size, sum(p.numel() for p in layers[0].parameters()) if layers else 0)
+
+
+def _fsdp_rows(shape: tuple[int, ...], world: int, rank: int) -> int:
+    """Elements rank ``rank`` holds of a parameter split on dim 0 into ⌈d0/N⌉-row chunks (fully_shard)."""
+    d0, rest = shape[0], math.prod(shape[1:])
+    chunk = -(-d0 // world)
+    return max(0, min(chunk, d0 - rank * chunk)) * rest
+
+
+def _even(numel: int, world: int) -> int:
+    """DeepSpeed's flat partition: every rank holds ⌈numel/N⌉ elements (padded)."""
+    return -(-numel // world)
+
+
+@dataclass
+class Row:
+    strategy: str
+    precision: str  # fp32 | bf16
+    activation_checkpointing: bool
+    lora: bool
+    micro_batch: int
+    per_gpu_bytes: dict[str, int]  # parameters, gradients, optimizer, activations, transient, reserved
+    cpu_bytes: int
+    fits: bool
+    accelerate_config: str
+    activations_are_estimates: bool = True
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_gpu_bytes.values())
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "total_bytes": self.total}
+
+
+def model_state_bytes(shapes: Shapes, strategy: str, precision: str, world: int, rank: int = 0) -> tuple[dict[str, int], int]:
+    """(GPU bytes of parameters, gradients, optimizer on ``rank``; CPU bytes) for one strategy."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} is unknown: use one of {', '.join(STRATEGIES)}")
+    bf16 = precision == "bf16"
+    zero = strategy.startswith("zero")
+    sharded_params = strategy.startswith(("fsdp2", "zero3"))
+    sharded_grads = strategy != "ddp"
+
+    def held(p: Param, shard: bool) -> int:
+        if not shard:
+            return p.numel
+        return _fsdp_rows(p.shape, world, rank) if strategy.startswith("fsdp2") else _even(p.numel, world)
+
+    frozen_bytes = 2 if bf16 else 4
+    pbytes = 2 if (bf16 and zero) else 4  # DeepSpeed keeps bf16 weights; FSDP2/DDP keep fp32 masters
+    gbytes = pbytes
+    obytes = 12 if (bf16 and zero) else 8
+    params = grads = optim = 0
+    for p in shapes.params:
+        if not p.trainable:
+            params += held(p, sharded_params) * frozen_bytes
+            continue
+        params += held(p, sharded_params) * pbytes
+        grads += held(p, sharded_grads) * gbytes
+        optim += held(p, sharded_grads) * obytes
+    cpu = 0
+    if strategy.endswith("offload"):
+        if strategy == "zero2_offload":  # ZeRO-Offload: optimizer (and its gradient partition) on CPU
+            cpu, grads, optim = grads + optim, 0, 0
+        else:  # FSDP2 CPUOffloadPolicy / ZeRO-3 offload_param+optimizer: every sharded state on CPU
+            cpu, params, grads, optim = params + grads + optim, 0, 0, 0
+    return {"parameters": params, "gradients": grads, "optimizer": optim}, cpu
+
+
+def activation_bytes(shapes: Shapes, micro_batch: int, block_size: int, precision: str, checkpointing: bool) -> int:
+    """Saved activations of one micro-batch (an estimate; see the module docstring)."""
+    e = 2 if precision == "bf16" else 4
+    h, i, v = shapes.hidden_size, shapes.intermediate_size, shapes.vocab_size
+    q = shapes.num_heads * shapes.head_dim
+    kv = shapes.num_kv_heads * shapes.head_dim
+    layer = (e * (h + q + 2 * kv + q + h + 4 * i)  # norm outs, q/k/v, attention out, norm out, SwiGLU
+             + 2 * 4 * h)  # both RMSNorms' inputs upcast to fp32
+    head = e * h + 4 * h + v * (e + 4 + 4)  # embedding out, final norm, logits: dtype, fp32 copy, log-softmax
+    tokens = micro_batch * block_size
+    if checkpointing:
+        return tokens * (shapes.num_layers * e * h + layer + head)
+    return tokens * (shapes.num_layers * layer + head)
+
+
+def transient_bytes(shapes: Shapes, strategy: str, precision: str, world: int) -> int:
+    """Unsharded working copies: gathered layers (FSDP2/ZeRO-3: this one and the prefetched next,
+    plus their unsharded gradients before the reduce-scatter), autocast's bf16 weights (DDP)."""
+    e = 2 if precision == "bf16" else 4
+    if strategy.startswith(("fsdp2", "zero3")) and (world > 1 or strategy.endswith("offload")):
+        return 2 * shapes.layer_param_numel * (e + e)
+    if strategy == "ddp" and precision == "bf16":
+        return shapes.num_params * 2  # autocast's bf16 copies of the weights (ZeRO-2 keeps bf16 weights itself)
+    return 0
+
+
+@dataclass
+class Machine:
+    num_gpus: int
+    gpu_memory_bytes: int  # per GPU; 0: no GPU (the plan is then for CPU processes)
+    gpu_name: str = ""
+    peak_flops: float | None = None  # dense bf16 per GPU
+    source: str = "given"
+
+
+@dataclass
+class PlanResult:
+    shapes: Shapes
+    machine: Machine
+    block_size: int
+    global_batch_size: int
+    rows: list[Row] = field(default_factory=list)
+    recommended: Row | None = None
+    gradient_accumulation_steps: int | None = None
+    step_seconds: float | None = None
+    mfu: float = 0.4
+    flops_per_token: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def row_for(shapes: Shapes, machine: Machine, strategy: str, precision: str, checkpointing: bool, lora: bool,
+            micro_batch: int, block_size: int) -> Row:
+    states, cpu = model_state_bytes(shapes, strategy, precision, machine.num_gpus)
+    acts = activation_bytes(shapes, micro_batch, block_size, precision, checkpointing)
+    per_gpu = {**states, "activations": acts,
+               "transient": transient_bytes(shapes, strategy, precision, machine.num_gpus),
+               "reserved": RESERVED_BYTES if machine.gpu_memory_bytes else 0}
+    budget = machine.gpu_memory_bytes * SAFETY
+    fits = bool(machine.gpu_memory_bytes) and sum(per_gpu.values()) <= budget
+    return Row(strategy, precision, checkpointing, lora, micro_batch, per_gpu, cpu, fits, ACCELERATE_CONFIG[strategy])
+
+
+# Fastest first: no sharding, then sharding without and with offload (ZeRO-2 before 3: fewer gathers).
+PREFERENCE = ("ddp", "fsdp2", "zero2", "zero3", "zero2_offload", "fsdp2_offload", "zero3_offload")
+
+
+def make_plan(shapes: Shapes, machine: Machine, block_size: int, global_batch_size: int, *, lora: bool = False,
+              precisions: tuple[str, ...] = ("bf16", "fp32"), mfu: float = 0.4,
+              flops_per_token: float = 0.0) -> PlanResult:
+    """Every strategy × precision × checkpointing at micro-batch 1, and the recommendation: the
+    fastest strategy that fits (bf16 first, without checkpointing first) at the largest micro-batch
+    dividing the per-GPU share of the global batch."""
+    n = max(1, machine.num_gpus)
+    if global_batch_size % n:
+        raise ValueError(f"--global_batch_size {global_batch_size} cannot be split over {n} GPUs: use a multiple of {n}")
+    result = PlanResult(shapes, machine, block_size, global_batch_size, mfu=mfu, flops_per_token=flops_per_token)
+    for precision in precisions:
+        for strategy in STRATEGIES:
+            for ckpt in (False, True):
+                result.rows.append(row_for(shapes, machine, strategy, precision, ckpt, lora, 1, block_size))
+    share = global_batch_size // n
+    for precision in precisions:
+        for ckpt in (False, True):
+            for strategy in PREFERENCE:
+                fitting = [r for m in reversed(divisors(share))
+                           if (r := row_for(shapes, machine, strategy, precision, ckpt, lora, m, block_size)).fits]
+                if fitting:
+                    result.recommended = fitting[0]
+                    result.gradient_accumulation_steps = share // fitting[0].micro_batch
+                    break
+            if result.recommended:
+                break
+        if result.recommended:
+            break
+    if flops_per_token and machine.peak_flops:
+        rec = result.recommended
+        recompute = 4 / 3 if rec is not None and rec.activation_checkpointing else 1.0  # one more forward
+        peak = machine.peak_flops * (1 if rec is None or rec.precision == "bf16" else 0.5)  # TF32 ≈ half of bf16
+        result.step_seconds = global_batch_size * block_size * flops_per_token * recompute / (n * peak * mfu)
+    return result

@@ -1,0 +1,307 @@
+"""`anygpu doctor`: what this machine can do, and whether a job would start. Exit 1 when a check fails.
+
+Reports the vendor, driver, torch build, each usable GPU, the visibility variables, NCCL/RCCL and
+library versions, and the exact command each launcher would run here (from the launcher's own
+planning code). Then active checks, each with pass/fail and a one-line fix: a bf16 and a TF32 matmul,
+an all-reduce over one process per GPU (gloo on CPU) with bus bandwidth as nccl-tests defines it,
+peer access between GPU pairs, and the output folder (writable; shared across nodes on multi-node).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shlex
+import subprocess
+import sys
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from anygpu.launch import detect as gpu_detect, launcher
+
+PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft")
+VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "cephfs", "ceph", "fuse.glusterfs",
+             "glusterfs", "wekafs", "fuse.juicefs", "9p", "virtiofs"}
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="anygpu doctor",
+        description="What this machine can do (vendor, driver, torch build, GPUs, visibility variables, NCCL/RCCL, "
+                    "library versions, the command each launcher would run here) and active checks (bf16 and TF32 "
+                    "matmuls, an all-reduce over one process per GPU with bus bandwidth, peer access, the output "
+                    "folder). Exit code 1 when a check fails, each failure with a one-line fix.",
+    )
+    p.add_argument("--output_dir", default="outputs", help="The folder training will write to (default: outputs).")
+    p.add_argument("--nproc", type=int, help="Processes of the collective check (default: one per GPU, 2 on CPU).")
+    p.add_argument("--skip_collective", action="store_true", help="Skip the all-reduce check (it starts processes).")
+    p.add_argument("--json", action="store_true", help="One JSON object instead of text.")
+    return p
+
+
+# ------------------------------------------------------------------------------ facts
+
+def versions() -> dict[str, str | None]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def driver_version(vendor: str | None) -> str | None:
+    if vendor == gpu_detect.NVIDIA:
+        rc, out, _ = gpu_detect.run_tool(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        return out.split()[0] if rc == 0 and out.split() else None
+    if vendor == gpu_detect.AMD:
+        rc, out, _ = gpu_detect.run_tool(["rocm-smi", "--showdriverversion"])
+        line = next((ln for ln in out.splitlines() if "version" in ln.lower()), "")
+        return line.split(":")[-1].strip() or None if rc == 0 else None
+    return None
+
+
+def torch_facts() -> dict:
+    import torch
+
+    from anygpu import hardware
+
+    facts = {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
+             "vendor": hardware.vendor(), "gpus": [], "nccl": None}
+    if facts["vendor"] != "cpu":
+        for d in hardware.devices():
+            props = torch.cuda.get_device_properties(d.index)
+            major = getattr(props, "major", 0)
+            facts["gpus"].append({"index": d.index, "name": d.name, "memory_gib": round(d.total_memory_gb, 1),
+                                  "capability": d.capability, "bf16": bool(torch.cuda.is_bf16_supported()),
+                                  "tf32": facts["vendor"] == "nvidia" and major >= 8})
+        try:
+            v = torch.cuda.nccl.version()
+            facts["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # noqa: BLE001 - a build without NCCL/RCCL: reported as None
+            facts["nccl"] = None
+    return facts
+
+
+def smi_gpus() -> tuple[str | None, list[dict], str]:
+    """(vendor, GPUs the smi tools list and the visibility variables leave, problem)."""
+    problems = []
+    for vendor in gpu_detect.VENDORS:
+        found = gpu_detect.probe(vendor, env=os.environ)
+        if found.gpus:
+            vis = gpu_detect.visible_gpus(vendor, found.gpus, os.environ, found.migs)
+            return vendor, [{"index": g.index, "name": g.name, "memory_mib": g.memory_mib} for g in vis.gpus], ""
+        problems.append(found.problem)
+    return None, [], "; ".join(p for p in problems if p)
+
+
+def launch_commands(vendor: str) -> dict[str, dict]:
+    """What `bash run_<vendor>_all.sh --engine E` would run here: the launcher's own plan (dry run)."""
+    out = {}
+    for engine in sorted(launcher.ENGINES):
+        try:
+            plan = launcher.make_plan(["--vendor", vendor, "--engine", engine, "--dry-run"], os.environ)
+            out[engine] = {"command": shlex.join(plan.cmd), "processes": plan.nproc, "exported": plan.exported,
+                           "warnings": plan.warnings}
+        except launcher.LaunchError as e:
+            out[engine] = {"command": None, "error": str(e)}
+    return out
+
+
+# ------------------------------------------------------------------------------ checks
+
+def check_bf16() -> Check:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a, b = (torch.randn(256, 256, generator=gen).to(device) for _ in range(2))
+    try:
+        got = (a.bfloat16() @ b.bfloat16()).float()
+    except RuntimeError as e:
+        return Check("bf16 matmul", False, f"{device}: {e}", "train in fp32 (leave --bf16 out) or --fp16 on this GPU")
+    ref = a.double() @ b.double()
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    ok = err < 2e-2
+    return Check("bf16 matmul", ok, f"{device}: relative error {err:.1e} against fp64",
+                 "" if ok else "bf16 results are wrong here: update the driver/torch, or train in fp32")
+
+
+def check_tf32() -> Check:
+    """TF32 on vs off must really differ where supported, and off must match fp32 (through the engines'
+    own switch, hardware.configure_tf32, which --tf32 drives)."""
+    import torch
+
+    from anygpu import hardware
+
+    if not (hardware.vendor() == "nvidia" and hardware.has_tf32()):
+        where = "CPU" if hardware.vendor() == "cpu" else "this GPU"
+        return Check("TF32 matmul", True, f"{where} has no TF32: fp32 matmuls stay fp32 (nothing to switch)")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    a, b = (torch.randn(1024, 1024, generator=gen).cuda() for _ in range(2))
+    ref = (a.double() @ b.double())
+    try:
+        hardware.configure_tf32(True)
+        on = a @ b
+        hardware.configure_tf32(False)
+        off = a @ b
+    finally:
+        hardware.configure_tf32(None)
+    err_on = ((on.double() - ref).norm() / ref.norm()).item()
+    err_off = ((off.double() - ref).norm() / ref.norm()).item()
+    ok = err_on > 10 * err_off and err_off < 1e-5
+    return Check("TF32 matmul", ok, f"relative error TF32 on {err_on:.1e}, off {err_off:.1e}",
+                 "" if ok else "the TF32 switch has no effect here: check torch.backends.cuda.matmul settings "
+                               "(NVIDIA_TF32_OVERRIDE in the environment?)")
+
+
+def check_collective(nproc: int, use_gpus: bool) -> tuple[Check, dict | None]:
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONPATH": os.pathsep.join([str(launcher.ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    if not use_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "anygpu.tools.collective"]
+    fix = "set NCCL_DEBUG=INFO and rerun; on several interfaces set NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME (--ifname)"
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return Check("all-reduce", False, f"{nproc} processes did not finish in 300 s (hang)", fix), None
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("COLLECTIVE ")), None)
+    if proc.returncode != 0 or line is None:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return Check("all-reduce", False, f"{nproc} processes failed (exit {proc.returncode}): {last}", fix), None
+    data = json.loads(line[len("COLLECTIVE "):])
+    ok = all(r["correct"] for r in data["results"])
+    bw = ", ".join(f"{r['bytes'] / 2**20:g} MiB: {r['busbw_gbps']:.2f} GB/s" for r in data["results"])
+    return Check("all-reduce", ok, f"{data['backend']}, {nproc} processes, bus bandwidth {bw}",
+                 "" if ok else "all-reduce results are wrong: " + fix), data
+
+
+def check_peer_access() -> Check:
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        return Check("peer access", True, "fewer than 2 GPUs: nothing to check")
+    missing = [(i, j) for i in range(n) for j in range(n) if i != j and not torch.cuda.can_device_access_peer(i, j)]
+    if not missing:
+        return Check("peer access", True, f"all {n * (n - 1)} GPU pairs")
+    return Check("peer access", False, f"no peer access for {len(missing)} pair(s), e.g. {missing[:3]}",
+                 "collectives will go through host memory: check IOMMU/ACS settings (AMD PCIe: "
+                 "HSA_FORCE_FINE_GRAIN_PCIE=1)")
+
+
+def filesystem_type(path: Path) -> str:
+    """The mount's type from /proc/mounts (longest matching mount point), or 'unknown'."""
+    best, kind = "", "unknown"
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and str(path).startswith(parts[1]) and len(parts[1]) > len(best):
+                best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def check_output_dir(output_dir: str, multi_node: bool) -> Check:
+    path = Path(output_dir).resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".doctor-{uuid.uuid4().hex}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        return Check("output folder", False, f"{path} cannot be written ({e.strerror or e})",
+                     f"choose a writable folder with --output_dir (e.g. ./outputs), or fix its permissions")
+    kind = filesystem_type(path)
+    if multi_node and kind not in SHARED_FS:
+        return Check("output folder", False, f"{path} is writable but on {kind}, not a shared filesystem",
+                     "on several nodes put --output_dir on a filesystem every node sees (NFS, Lustre, GPFS…)")
+    return Check("output folder", True, f"{path} writable ({kind}{', shared' if kind in SHARED_FS else ''})")
+
+
+# ------------------------------------------------------------------------------ report
+
+def diagnose(args: argparse.Namespace) -> dict:
+    facts = torch_facts()
+    smi_vendor, smi_list, smi_problem = smi_gpus()
+    vendor = {"nvidia": gpu_detect.NVIDIA, "amd": gpu_detect.AMD}.get(facts["vendor"]) or smi_vendor
+    usable = len(facts["gpus"])
+    multi_node = int(os.environ.get("NNODES", "1") or 1) > 1 or \
+        int(os.environ.get("SLURM_NNODES", os.environ.get("SLURM_JOB_NUM_NODES", "1")) or 1) > 1
+    checks = [check_bf16(), check_tf32()]
+    collective = None
+    if not args.skip_collective:
+        nproc = args.nproc or (usable if usable else 2)
+        check, collective = check_collective(nproc, usable > 0)
+        checks.append(check)
+    checks += [check_peer_access(), check_output_dir(args.output_dir, multi_node)]
+    return {
+        "vendor": vendor, "driver": driver_version(vendor or smi_vendor),
+        "torch": {k: facts[k] for k in ("torch", "cuda", "hip")}, "torch_sees": facts["vendor"],
+        "gpus": facts["gpus"], "smi_gpus": smi_list, "smi_problem": smi_problem,
+        "visibility": {k: os.environ[k] for k in VISIBILITY if k in os.environ},
+        "nccl": facts["nccl"], "versions": versions(),
+        "launchers": launch_commands(vendor or gpu_detect.NVIDIA), "collective": collective,
+        "checks": [asdict(c) for c in checks], "ok": all(c.ok for c in checks),
+    }
+
+
+def render(report: dict) -> str:
+    t = report["torch"]
+    build = f"CUDA {t['cuda']}" if t["cuda"] else f"HIP {t['hip']}" if t["hip"] else "CPU-only"
+    lines = [f"vendor: {report['vendor'] or 'none'}   driver: {report['driver'] or '—'}   torch {t['torch']} ({build})"]
+    if report["gpus"]:
+        for g in report["gpus"]:
+            lines.append(f"  GPU {g['index']}: {g['name']}, {g['memory_gib']} GiB, capability {g['capability']}, "
+                         f"bf16 {'yes' if g['bf16'] else 'no'}, TF32 {'yes' if g['tf32'] else 'no'}")
+    elif report["smi_gpus"]:
+        lines.append(f"torch sees no GPU; the smi tools list {len(report['smi_gpus'])}:")
+        lines += [f"  GPU {g['index']}: {g['name']}, {g['memory_mib'] or '?'} MiB" for g in report["smi_gpus"]]
+    else:
+        lines.append(f"no GPU ({report['smi_problem'] or 'torch sees none'}): CPU processes over gloo")
+    vis = report["visibility"]
+    lines.append("visibility: " + (", ".join(f"{k}={v!r}" for k, v in vis.items()) or "no variable set"))
+    lines.append(f"NCCL/RCCL: {report['nccl'] or '—'}   " +
+                 "  ".join(f"{k} {v or '—'}" for k, v in report["versions"].items()))
+    lines.append("launchers would run here:")
+    for engine, plan in report["launchers"].items():
+        lines.append(f"  --engine {engine}: {plan['command'] or 'refused: ' + plan.get('error', '')}")
+    lines.append("checks:")
+    for c in report["checks"]:
+        lines.append(f"  [{'pass' if c['ok'] else 'FAIL'}] {c['name']}: {c['detail']}")
+        if not c["ok"]:
+            lines.append(f"         fix: {c['fix']}")
+    lines.append("all checks passed" if report["ok"] else "some checks failed")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.nproc is not None and args.nproc < 1:
+        print(f"anygpu doctor: error: --nproc {args.nproc} must be at least 1, e.g. 2", file=sys.stderr)
+        return 2
+    report = diagnose(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        sys.stdout.write(render(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

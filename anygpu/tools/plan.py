@@ -1,0 +1,251 @@
+"""`anygpu plan`: will this model train here, and how? Per-GPU memory of every strategy, before any GPU work.
+
+    anygpu plan --config_name llama-1b --block_size 2048 --global_batch_size 64 --num_gpus 8 --gpu_memory_gb 80
+    anygpu plan --model_name_or_path ./my-model --json
+
+The model is built on the meta device (nothing allocated). Model states are exact; activations are
+estimates (see anygpu/memory_plan.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+from anygpu import memory_plan
+from anygpu.memory_plan import GIB, Machine, PlanResult, Shapes
+
+DEFAULT_MFU = 0.4
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="anygpu plan",
+        description="Per-GPU bytes of parameters, gradients, optimizer state and activations for DDP, FSDP2, "
+                    "ZeRO-2, ZeRO-3 and their CPU-offload variants, with and without activation checkpointing, "
+                    "fp32 and bf16, full fine-tuning and LoRA; which fit; the recommended strategy, accelerate "
+                    "config, per-device batch and accumulation steps; the step time at a stated MFU. Model states "
+                    "are exact from the real parameter shapes; activations are estimates (Korthikanti et al.).",
+        epilog="Example: anygpu plan --config_name llama-8b --block_size 4096 --global_batch_size 64 "
+               "--num_gpus 8 --gpu_memory_gb 80",
+    )
+    p.add_argument("--model_name_or_path", help="A local model folder or a cached hub id (only its config is read).")
+    p.add_argument("--config_name", help="A preset (tiny, default, llama-1b, llama-8b), a config.json or a folder. "
+                                         "Default: 'default' when --model_name_or_path is not given.")
+    p.add_argument("--block_size", type=int, default=1024, help="Tokens per sequence (default 1024).")
+    p.add_argument("--global_batch_size", type=int, default=64, help="Sequences per optimizer step (default 64).")
+    p.add_argument("--num_gpus", type=int, help="GPUs in the job (default: the GPUs detected here).")
+    p.add_argument("--gpu_memory_gb", type=float, help="Memory per GPU in GiB (default: detected).")
+    p.add_argument("--gpu_name", help="GPU model for the peak FLOP/s of the step time, e.g. H100 (default: detected).")
+    p.add_argument("--per_device_train_batch_size", type=int, default=1,
+                   help="Micro-batch of the table's rows (default 1); the recommendation picks its own.")
+    p.add_argument("--finetune", choices=("full", "lora"), default="full",
+                   help="What the recommendation is for (the table shows both).")
+    p.add_argument("--lora_r", type=int, default=16, help="LoRA rank of the LoRA rows (default 16).")
+    p.add_argument("--lora_target_modules", default=",".join(LORA_TARGETS),
+                   help="Linear layers of each block that get adapters (default: all of them).")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"Model FLOP utilisation of the step-time "
+                                                                  f"estimate (default {DEFAULT_MFU}).")
+    p.add_argument("--json", action="store_true", help="One JSON object (rows, recommendation) instead of tables.")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """One-line refusal for bad input, or None."""
+    for name in ("block_size", "global_batch_size", "per_device_train_batch_size", "lora_r"):
+        if getattr(args, name) <= 0:
+            return f"--{name} {getattr(args, name)} must be a positive whole number, e.g. 1024 or 64"
+    if args.num_gpus is not None and args.num_gpus < 1:
+        return f"--num_gpus {args.num_gpus} must be at least 1, e.g. 8"
+    if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
+        return f"--gpu_memory_gb {args.gpu_memory_gb} must be positive, e.g. 80"
+    if not 0 < args.mfu <= 1:
+        return f"--mfu {args.mfu} must be in (0, 1], e.g. {DEFAULT_MFU}"
+    return None
+
+
+def load_shapes(model_name_or_path: str | None, config_name: str | None, lora_r: int = 0,
+                lora_targets: tuple[str, ...] = ()) -> tuple[Shapes, object, int]:
+    """(shapes, config, parameters without embeddings) of the model, built on the meta device."""
+    from anygpu import modeling
+    from anygpu.args import ModelArguments
+
+    margs = ModelArguments(model_name_or_path=model_name_or_path, config_name=config_name)
+    config = modeling.resolve_config(margs)
+    config.use_cache = False
+    model = modeling.build_meta_model(config, margs)
+    shapes = memory_plan.shapes_from_model(model, config, lora_r, lora_targets)
+    return shapes, config, modeling.count_parameters(model, exclude_embeddings=True)
+
+
+def detect_machine(num_gpus: int | None, gpu_memory_gb: float | None, gpu_name: str | None) -> Machine:
+    """The GPUs of this machine (torch, else the smi tools), overridden by what was given."""
+    from anygpu import hardware
+
+    count, memory, name, source = 0, 0, "", "none detected"
+    found = hardware.devices()
+    if found:
+        count, memory, name, source = len(found), int(found[0].total_memory_gb * GIB), found[0].name, "torch"
+    else:
+        from anygpu.launch import detect as gpu_detect
+        import os
+
+        for vendor in gpu_detect.VENDORS:
+            probe = gpu_detect.probe(vendor, env=os.environ)
+            gpus = gpu_detect.visible_gpus(vendor, probe.gpus, os.environ, probe.migs).gpus if probe.gpus else []
+            if gpus:
+                count, name, source = len(gpus), gpus[0].name, probe.tool
+                memory = int((gpus[0].memory_mib or 0) * 2**20)
+                break
+    if num_gpus is not None or gpu_memory_gb is not None:
+        source = "given" if (num_gpus is not None and gpu_memory_gb is not None) else f"given + {source}"
+    count = num_gpus if num_gpus is not None else count
+    memory = int(gpu_memory_gb * GIB) if gpu_memory_gb is not None else memory
+    name = gpu_name or name
+    peak = hardware.peak_bf16_flops(name) if name else None
+    return Machine(count, memory, name, peak, source)
+
+
+def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
+    """(full fine-tuning plan, LoRA plan) from parsed arguments."""
+    from anygpu import metrics
+
+    targets = tuple(t for t in args.lora_target_modules.split(",") if t)
+    full, config, non_embedding = load_shapes(args.model_name_or_path, args.config_name)
+    lora, _, _ = load_shapes(args.model_name_or_path, args.config_name, args.lora_r, targets)
+    machine = detect_machine(args.num_gpus, args.gpu_memory_gb, args.gpu_name)
+    fpt = metrics.flops_per_token(config, non_embedding, args.block_size)
+    out = []
+    for shapes, is_lora in ((full, False), (lora, True)):
+        result = memory_plan.make_plan(shapes, machine, args.block_size, args.global_batch_size, lora=is_lora,
+                                       mfu=args.mfu, flops_per_token=fpt)
+        if args.per_device_train_batch_size != 1:
+            result.rows = [memory_plan.row_for(shapes, machine, r.strategy, r.precision, r.activation_checkpointing,
+                                               is_lora, args.per_device_train_batch_size, args.block_size)
+                           for r in result.rows]
+        out.append(result)
+    return out[0], out[1]
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def table(result: PlanResult, title: str) -> list[str]:
+    lines = [title, f"{'strategy':<14} {'prec':<5} {'ckpt':<4} {'params':>8} {'grads':>8} {'optim':>8} {'activ*':>8} "
+                    f"{'other':>7} {'total':>8} {'cpu':>7}  fits"]
+    for r in result.rows:
+        b = r.per_gpu_bytes
+        lines.append(f"{r.strategy:<14} {r.precision:<5} {'yes' if r.activation_checkpointing else 'no':<4} "
+                     f"{gib(b['parameters']):>8} {gib(b['gradients']):>8} {gib(b['optimizer']):>8} "
+                     f"{gib(b['activations']):>8} {gib(b['transient'] + b['reserved']):>7} {gib(r.total):>8} "
+                     f"{gib(r.cpu_bytes):>7}  {'yes' if r.fits else 'no'}")
+    return lines
+
+
+def recommendation(result: PlanResult) -> list[str]:
+    rec = result.recommended
+    n = max(1, result.machine.num_gpus)
+    if rec is None:
+        if not result.machine.gpu_memory_bytes:
+            return ["recommendation: no GPU memory known (no GPU detected): pass --num_gpus and --gpu_memory_gb"]
+        return ["recommendation: nothing fits, even with offload and checkpointing: more GPUs, a shorter "
+                "--block_size, or LoRA"]
+    lines = [f"recommendation: {rec.strategy}, {rec.precision}, activation checkpointing "
+             f"{'on' if rec.activation_checkpointing else 'off'}: accelerate config accelerate_configs/"
+             f"{rec.accelerate_config}.yaml" if " " not in rec.accelerate_config else
+             f"recommendation: {rec.strategy}, {rec.precision}: {rec.accelerate_config}",
+             f"  global batch {result.global_batch_size} = {rec.micro_batch} per device × {n} devices × "
+             f"{result.gradient_accumulation_steps} accumulation step{'' if result.gradient_accumulation_steps == 1 else 's'} "
+             f"(peak ≈ {gib(rec.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU)"]
+    if result.step_seconds is not None:
+        lines.append(f"  estimated step time {result.step_seconds:.2f} s at MFU {result.mfu:.0%} "
+                     f"({result.flops_per_token / 1e9:.2f} GFLOP/token)")
+    return lines
+
+
+def to_json(full: PlanResult, lora: PlanResult) -> dict:
+    def rec(r: PlanResult) -> dict | None:
+        if r.recommended is None:
+            return None
+        return {**r.recommended.to_json(), "gradient_accumulation_steps": r.gradient_accumulation_steps,
+                "step_seconds": r.step_seconds, "mfu": r.mfu}
+
+    m = full.machine
+    return {
+        "model": {"parameters": full.shapes.num_params, "lora_trainable_parameters": lora.shapes.num_trainable,
+                  "layers": full.shapes.num_layers, "hidden_size": full.shapes.hidden_size,
+                  "vocab_size": full.shapes.vocab_size},
+        "machine": {"num_gpus": m.num_gpus, "gpu_memory_bytes": m.gpu_memory_bytes, "gpu_name": m.gpu_name,
+                    "source": m.source},
+        "block_size": full.block_size, "global_batch_size": full.global_batch_size,
+        "activations_are_estimates": True,
+        "rows": [r.to_json() for r in full.rows + lora.rows],
+        "recommended": {"full": rec(full), "lora": rec(lora)},
+    }
+
+
+def render(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
+    m = full.machine
+    head = [f"model: {full.shapes.num_params / 1e6:.1f}M parameters ({full.shapes.num_layers} layers, hidden "
+            f"{full.shapes.hidden_size}, vocab {full.shapes.vocab_size}); LoRA r={args.lora_r}: "
+            f"{lora.shapes.num_trainable / 1e6:.2f}M trainable",
+            f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source}); block "
+            f"{full.block_size}, global batch {full.global_batch_size}, micro-batch "
+            f"{args.per_device_train_batch_size} in the tables",
+            "GiB per GPU; activ* = estimate (Korthikanti et al., real shapes); other = gathered layers / bf16 "
+            f"copies + {gib(memory_plan.RESERVED_BYTES)} GiB reserved; fits = total ≤ {memory_plan.SAFETY:.0%} "
+            "of the GPU", ""]
+    body = table(full, "full fine-tuning") + [""] + table(lora, f"LoRA (r={args.lora_r})") + [""]
+    chosen = lora if args.finetune == "lora" else full
+    return "\n".join(head + body + recommendation(chosen)) + "\n"
+
+
+@dataclass
+class Recommendation:
+    """What the interactive launcher offers as defaults."""
+    strategy: str | None
+    accelerate_config: str
+    num_gpus: int
+    per_device_train_batch_size: int | None
+    gradient_accumulation_steps: int | None
+
+
+def recommend(model_name_or_path: str | None, config_name: str | None, block_size: int, global_batch_size: int,
+              num_gpus: int | None = None, gpu_memory_gb: float | None = None) -> Recommendation:
+    args = build_parser().parse_args([])
+    args.model_name_or_path, args.config_name = model_name_or_path, config_name
+    args.block_size, args.global_batch_size = block_size, global_batch_size
+    args.num_gpus, args.gpu_memory_gb = num_gpus, gpu_memory_gb
+    full, _ = plan(args)
+    rec = full.recommended
+    n = full.machine.num_gpus
+    if rec is None:  # no GPU (or nothing fits): DDP on whatever there is
+        return Recommendation(None, "ddp", n, None, None)
+    config = rec.accelerate_config if " " not in rec.accelerate_config else rec.accelerate_config.split()[0]
+    return Recommendation(rec.strategy, config, n, rec.micro_batch, full.gradient_accumulation_steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        print(f"anygpu plan: error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        full, lora = plan(args)
+    except ValueError as e:
+        print(f"anygpu plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(to_json(full, lora), indent=2))
+    else:
+        sys.stdout.write(render(args, full, lora))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

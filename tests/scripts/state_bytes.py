@@ -1,0 +1,46 @@
+"""Under torchrun: build the FSDP2 engine's model, run one step, print each rank's held bytes of
+parameters, gradients and optimizer state, measured from the sharded tensors themselves.
+
+    torchrun … state_bytes.py tiny,default [engine args]   one BYTES line per preset (one start-up for all)"""
+import json
+import sys
+
+import anygpu
+
+anygpu.set_offline_defaults()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from anygpu import distributed, optim  # noqa: E402
+from anygpu.args import parse_args  # noqa: E402
+from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
+from anygpu.prepare import prepare  # noqa: E402
+
+
+def nbytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+info = distributed.init_distributed()
+for preset in sys.argv[1].split(","):
+    model_args, data_args, train_args = parse_args(["--config_name", preset, *sys.argv[2:]])
+    prep = prepare(model_args, data_args, train_args, info)
+    model = fsdp_engine.build_model(prep, model_args, train_args, info)
+    opt = optim.build_optimizer(model, train_args, info.device)
+    fsdp_engine.train_step(model, prep, 0, info)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    mine = {"parameters": sum(nbytes(p) for p in model.parameters()),
+            "gradients": sum(nbytes(p.grad) for p in trainable if p.grad is not None)}
+    opt.step()  # creates the (sharded) AdamW state; the 0-dim step counters are not state memory
+    mine["optimizer"] = sum(nbytes(v) for s in opt.state.values() for v in s.values()
+                            if isinstance(v, torch.Tensor) and v.dim() > 0)
+    mine["vocab_size"] = prep.config.vocab_size
+    every = [None] * info.world_size
+    dist.all_gather_object(every, mine)
+    if info.is_main:
+        print(f"BYTES {preset} " + json.dumps(every), flush=True)
+    del model, opt
+distributed.destroy()

@@ -1,0 +1,85 @@
+"""`--per_device_train_batch_size auto`: the largest divisor of the per-rank share that fits the
+memory budget, the same on every rank, the global batch unchanged (so the loss curve equals the run
+with that micro-batch given by hand). On CPU the budget is --max_memory_per_device_gb against the
+plan's estimate; on a GPU the probe measures a forward + backward."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from conftest import TINY, assert_close, losses, torchrun
+from anygpu import auto_batch, memory_plan
+from anygpu.args import parse_args
+from anygpu.tools.plan import load_shapes
+
+CPU = torch.device("cpu")
+
+
+def test_largest_fitting_divisor():
+    cost = {12: 120, 6: 60, 4: 40, 3: 30, 2: 20, 1: 10}
+    probe = auto_batch.choose(12, cost.__getitem__, budget_bytes=50, device=CPU, how="estimated")
+    assert probe.micro_batch == 4  # 40 ≤ 0.9 × 50 = 45 < 60
+    assert [m for m, _, _ in probe.tried] == [12, 6, 4]
+    assert "chosen 4 on every rank" in probe.line()
+    with pytest.raises(ValueError, match="--per_device_train_batch_size auto.*--max_memory_per_device_gb"):
+        auto_batch.choose(12, cost.__getitem__, budget_bytes=5, device=CPU, how="estimated")
+
+
+def test_auto_is_accepted_and_refused_with_accumulation():
+    _, _, t = parse_args(["--per_device_train_batch_size", "auto", "--global_batch_size", "8"])
+    assert t.auto_micro_batch and t.per_device_train_batch_size is None and t.global_batch_size == 8
+    with pytest.raises(ValueError, match="--gradient_accumulation_steps 2"):
+        parse_args(["--per_device_train_batch_size=auto", "--gradient_accumulation_steps", "2"])
+    with pytest.raises(ValueError, match="--max_memory_per_device_gb"):
+        auto_batch.budget(None, CPU)
+
+
+def budget_gb_between(m_fit: int, m_too_big: int, world: int) -> float:
+    """A budget under which the plan's estimate fits m_fit but not m_too_big (tiny, fp32, FSDP2)."""
+    shapes, _, _ = load_shapes(None, "tiny")
+    cost = auto_batch.estimate_cost(shapes, "fsdp2", "fp32", world, 64, False)
+    lo, hi = cost(m_fit) / memory_plan.SAFETY, cost(m_too_big) / memory_plan.SAFETY
+    assert lo < hi
+    return (lo + hi) / 2 / 2**30
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """2 ranks, G = 8 (4 sequences per rank): auto under a budget that fits 2 but not 4, and m = 2 by hand."""
+    common = [*TINY, "--max_steps", "4", "--export_final", "false"]
+    auto_dir, hand_dir = tmp_path_factory.mktemp("auto"), tmp_path_factory.mktemp("hand")
+    auto = torchrun(2, "run_fsdp_standalone.py", [*common, "--output_dir", str(auto_dir),
+                    "--per_device_train_batch_size", "auto", "--max_memory_per_device_gb", str(budget_gb_between(2, 4, 2))])
+    hand = torchrun(2, "run_fsdp_standalone.py", [*common, "--output_dir", str(hand_dir),
+                    "--per_device_train_batch_size", "2"])
+    return auto, auto_dir, hand_dir
+
+
+@pytest.mark.slow
+def test_auto_picks_the_largest_fitting_divisor_on_every_rank(runs):
+    auto, _, _ = runs
+    # ranks print at once (lines may interleave): find each rank's choice
+    assert sorted(re.findall(r"rank (\d): micro-batch auto → (\d+)", auto.stdout)) == [("0", "2"), ("1", "2")]
+    assert "global batch 8 = 2 per device × 2 devices × 2 accumulation steps" in auto.stdout
+    assert "micro-batch auto (estimated" in auto.stdout and "4 → " in auto.stdout and "too big" in auto.stdout
+
+
+@pytest.mark.slow
+def test_auto_loss_curve_equals_the_hand_given_micro_batch(runs):
+    _, auto_dir, hand_dir = runs
+    assert_close(losses(auto_dir), losses(hand_dir), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_hf_engine_auto_under_a_budget(tmp_path):
+    """The HF engine (one process, plain python): 8 sequences per rank, a budget that fits 4 but not 8."""
+    from conftest import python
+
+    proc = python("run_hf_standalone.py", [*TINY, "--max_steps", "1", "--export_final", "false",
+                                           "--output_dir", str(tmp_path), "--per_device_train_batch_size", "auto",
+                                           "--max_memory_per_device_gb", str(budget_gb_between(4, 8, 1))])
+    assert "rank 0: micro-batch auto → 4" in proc.stdout
+    assert "global batch 8 = 4 per device × 1 device × 2 accumulation steps" in proc.stdout
+    assert "8 → " in proc.stdout and "chosen 4 on every rank" in proc.stdout

@@ -1,0 +1,42 @@
+"""`anygpu bench --nproc 1,2` on CPU: one short fixed job per process count (the launcher's own
+command), a table of tokens/s, per process and scaling efficiency, and the PNG plot."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, env
+
+
+@pytest.mark.slow
+def test_bench_one_and_two_processes(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "anygpu.tools.cli", "bench", "--engine", "fsdp", "--nproc", "1,2",
+                           "--config_name", "tiny", "--block_size", "64", "--max_steps", "3",
+                           "--output_dir", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "2"] and rows[0][3] == "100.0%"
+    results = json.loads((out / "bench.json").read_text())
+    assert [r["nproc"] for r in results] == [1, 2]
+    for r in results:
+        assert r["tokens_per_second"] > 0 and r["mfu"] is None  # no MFU on CPU
+        assert r["tokens_per_second_per_process"] == pytest.approx(r["tokens_per_second"] / r["nproc"])
+        assert r["scaling_efficiency"] == pytest.approx(r["tokens_per_second_per_process"] / results[0]["tokens_per_second"])
+    png = out / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # each run trained the same global batch
+    for n in (1, 2):
+        recs = [json.loads(ln) for ln in (out / f"nproc{n}" / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in recs if "loss" in r]
+        assert len(steps) == 3 and {(r["global_batch_size"], r["world_size"]) for r in steps} == {(8, n)}
+
+
+def test_bad_counts_are_refused():
+    from anygpu.tools import bench
+
+    assert bench.main(["--nproc", "0,2"]) == 2
+    assert bench.parse_counts("4,1,2,2") == [1, 2, 4]

@@ -1,0 +1,113 @@
+"""`anygpu plan`: the planned model-state bytes per rank equal what a real FSDP2 run holds, its JSON
+has the documented rows, and the recommendation fits. Activations are estimates: their check against
+`torch.cuda.max_memory_allocated` needs a GPU (pending here)."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+
+import pytest
+
+from conftest import TINY, torchrun
+from anygpu import memory_plan
+from anygpu.tools import cli, plan as plan_tool
+
+STATES = ("parameters", "gradients", "optimizer")
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """Per-rank bytes of parameters, gradients and optimizer state of real FSDP2 runs (fp32, full)."""
+    out = {}
+    for nproc in (1, 2):
+        args = [a for a in TINY if a not in ("--config_name", "tiny")]
+        proc = torchrun(nproc, "tests/scripts/state_bytes.py",
+                        ["tiny,default", *args, "--output_dir", str(tmp_path_factory.mktemp(f"states{nproc}"))])
+        for line in proc.stdout.splitlines():
+            if line.startswith("BYTES "):
+                _, preset, data = line.split(" ", 2)
+                out[preset, nproc] = json.loads(data)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny", "default"])
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_planned_model_states_equal_the_sharded_tensors(measured, preset, nproc):
+    shapes, _, _ = plan_tool.load_shapes(None, preset)
+    for rank, real in enumerate(measured[preset, nproc]):
+        assert real["vocab_size"] == shapes.vocab_size
+        planned, cpu = memory_plan.model_state_bytes(shapes, "fsdp2", "fp32", nproc, rank)
+        assert cpu == 0
+        for key in STATES:
+            assert abs(planned[key] - real[key]) <= 0.01 * real[key], (preset, nproc, rank, key, planned, real)
+
+
+def test_states_shard_by_n_and_sum_to_16_bytes_per_parameter():
+    shapes, _, _ = plan_tool.load_shapes(None, "default")
+    n = shapes.num_params
+    for precision in ("fp32", "bf16"):
+        for strategy in ("ddp", "zero3", "fsdp2"):
+            one, _ = memory_plan.model_state_bytes(shapes, strategy, precision, 1)
+            assert sum(one.values()) == 16 * n
+        eight = sum(memory_plan.model_state_bytes(shapes, "zero3", precision, 8)[0].values())
+        assert abs(eight - 16 * n / 8) <= 16 * 8  # padding only
+        ddp8 = sum(memory_plan.model_state_bytes(shapes, "ddp", precision, 8)[0].values())
+        assert ddp8 == 16 * n  # DDP replicates everything
+    states, cpu = memory_plan.model_state_bytes(shapes, "zero3_offload", "bf16", 4)
+    assert sum(states.values()) == 0 and cpu > 0
+
+
+def test_activations_grow_with_batch_and_shrink_with_checkpointing():
+    shapes, _, _ = plan_tool.load_shapes(None, "llama-1b")
+    one = memory_plan.activation_bytes(shapes, 1, 2048, "bf16", False)
+    assert memory_plan.activation_bytes(shapes, 2, 2048, "bf16", False) == 2 * one
+    assert memory_plan.activation_bytes(shapes, 1, 2048, "bf16", True) < one / 1.5
+    assert memory_plan.activation_bytes(shapes, 1, 2048, "fp32", False) > one
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess:
+    """`anygpu plan ARGS` in this process (the CLI's own entry point; imports already paid)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["plan", *args])
+    return subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="module")
+def plan_json():
+    proc = run_plan("--config_name", "llama-8b", "--block_size", "4096", "--global_batch_size", "64",
+                    "--num_gpus", "8", "--gpu_memory_gb", "80", "--gpu_name", "H100", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_json_rows_cover_every_variant(plan_json):
+    rows = plan_json["rows"]
+    keys = {(r["strategy"], r["precision"], r["activation_checkpointing"], r["lora"]) for r in rows}
+    assert keys == {(s, p, c, lo) for s in memory_plan.STRATEGIES for p in ("fp32", "bf16") for c in (False, True)
+                    for lo in (False, True)}
+    for r in rows:
+        assert set(r["per_gpu_bytes"]) >= {"parameters", "gradients", "optimizer", "activations"}
+        assert isinstance(r["fits"], bool)
+    by = {(r["strategy"], r["precision"], r["activation_checkpointing"], r["lora"]): r for r in rows}
+    # an 8B model does not fit DDP on 80 GB (16 bytes/parameter = 128 GB), but fits sharded over 8
+    assert not by["ddp", "bf16", False, False]["fits"] and by["fsdp2", "bf16", True, False]["fits"]
+
+
+def test_recommendation_fits_and_keeps_the_global_batch(plan_json):
+    rec = plan_json["recommended"]["full"]
+    assert rec["fits"] and rec["strategy"] != "ddp"
+    assert rec["micro_batch"] * 8 * rec["gradient_accumulation_steps"] == 64
+    assert rec["step_seconds"] > 0 and rec["mfu"] == 0.4
+    assert rec["total_bytes"] <= 0.9 * 80 * 2**30
+
+
+def test_table_and_bad_input():
+    proc = run_plan("--config_name", "tiny", "--num_gpus", "2", "--gpu_memory_gb", "16", "--block_size", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert "recommendation: ddp" in proc.stdout and "estimate" in proc.stdout
+    bad = run_plan("--config_name", "tiny", "--num_gpus", "0")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--num_gpus 0" in bad.stderr
