@@ -225,10 +225,11 @@ def divisors(n: int) -> list[int]:
 
 def row_for(shapes: Shapes, machine: Machine, strategy: str, precision: str, checkpointing: bool, lora: bool,
             micro_batch: int, block_size: int) -> Row:
-    states, cpu = model_state_bytes(shapes, strategy, precision, machine.num_gpus)
+    world = max(1, machine.num_gpus)  # no GPU detected: the plan of one process
+    states, cpu = model_state_bytes(shapes, strategy, precision, world)
     acts = activation_bytes(shapes, micro_batch, block_size, precision, checkpointing)
     per_gpu = {**states, "activations": acts,
-               "transient": transient_bytes(shapes, strategy, precision, machine.num_gpus),
+               "transient": transient_bytes(shapes, strategy, precision, world),
                "reserved": RESERVED_BYTES if machine.gpu_memory_bytes else 0}
     budget = machine.gpu_memory_bytes * SAFETY
     fits = bool(machine.gpu_memory_bytes) and sum(per_gpu.values()) <= budget

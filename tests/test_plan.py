@@ -111,3 +111,10 @@ def test_table_and_bad_input():
     assert "recommendation: ddp" in proc.stdout and "estimate" in proc.stdout
     bad = run_plan("--config_name", "tiny", "--num_gpus", "0")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--num_gpus 0" in bad.stderr
+
+
+def test_no_gpu_here_and_none_given(monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no smi tool, and torch here is a CPU build
+    proc = run_plan("--config_name", "tiny", "--block_size", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert "0 GPU(s)" in proc.stdout and "no GPU memory known" in proc.stdout and "--gpu_memory_gb" in proc.stdout

@@ -138,8 +138,10 @@ def launcher_argv(vendor: str, answers: dict, args: argparse.Namespace, d: Defau
     return argv + ["--", *train, *script_args]
 
 
-def main(argv: list[str], stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
+def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
     import anygpu
+
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
 
     anygpu.set_offline_defaults()  # the plan reads configs only: presets, local folders, cached hub ids
     mine, script_args = launcher.split_argv(argv)
