@@ -86,16 +86,16 @@ def test_global_batch_is_the_same_whatever_the_split(n, G, step, seed):
         with pytest.raises(ValueError, match="--global_batch_size"):
             order.GlobalOrder(n, G, seed)
         return
-    order = order.GlobalOrder(n, G, seed)
-    batch = order.global_batch(step)
+    go = order.GlobalOrder(n, G, seed)
+    batch = go.global_batch(step)
     assert len(batch) == G and len(set(batch)) == G
     for W in [w for w in (1, 2, 3, 4, 6) if G % w == 0]:
         plan = plan_batch(G, W)
-        got = [i for r in range(W) for mb in order.micro_batches(step, plan, r) for i in mb]
+        got = [i for r in range(W) for mb in go.micro_batches(step, plan, r) for i in mb]
         assert got == batch
     # within an epoch no sample repeats
-    if step < order.steps_per_epoch:
-        seen = [i for s in range(order.steps_per_epoch) for i in order.global_batch(s)]
+    if step < go.steps_per_epoch:
+        seen = [i for s in range(go.steps_per_epoch) for i in go.global_batch(s)]
         assert len(seen) == len(set(seen))
 
 
