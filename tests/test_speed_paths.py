@@ -1,9 +1,9 @@
 """The speed work changes no result: the cached data order is the old per-step order, peak FLOP/s
 are matched exactly per precision, tokens/s leaves out pauses, the GPU matrix dry-runs without a GPU."""
-import time
-
+import pytest
 import torch
 
+from anygpu import hardware, metrics
 from anygpu.data.order import GlobalOrder
 
 
@@ -32,3 +32,42 @@ def test_order_draws_each_epoch_permutation_once(monkeypatch):
     for step in range(2 * order.steps_per_epoch):
         order.global_batch(step)
     assert calls == [100_000, 100_000]  # epochs 0 and 1
+
+
+@pytest.mark.parametrize("name,precision,tflops", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989), ("NVIDIA H100 80GB HBM3", "tf32", 494.7), ("NVIDIA H100 80GB HBM3", "fp32", 66.9),
+    ("NVIDIA H100 PCIe", "bf16", 756), ("NVIDIA H100 NVL", "bf16", 835), ("NVIDIA A100-SXM4-80GB", "tf32", 156),
+    ("NVIDIA B200", "bf16", 2250), ("NVIDIA GB200", "bf16", 2500), ("NVIDIA A10G", "bf16", 70), ("NVIDIA A10", "bf16", 125),
+    ("NVIDIA L40S", "fp32", 91.6), ("NVIDIA GeForce RTX 4090", "bf16", 165.2), ("AMD Instinct MI300X", "tf32", 653.7),
+    ("AMD Instinct MI250X", "tf32", 95.7),  # no XF32 on MI250X: its fp32 peak
+    ("Tesla V100-SXM2-32GB", "fp16", 125),
+])
+def test_peak_is_matched_exactly_per_precision(name, precision, tflops):
+    assert hardware.peak_flops(name, precision) == pytest.approx(tflops * 1e12)
+
+
+def test_no_substring_matches():
+    # a name that only contains a known one as part of a word is unknown, not mistaken for it
+    for name in ("NVIDIA XB200", "NVIDIA H1000", "AMD Instinct MI300XT"):
+        assert hardware.peak_flops(name, "bf16") is None
+
+
+def test_matmul_precision_picks_the_peak_column():
+    assert hardware.matmul_precision(True, False, True) == "bf16"
+    assert hardware.matmul_precision(False, False, True) == "tf32"
+    assert hardware.matmul_precision(False, False, False) == "fp32"
+
+
+def test_tokens_per_second_leaves_pauses_out_of_the_window(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    w = metrics.ThroughputWindow()
+    w.steps = 4
+    clock[0] += 2.0  # 4 steps of training
+    with metrics.paused(w):
+        clock[0] += 30.0  # an evaluation or a checkpoint
+    w.steps += 1
+    clock[0] += 0.5
+    assert w.tokens_per_second(1000) == pytest.approx(5 * 1000 / 2.5)
+    w.reset()
+    assert w.steps == 0 and w.paused == 0
