@@ -85,7 +85,11 @@ class DataArguments:
     max_corpus_mb: float | None = field(
         default=None, metadata={"help": "Read at most this many MB of the embedded standard-library corpus (for quick runs)."}
     )
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenising."})
+    preprocessing_num_workers: int | None = field(
+        default=None,
+        metadata={"help": "Processes for tokenising. Default: one per core of the node (at most 64, fewer for a corpus "
+                          "under 4 MB per process)."},
+    )
     data_cache_dir: str | None = field(
         default=None,
         metadata={"help": "Where tokenised/packed data and trained tokenizers are cached. Default: $ANYGPU_CACHE or ~/.cache/anygpu."},
@@ -166,6 +170,13 @@ class TrainArguments:
     ddp_timeout: int = field(default=1800, metadata={"help": "Process-group timeout in seconds (collectives and rendezvous)."})
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
     export_final: bool = field(default=True, metadata={"help": "Export the final model as safetensors to <output_dir>/final."})
+    async_save: bool | None = field(
+        default=None,
+        metadata={"help": "FSDP2 engine: write periodic checkpoints (--save_steps) in the background; training stops "
+                          "only to copy the state to host memory. Each still counts only once complete. Default on "
+                          "when the host has room for the copy; the last and SIGTERM checkpoints are always written "
+                          "before exit. The HF engine saves synchronously."},
+    )
 
     def __post_init__(self) -> None:
         if self.lr_scheduler_type not in SCHEDULERS:

@@ -75,6 +75,19 @@ def save(
 ) -> Path:
     """Write checkpoint-<step> atomically on every rank's behalf; returns its path."""
     root = Path(output_dir)
+    tmp, final = begin(root, step, rank)
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    save_rng(tmp, rank)
+    distributed.barrier()
+    if rank == 0:
+        commit(root, tmp, final, {**trainer_state, "scheduler": scheduler.state_dict()}, save_total_limit)
+    distributed.barrier()
+    return final
+
+
+def begin(root: Path, step: int, rank: int) -> tuple[Path, Path]:
+    """(temporary folder, final folder) of checkpoint-<step>; rank 0 makes the first, every rank waits."""
     final = root / f"checkpoint-{step}"
     tmp = root / f".checkpoint-{step}.tmp"
     if rank == 0:
@@ -82,22 +95,24 @@ def save(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     distributed.barrier()
-    msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    return tmp, final
+
+
+def save_rng(tmp: Path, rank: int) -> None:
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank-{rank}.pt")
-    distributed.barrier()
-    if rank == 0:
-        state = {**trainer_state, "scheduler": scheduler.state_dict()}
-        write_json(tmp / STATE_FILE, state)  # last file: its presence marks the checkpoint complete
-        fsync_dir(tmp)
-        replace_dir(tmp, final)
-        fsync_dir(root)
-        if save_total_limit:
-            for old in checkpoints(root)[:-save_total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
-    distributed.barrier()
-    return final
+
+
+def commit(root: Path, tmp: Path, final: Path, state: dict[str, Any], save_total_limit: int | None) -> None:
+    """Rank 0, once every rank's files are in `tmp`: the state file last, then the rename (the checkpoint
+    counts from here), then rotation."""
+    write_json(tmp / STATE_FILE, state)  # last file: its presence marks the checkpoint complete
+    fsync_dir(tmp)
+    replace_dir(tmp, final)
+    fsync_dir(root)
+    if save_total_limit:
+        for old in checkpoints(root)[:-save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int) -> dict[str, Any]:

@@ -23,20 +23,35 @@ def test_one_rank_unsharded_has_fsdp2_losses(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def crossed(tmp_path_factory) -> dict[str, dict[int, float]]:
-    """Steps 1-5 on 1 rank (plain tensors) resumed on 2 (DTensors), and the other way round."""
-    out = {}
-    for first, second in ((1, 2), (2, 1)):
-        d = tmp_path_factory.mktemp(f"cross{first}{second}")
-        torchrun(first, SCRIPT, [*TEN, "--output_dir", str(d), "--stop_at_step", "5"])
-        proc = torchrun(second, SCRIPT, [*TEN, "--output_dir", str(d), "--resume_from_checkpoint", "latest"])
-        assert f"was {first} ranks, now {second}" in proc.stdout
-        out[f"{first}to{second}"] = losses(d)
-    return out
+def async_runs(tmp_path_factory) -> dict:
+    """2 ranks with background saves at steps 3, 6, 9; 1 rank resumed from that async checkpoint-6
+    (DTensors → plain tensors); 1 rank killed during checkpoint-6's background write, resumed on 2
+    (plain tensors → DTensors). Every run reads its batches through the prefetch thread."""
+    base, resumed, crashed = (tmp_path_factory.mktemp(n) for n in ("async2", "from6", "crash"))
+    saves = ["--save_steps", "3", "--save_total_limit", "10", "--async_save", "true"]
+    torchrun(2, SCRIPT, [*TEN, *saves, "--output_dir", str(base)])
+    torchrun(1, SCRIPT, [*TEN, "--output_dir", str(resumed), "--resume_from_checkpoint", str(base / "checkpoint-6")])
+    crash = torchrun(1, "tests/scripts/crash_in_async_write.py", [*TEN, *saves, "--output_dir", str(crashed)], check=False)
+    left = sorted(p.name for p in crashed.iterdir() if "checkpoint" in p.name)
+    after = torchrun(2, SCRIPT, [*TEN, *saves, "--output_dir", str(crashed), "--resume_from_checkpoint", "latest"])
+    return {"base": base, "resumed": resumed, "crashed": crashed, "crash": crash, "left": left, "after": after}
 
 
-def test_checkpoints_cross_between_one_and_two_ranks(crossed):
-    a, b = crossed["1to2"], crossed["2to1"]
-    assert sorted(a) == sorted(b) == list(range(1, 11))
-    # the first halves ran on different world sizes, the second halves resumed across them: one curve
-    assert_close(a, b, rel=1e-5)
+def test_async_checkpoints_are_complete_and_resume_exactly(async_runs):
+    base = async_runs["base"]
+    assert [p.name for p in sorted(base.glob("checkpoint-*"))] == ["checkpoint-10", "checkpoint-3", "checkpoint-6", "checkpoint-9"]
+    assert all((base / f"checkpoint-{s}" / "trainer_state.json").exists() for s in (3, 6, 9, 10))
+    assert not list(base.glob(".checkpoint-*"))
+    resumed = losses(async_runs["resumed"])
+    assert sorted(resumed) == list(range(7, 11))
+    assert_close(losses(base), resumed, rel=1e-5, steps=range(7, 11))
+
+
+def test_a_run_killed_mid_write_resumes_from_the_previous_checkpoint(async_runs):
+    assert async_runs["crash"].returncode != 0 and "CRASH during the background write" in async_runs["crash"].stdout
+    assert async_runs["left"] == [".checkpoint-6.tmp", "checkpoint-3"]  # the half-written one never counts
+    out = async_runs["after"].stdout
+    assert "checkpoint-3 at step 3 (was 1 ranks, now 2)" in out
+    got = losses(async_runs["crashed"])
+    assert sorted(got) == list(range(1, 11))  # steps 4-6 of the killed run replaced, not repeated
+    assert_close(losses(async_runs["base"]), got, rel=1e-5)

@@ -71,3 +71,34 @@ def test_tokens_per_second_leaves_pauses_out_of_the_window(monkeypatch):
     assert w.tokens_per_second(1000) == pytest.approx(5 * 1000 / 2.5)
     w.reset()
     assert w.steps == 0 and w.paused == 0
+
+
+@pytest.mark.slow  # starts worker processes
+def test_packed_data_is_the_same_with_one_and_two_workers(tmp_path, caplog):
+    import logging
+
+    from datasets import Dataset, DatasetDict
+
+    from anygpu.data import packing, tokenizer as tok_lib
+
+    docs = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * (1 + i % 9) for i in range(1000)]
+    raw = DatasetDict(train=Dataset.from_dict({"text": docs[:900]}), validation=Dataset.from_dict({"text": docs[900:]}))
+    tok = tok_lib.train_bpe(iter(docs), 400)
+    with caplog.at_level(logging.INFO):
+        # separate caches (and fingerprints) so the second call packs again rather than reading the first
+        one = packing.pack(raw, tok, 16, "text", "fp-1", str(tmp_path / "a"), num_proc=1)
+        two = packing.pack(raw, tok, 16, "text", "fp-2", str(tmp_path / "b"), num_proc=2)
+    for split in ("train", "validation"):
+        assert len(one[split]) > 30 and one[split]["input_ids"] == two[split]["input_ids"]
+    assert "MB/s, 2 processes" in caplog.text  # the log reports the rate
+
+
+def test_default_workers_follow_the_cores_and_the_corpus():
+    from anygpu.prepare import preprocessing_workers
+
+    assert preprocessing_workers(3, 10) == 3  # as asked
+    assert preprocessing_workers(None, 1_000) == 1  # a small corpus: no process start-up to pay
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert preprocessing_workers(None, 10**12) == min(cores, 64)

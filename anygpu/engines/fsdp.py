@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from anygpu import checkpoint, distributed, hardware, metrics, modeling, optim, parallel
+from anygpu import async_checkpoint, checkpoint, distributed, hardware, metrics, modeling, optim, parallel
 from anygpu.data.order import eval_shards
 from anygpu.data.packing import read_batch
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
@@ -149,6 +149,7 @@ class FSDPTrainer:
         self.scheduler = optim.build_scheduler(self.optimizer, train_args, prep.total_steps)
         self.writer = metrics.MetricsWriter(train_args.output_dir, info.is_main, bool({"tensorboard", "all"} & set(train_args.report_to)))
         self.start_step = self._resume(resume) if resume is not None else 0
+        self.async_saver = self._async_saver()
         self.end_step = min(prep.total_steps, train_args.stop_at_step or prep.total_steps)
         precision = hardware.matmul_precision(train_args.bf16, train_args.fp16, tf32)
         self.peak_flops = hardware.peak_flops(hardware.devices()[0].name, precision) if info.device.type == "cuda" else None
@@ -174,12 +175,25 @@ class FSDPTrainer:
         self.writer.truncate_after(state["global_step"])
         return state["global_step"]
 
-    def save(self, step: int) -> None:
+    def _async_saver(self) -> async_checkpoint.AsyncCheckpointer | None:
+        on, why = async_checkpoint.use_async(self.args.async_save, self.model, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        if self.info.is_main:
+            logger.info("periodic checkpoints: %s (%s)", "asynchronous" if on else "synchronous", why)
+        return async_checkpoint.AsyncCheckpointer(self.args.output_dir, self.args.save_total_limit, self.info.rank,
+                                                  self.info.device) if on else None
+
+    def save(self, step: int, background: bool = False) -> None:
+        """Checkpoint `step`; `background`: return once staged (periodic saves), else when complete."""
         prep = self.prep
-        checkpoint.save(self.args.output_dir, step, self.model, self.optimizer, self.scheduler, {
-            "global_step": step, "global_batch_size": prep.plan.global_batch_size, "world_size": self.info.world_size,
-            "seed": self.args.seed, "num_train_samples": prep.order.num_samples, "total_steps": prep.total_steps,
-        }, self.args.save_total_limit, self.info.rank)
+        state = {"global_step": step, "global_batch_size": prep.plan.global_batch_size, "world_size": self.info.world_size,
+                 "seed": self.args.seed, "num_train_samples": prep.order.num_samples, "total_steps": prep.total_steps}
+        if self.async_saver is not None:
+            if background:
+                self.async_saver.save(step, self.model, self.optimizer, self.scheduler, state)
+                return
+            self.async_saver.wait()  # the previous one completes first: checkpoints commit in step order
+        checkpoint.save(self.args.output_dir, step, self.model, self.optimizer, self.scheduler, state,
+                        self.args.save_total_limit, self.info.rank)
 
     def _log(self, rec: dict[str, Any]) -> None:
         self.writer.write(rec)
@@ -244,9 +258,11 @@ class FSDPTrainer:
                 self.save(step)
                 self.close(bar)
                 sys.exit(143)
+            if self.async_saver is not None:
+                self.async_saver.poll()  # commit a finished background write (no wait)
             if args.save_steps and step % args.save_steps == 0 and step != self.end_step:
                 with metrics.paused(window):
-                    self.save(step)
+                    self.save(step, background=True)
         bar.close()
         self.finish()
         return self.last
@@ -272,6 +288,8 @@ class FSDPTrainer:
             bar.close()
         if getattr(self, "prefetcher", None) is not None:
             self.prefetcher.close()
+        if self.async_saver is not None:
+            self.async_saver.close()  # a write still in flight completes and commits before exit
         self.writer.close()
         distributed.destroy()
 
