@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -60,6 +61,17 @@ def paused(window: ThroughputWindow) -> Iterator[None]:
         yield
     finally:
         window.pause(time.perf_counter() - start)
+
+
+def since_process_start() -> tuple[float, float]:
+    """(wall seconds since this process started, CPU seconds it has used): the start-up cost to the first step."""
+    cpu = time.process_time()
+    try:
+        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK"), cpu
+    except (OSError, ValueError, IndexError):
+        return float("nan"), cpu
 
 
 def max_memory_gb(device: torch.device) -> float | None:

@@ -102,3 +102,12 @@ def test_default_workers_follow_the_cores_and_the_corpus():
 
     cores = len(os.sched_getaffinity(0))
     assert preprocessing_workers(None, 10**12) == min(cores, 64)
+
+
+def test_engines_do_not_import_deepspeed_until_used():
+    import subprocess
+    import sys
+
+    code = ("import sys, anygpu.engines.fsdp, anygpu.engines.hf.engine, anygpu.engines.hf.trainer; "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
