@@ -104,6 +104,7 @@ def test_default_workers_follow_the_cores_and_the_corpus():
     assert preprocessing_workers(None, 10**12) == min(cores, 64)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers
 def test_engines_do_not_import_deepspeed_until_used():
     import subprocess
     import sys
@@ -111,3 +112,21 @@ def test_engines_do_not_import_deepspeed_until_used():
     code = ("import sys, anygpu.engines.fsdp, anygpu.engines.hf.engine, anygpu.engines.hf.trainer; "
             "assert 'deepspeed' not in sys.modules, 'deepspeed imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_gpu_matrix_without_a_gpu_prints_its_plan_and_exits_0():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the script would run the matrix")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(["bash", "benchmarks/gpu_matrix.sh"], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr
+    assert "no GPU" in proc.stdout
+    for what in ("run_fsdp_standalone.py", "--torch_compile true", "--gradient_checkpointing true",
+                 "accelerate_configs/ddp.yaml", "accelerate_configs/fsdp.yaml", "accelerate_configs/deepspeed_zero3.yaml"):
+        assert what in proc.stdout, what
+    assert proc.stdout.count("--bf16 true") == 7
