@@ -1,0 +1,64 @@
+"""Preparing text: what `--extra_mb` more text costs the engine's preparation (tokenise + pack, with its
+default worker processes) against what a one-process `datasets.map` tokenisation of that text takes.
+Target (2 cores): extra time <= 0.67x the one-process time; in general about 1 / cores.
+
+Both corpora are the embedded standard-library text, saved to disk first (file-backed, as a user's
+corpus is: `datasets.map` then streams its output to Arrow cache files). Fresh caches, no reuse.
+
+    .venv/bin/python benchmarks/prepare_text.py [--base_mb 2] [--extra_mb 24]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+
+from _common import anygpu  # noqa: F401  (offline defaults before datasets is imported)
+from datasets import DatasetDict, load_from_disk
+
+from anygpu.data import packing, sources, tokenizer as tok_lib
+from anygpu.prepare import preprocessing_workers
+
+
+def corpus(mb: float, folder: str) -> DatasetDict:
+    sources.stdlib_corpus(5.0, mb).save_to_disk(folder)
+    return load_from_disk(folder)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base_mb", type=float, default=2)
+    p.add_argument("--extra_mb", type=float, default=24)
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="[%(levelname)s] %(message)s")
+    tmp = tempfile.mkdtemp(prefix="anygpu-prep-")
+    base, big = corpus(a.base_mb, f"{tmp}/base"), corpus(a.base_mb + a.extra_mb, f"{tmp}/big")
+    tok = tok_lib.train_bpe((t for b in sources.iter_texts(base["train"], "text") for t in b), 8192)
+    mb = lambda d: sum(ds.data.nbytes for ds in d.values()) / 1e6  # noqa: E731
+    workers = preprocessing_workers(None, big["train"].data.nbytes)
+
+    def prepare(raw: DatasetDict, name: str) -> float:
+        start = time.perf_counter()
+        packing.pack(raw, tok, 256, "text", f"bench-{name}", f"{tmp}/cache-{name}", workers)
+        return time.perf_counter() - start
+
+    t_base, t_big = prepare(base, "base"), prepare(big, "big")
+    extra_mb = mb(big) - mb(base)
+    # the reference: one process tokenising the extra text with datasets.map, nothing else
+    extra = big["train"].select(range(len(base["train"]), len(big["train"])))
+
+    def tokenize(batch: dict) -> dict:
+        return {"input_ids": tok(batch["text"], add_special_tokens=False)["input_ids"]}
+
+    start = time.perf_counter()
+    extra.map(tokenize, batched=True, remove_columns=["text"], cache_file_name=f"{tmp}/one-process.arrow")
+    one = (time.perf_counter() - start) * extra_mb / (extra.data.nbytes / 1e6)  # scaled to all the extra text
+    added = t_big - t_base
+    print(f"preparation with {workers} processes: {mb(base):.1f} MB in {t_base:.1f} s, {mb(big):.1f} MB in {t_big:.1f} s; "
+          f"{extra_mb:.1f} MB more text cost {added:.1f} s ({extra_mb / added:.2f} MB/s), a one-process datasets.map "
+          f"tokenisation of it {one:.1f} s ({extra_mb / one:.2f} MB/s): ratio {added / one:.2f} (target <= 0.67)")
+
+
+if __name__ == "__main__":
+    main()
