@@ -242,6 +242,8 @@ class FSDPTrainer:
         for step in range(self.start_step + 1, self.end_step + 1):
             loss, lr, grad_norm = self.optimizer_step(step)
             if step == self.start_step + 1 and info.is_main:
+                if info.device.type == "cuda":
+                    torch.cuda.synchronize()  # once: the first step's time must count its finished work
                 logger.info("first step done %.1f s after the process started (%.1f s of CPU)", *metrics.since_process_start())
             window.steps += 1
             bar.update(1)
