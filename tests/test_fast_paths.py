@@ -14,10 +14,10 @@ TEN = [*TINY, "--max_steps", "10", "--export_final", "false"]
 
 def test_one_rank_unsharded_has_fsdp2_losses(tmp_path):
     # 4 micro-batches of 2 per step: accumulation without FSDP's gradient-sync switch
-    proc = python("tests/scripts/one_rank_paths.py", [*TINY, "--max_steps", "6", "--per_device_train_batch_size", "2",
+    proc = python("tests/scripts/one_rank_paths.py", [*TINY, "--max_steps", "4", "--per_device_train_batch_size", "2",
                                                      "--output_dir", str(tmp_path)])
     got = json.loads(proc.stdout.split("LOSSES ", 1)[1].splitlines()[0])
-    assert len(got["plain"]) == 6 and got["plain"][-1] < got["plain"][0]
+    assert len(got["plain"]) == 4 and got["plain"][-1] < got["plain"][0]
     for a, b in zip(got["plain"], got["fsdp"]):
         assert abs(a - b) <= 1e-6 * abs(b), got
 
