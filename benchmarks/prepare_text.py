@@ -23,7 +23,8 @@ from anygpu.prepare import preprocessing_workers
 
 
 def corpus(mb: float, folder: str) -> DatasetDict:
-    """`mb` MB of standard-library text (the library cycled, each pass numbered, past its ~12 MB)."""
+    """`mb` MB of standard-library text (the library cycled, each pass numbered, past its ~12 MB), in a
+    fresh folder: datasets keeps `map` results next to the data, so a reused folder would hit that cache."""
     full = sources.stdlib_corpus(5.0)
     texts, size, rnd = [], 0, 0
     while size < mb * 1e6:
@@ -46,6 +47,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s] %(message)s")
     tmp = tempfile.mkdtemp(prefix="anygpu-prep-")
     base, big = corpus(a.base_mb, f"{tmp}/base"), corpus(a.base_mb + a.extra_mb, f"{tmp}/big")
+    fresh = lambda ds, name: (ds.save_to_disk(f"{tmp}/{name}"), load_from_disk(f"{tmp}/{name}"))[1]  # noqa: E731
     tok = tok_lib.train_bpe((t for b in sources.iter_texts(base["train"], "text") for t in b), 8192)
     mb = lambda d: sum(ds.data.nbytes for ds in d.values()) / 1e6  # noqa: E731
     workers = preprocessing_workers(None, big["train"].data.nbytes)
@@ -70,7 +72,7 @@ def main() -> None:
     ratios = []
     for r in range(a.rounds):  # alternating, so load from other jobs hits both
         one = one_process(str(r))
-        t_base, t_big = prepare(base, f"base{r}"), prepare(big, f"big{r}")
+        t_base, t_big = prepare(fresh(base, f"base{r}"), f"base{r}"), prepare(fresh(big, f"big{r}"), f"big{r}")
         added = t_big - t_base
         ratios.append(added / one)
         print(f"round {r + 1}: {mb(base):.1f} MB in {t_base:.1f} s, {mb(big):.1f} MB in {t_big:.1f} s with {workers} "
