@@ -90,7 +90,11 @@ class DataArguments:
     max_corpus_mb: float | None = field(
         default=None, metadata={"help": "Read at most this many MB of the embedded standard-library corpus (for quick runs)."}
     )
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenising."})
+    preprocessing_num_workers: int | None = field(
+        default=None,
+        metadata={"help": "Processes for tokenising. Default: one per core of the node (at most 64, fewer for a corpus "
+                          "under 4 MB per process)."},
+    )
     data_cache_dir: str | None = field(
         default=None,
         metadata={"help": "Where tokenised/packed data and trained tokenizers are cached. Default: $ANYGPU_CACHE or ~/.cache/anygpu."},
@@ -230,6 +234,13 @@ class TrainArguments:
         default=None, metadata={"help": "Memory budget per device in GiB for --per_device_train_batch_size auto (needed on "
                                         "CPU, where the plan's estimate is checked against it; on a GPU the smaller of this and "
                                         "the GPU's memory)."}
+    )
+    async_save: bool | None = field(
+        default=None,
+        metadata={"help": "FSDP2 engine: write periodic checkpoints (--save_steps) in the background; training stops "
+                          "only to copy the state to host memory. Each still counts only once complete. Default on "
+                          "when the host has room for the copy; the last and SIGTERM checkpoints are always written "
+                          "before exit. The HF engine saves synchronously."},
     )
 
     def __post_init__(self) -> None:

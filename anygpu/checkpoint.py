@@ -147,9 +147,14 @@ def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, 
     """This rank's part: its model and optimizer shards (DCP, collective) and its RNG state."""
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    save_rng(tmp, rank)
+    preempt.test_fault("save", int(tmp.name.split("-")[1].split(".")[0]))
+
+
+def save_rng(tmp: Path, rank: int) -> None:
+    """This rank's RNG states, beside the shards (a rank that did not exist at save time keeps its seed)."""
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank-{rank}.pt")
-    preempt.test_fault("save", int(tmp.name.split("-")[1].split(".")[0]))
 
 
 def finalize(root: Path, tmp: Path, final: Path, step: int, world_size: int, engine: str,

@@ -136,11 +136,28 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank if it is true on one (e.g. a SIGTERM seen by one process)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    """True on every rank if it is true on one (e.g. a SIGTERM seen by one process).
+
+    Called every step, so it never touches the GPU: one process answers at once, several agree over
+    a gloo group on the CPU (a NCCL all-reduce plus `.item()` would make the host wait for the step).
+    """
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
     return bool(t.item())
+
+
+_CPU_GROUP: list = []
+
+
+def _cpu_group():
+    """The default group when it is gloo, else a gloo group over the same ranks (made once, by every rank)."""
+    if dist.get_backend() == "gloo":
+        return None
+    if not _CPU_GROUP:
+        _CPU_GROUP.append(dist.new_group(backend="gloo"))
+    return _CPU_GROUP[0]
 
 
 def broadcast_object(obj: object, src: int = 0) -> object:

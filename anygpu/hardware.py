@@ -6,41 +6,47 @@ path serves NVIDIA and AMD; the vendor only changes names, peak numbers and defa
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-# Dense bf16 peak TFLOP/s (no sparsity), per GPU, from the vendors' data sheets.
-# Matched by substring of torch.cuda.get_device_name(); the first match wins.
-PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
-    ("H200", 989.0),
-    ("H100 NVL", 835.0),
-    ("H100 PCIe", 756.0),
-    ("H100", 989.0),  # SXM
-    ("H800", 989.0),
-    ("GH200", 989.0),
-    ("B200", 2250.0),
-    ("GB200", 2500.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("A10G", 70.0),
-    ("A10", 125.0),
-    ("L40S", 362.0),
-    ("L40", 181.0),
-    ("L4", 121.0),
-    ("RTX 4090", 165.0),
-    ("RTX 3090", 71.0),
-    ("V100", 125.0),  # fp16 tensor cores; V100 has no bf16
-    ("MI355X", 2500.0),
-    ("MI325X", 1307.0),
-    ("MI300X", 1307.0),
-    ("MI300A", 980.6),
-    ("MI250X", 383.0),
-    ("MI250", 362.1),
-    ("MI210", 181.0),
-]
+# Dense peak TFLOP/s per GPU (no sparsity), from the vendors' data sheets, by precision of the matmuls:
+# (bf16/fp16 tensor cores, TF32/XF32 tensor cores or None where the part has no such format, fp32).
+# Keys are matched on whole words of the normalised device name (`_name_words`), longest key first:
+# "NVIDIA GB200" is a GB200, never a B200; "NVIDIA A10G" never an A10.
+PEAK_TFLOPS: dict[str, tuple[float, float | None, float]] = {
+    "H200 NVL": (835.0, 417.5, 60.0),
+    "H200": (989.0, 494.7, 66.9),
+    "H100 NVL": (835.0, 417.5, 60.0),
+    "H100 PCIe": (756.0, 378.0, 51.2),
+    "H100": (989.0, 494.7, 66.9),  # SXM (named "H100 80GB HBM3")
+    "H800": (989.0, 494.7, 66.9),
+    "GH200": (989.0, 494.7, 66.9),
+    "B200": (2250.0, 1100.0, 75.0),
+    "GB200": (2500.0, 1250.0, 80.0),
+    "A100": (312.0, 156.0, 19.5),
+    "A800": (312.0, 156.0, 19.5),
+    "A10G": (70.0, 35.0, 31.2),
+    "A10": (125.0, 62.5, 31.2),
+    "L40S": (362.0, 183.0, 91.6),
+    "L40": (181.0, 90.5, 90.5),
+    "L4": (121.0, 60.0, 30.3),
+    "RTX 4090": (165.2, 82.6, 82.6),
+    "RTX 3090": (71.0, 35.6, 35.6),
+    "V100": (125.0, None, 15.7),  # fp16 tensor cores; no bf16, no TF32
+    "MI355X": (2500.0, None, 157.3),
+    "MI325X": (1307.0, 653.7, 163.4),
+    "MI300X": (1307.0, 653.7, 163.4),
+    "MI300A": (980.6, 490.3, 122.6),
+    "MI250X": (383.0, None, 95.7),
+    "MI250": (362.1, None, 90.5),
+    "MI210": (181.0, None, 45.3),
+}
+# Kept for callers of the bf16-only table.
+PEAK_BF16_TFLOPS: list[tuple[str, float]] = [(k, v[0]) for k, v in PEAK_TFLOPS.items()]
 
 
 @dataclass(frozen=True)
@@ -69,13 +75,32 @@ def devices() -> list[DeviceInfo]:
     return out
 
 
-def peak_bf16_flops(device_name: str) -> float | None:
-    """Peak dense bf16 FLOP/s of one GPU, or None (with a warning) for a part not in the table."""
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if key.lower() in device_name.lower():
-            return tflops * 1e12
-    logger.warning("peak bf16 FLOP/s of %r unknown: MFU is not reported (add it to PEAK_BF16_TFLOPS)", device_name)
+def _name_words(name: str) -> list[str]:
+    """'NVIDIA A100-SXM4-80GB' → ['NVIDIA', 'A100', 'SXM4', '80GB']."""
+    return re.sub(r"[-_/,()]", " ", name).upper().split()
+
+
+def matmul_precision(bf16: bool, fp16: bool, tf32: bool) -> str:
+    """The precision of the training matmuls: 'bf16', 'fp16', 'tf32' or 'fp32'."""
+    return "bf16" if bf16 else "fp16" if fp16 else "tf32" if tf32 else "fp32"
+
+
+def peak_flops(device_name: str, precision: str) -> float | None:
+    """Peak dense FLOP/s of one GPU at `precision` (see `matmul_precision`), or None (with a warning)
+    for a part not in PEAK_TFLOPS. TF32 on a part without it is its fp32 peak."""
+    words = _name_words(device_name)
+    for key in sorted(PEAK_TFLOPS, key=lambda k: -len(_name_words(k))):
+        kw = _name_words(key)
+        if any(words[i : i + len(kw)] == kw for i in range(len(words) - len(kw) + 1)):
+            half, tf32, fp32 = PEAK_TFLOPS[key]
+            value = half if precision in ("bf16", "fp16") else (tf32 or fp32) if precision == "tf32" else fp32
+            return value * 1e12
+    logger.warning("peak FLOP/s of %r unknown: MFU is not reported (add it to PEAK_TFLOPS)", device_name)
     return None
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    return peak_flops(device_name, "bf16")
 
 
 def has_tf32() -> bool:

@@ -5,11 +5,14 @@ the same keys whichever engine made them.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from transformers import PretrainedConfig
@@ -28,6 +31,47 @@ def mfu(tokens_per_second: float, flops_per_tok: float, peak_flops_per_device: f
     if not peak_flops_per_device:
         return None
     return tokens_per_second * flops_per_tok / (peak_flops_per_device * world_size)
+
+
+class ThroughputWindow:
+    """Training time between two logged steps, less the pauses (evaluation, checkpoints) inside it:
+    tokens/s counts training only, and the steps around a pause are not dropped from the window."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.paused, self.steps = time.perf_counter(), 0.0, 0
+
+    def pause(self, seconds: float) -> None:
+        self.paused += seconds
+
+    def seconds(self) -> float:
+        return max(time.perf_counter() - self.start - self.paused, 1e-9)
+
+    def tokens_per_second(self, tokens_per_step: int) -> float:
+        return tokens_per_step * self.steps / self.seconds()
+
+
+@contextlib.contextmanager
+def paused(window: ThroughputWindow) -> Iterator[None]:
+    """Leave the time spent inside out of `window`."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        window.pause(time.perf_counter() - start)
+
+
+def since_process_start() -> tuple[float, float]:
+    """(wall seconds since this process started, CPU seconds it has used): the start-up cost to the first step."""
+    cpu = time.process_time()
+    try:
+        start_ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK"), cpu
+    except (OSError, ValueError, IndexError):
+        return float("nan"), cpu
 
 
 def max_memory_gb(device: torch.device) -> float | None:

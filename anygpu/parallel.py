@@ -1,13 +1,24 @@
 """FSDP2 for the native engine: activation checkpointing → compile → `fully_shard` per
-decoder layer → root (torchtitan's order: each wrap sees the module the previous one built)."""
+decoder layer → root (torchtitan's order: each wrap sees the module the previous one built).
+One fp32 process has nothing to shard: the model stays a plain module there (`needs_sharding`)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from anygpu.modeling import decoder_layer_classes
+
+
+def needs_sharding(world_size: int, bf16: bool) -> bool:
+    """FSDP2 on one rank only costs per-step copies and hooks, so it is skipped there; bf16 keeps it at any
+    world size because its mixed-precision policy (bf16 compute, fp32 master weights) defines the numerics."""
+    return world_size > 1 or bf16
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
 
 
 def shard_model(
@@ -19,7 +30,8 @@ def shard_model(
     compile_blocks: bool,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Shard `model` (parameters still on meta) over all ranks; returns it wrapped in place."""
+    """Shard `model` (parameters still on meta) over all ranks; returns it wrapped in place (or plain, see
+    `needs_sharding`: the same losses, and DCP checkpoints load either way on any world size)."""
     layers = [m for m in model.modules() if isinstance(m, decoder_layer_classes(model))]
     if gradient_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's hooks and torch.compile.
@@ -27,9 +39,13 @@ def shard_model(
     if compile_blocks:
         for layer in layers:
             layer.compile()
+    if not needs_sharding(world_size, bf16):
+        return model
     mesh = init_device_mesh(device.type, (world_size,))
     # bf16 compute and all-gathers, fp32 gradient reduction and master weights.
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    # With one rank, resharding frees nothing worth the re-gather in the backward.
+    reshard_after_forward = reshard_after_forward and world_size > 1
     for i, layer in enumerate(layers):
         # The last layer's parameters are gathered again at once by the backward: keep them.
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)

@@ -5,6 +5,7 @@ Every check that can refuse the run happens first, before tokenising or touching
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,15 @@ def check_output_dir(output_dir: str) -> None:
         raise UsageError(f"--output_dir {output_dir} cannot be written ({e.strerror or e}): choose a writable folder, e.g. ./outputs/run1.") from e
 
 
+def preprocessing_workers(requested: int | None, num_bytes: int, max_workers: int = 64, bytes_per_worker: int = 4_000_000) -> int:
+    """Tokenising processes: as asked, else one per core of this node (local rank 0 prepares while the
+    others wait), at most `max_workers`, and none idle on a small corpus (a process costs ~1 s to start)."""
+    if requested:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, max_workers, num_bytes // bytes_per_worker))
+
+
 def check_run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments, world_size: int
               ) -> tuple[PretrainedConfig, int, BatchPlan]:
     """The cheap checks: model config, block size, batch math, output dir. Raises UsageError."""
@@ -80,7 +90,8 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
             fp, model_args.vocab_size, data_args.data_cache_dir, info.is_local_main, model_args.trust_remote_code,
         )
         packing = resolve_packing(data_args.packing, fmt, config.model_type, model_args.attn_implementation)
-        data = make_rows(raw, fmt, tokenizer, block_size, data_args, packing, fp)
+        workers = preprocessing_workers(data_args.preprocessing_num_workers, raw["train"].data.nbytes)
+        data = make_rows(raw, fmt, tokenizer, block_size, data_args, packing, fp, workers)
         packed = data.rows
     distributed.wait_for_all("preparing the data")  # other nodes may still be packing: no collective timeout
     if data_args.max_train_samples:

@@ -1,8 +1,10 @@
 """Steps/s of the FSDP2 engine against a plain PyTorch loop over the same model and batches.
 
 One process. The plain loop is what you would write by hand: the unsharded model, AdamW,
-forward/backward per micro-batch, clip, step. Both read the same micro-batches from the packed dataset each step; the engine runs them through
-`fsdp_engine.train_step` (token-normalised loss, FSDP2 wrapping, DTensor clipping).
+forward/backward per micro-batch, clip, step. Both read the same micro-batches from the packed dataset each step; the engine runs them as
+its loop does: `fsdp_engine.train_step` with the prefetcher (a background thread on a GPU or a spare core; token-normalised loss; FSDP2 wrapping
+where it shards, i.e. not on one fp32 process), clipping, and the loss and gradient norm read on logging
+steps only (every 10, the default --logging_steps; the plain loop reads them as often).
 Rounds alternate between the two so machine noise hits both alike.
 
     .venv/bin/python benchmarks/engine_vs_plain.py [--config_name tiny] [--steps 20] [--rounds 3] [--block_size 128]
@@ -23,29 +25,37 @@ anygpu.set_offline_defaults()
 
 import torch  # noqa: E402
 
-from anygpu import distributed, modeling, optim
+from anygpu import distributed, modeling, optim, parallel
 from anygpu.data.packing import read_batch
 from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
+from anygpu.prefetch import Prefetcher  # noqa: E402
 from anygpu.args import parse_args  # noqa: E402
 from anygpu.prepare import prepare  # noqa: E402
 
 
-def plain_step(model, opt, dataset, micro_batches, device, max_norm: float) -> None:
+LOG_EVERY = 10
+
+
+def plain_step(model, opt, dataset, micro_batches, device, max_norm: float, step: int) -> None:
     batches = [{k: v.to(device) for k, v in read_batch(dataset, idx).items()} for idx in micro_batches]
     n = sum(b["labels"][:, 1:].numel() for b in batches)
     for b in batches:
         loss = model(input_ids=b["input_ids"], labels=b["labels"], num_items_in_batch=n).loss
         loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if step % LOG_EVERY == 0:
+        loss.item(), norm.item()
 
 
-def engine_step(model, opt, prep, step, info, max_norm: float) -> None:
-    fsdp_engine.train_step(model, prep, step, info)
-    fsdp_engine.clip_gradients(model, max_norm)
+def engine_step(model, opt, prep, step, info, max_norm: float, prefetcher) -> None:
+    loss = fsdp_engine.train_step(model, prep, step, info, prefetcher)
+    norm = fsdp_engine.clip_gradients(model, max_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if step % LOG_EVERY == 0:
+        fsdp_engine.global_loss(loss), norm.item()
 
 
 def main() -> None:
@@ -77,8 +87,17 @@ def main() -> None:
             torch.cuda.synchronize()
         return a.steps / (time.perf_counter() - start)
 
-    run_plain = lambda s: plain_step(plain, plain_opt, prep.datasets["train"], micro[s], info.device, train_args.max_grad_norm)  # noqa: E731
-    run_engine = lambda s: engine_step(engine, engine_opt, prep, s, info, train_args.max_grad_norm)  # noqa: E731
+    run_plain = lambda s: plain_step(plain, plain_opt, prep.datasets["train"], micro[s], info.device, train_args.max_grad_norm, s)  # noqa: E731
+    # each round replays steps 0..steps-1: a fresh prefetcher per round, as a resumed run would start one
+    prefetchers = {}
+
+    def run_engine(s: int) -> None:
+        if s == 0:
+            if prefetchers:
+                prefetchers.pop(0).close()
+            prefetchers[0] = Prefetcher(lambda k: fsdp_engine.load_step(prep, k, info), info.device, a.steps)
+        engine_step(engine, engine_opt, prep, s, info, train_args.max_grad_norm, prefetchers[0])
+
     run_plain(0), run_engine(0)  # warm-up (allocator, lazy init)
     ratios, plain_rates, engine_rates = [], [], []
     for r in range(a.rounds):
@@ -86,7 +105,9 @@ def main() -> None:
         plain_rates.append(pr), engine_rates.append(er), ratios.append(er / pr)
         print(f"round {r + 1}: plain {pr:.2f} steps/s, engine {er:.2f} steps/s, ratio {er / pr:.3f}", flush=True)
     print(f"{a.config_name} preset, block {prep.block_size}, {prep.plan.banner()}, {info.device}: "
-          f"engine/plain steps/s = {statistics.median(ratios):.3f} (median of {a.rounds} rounds of {a.steps} steps; target ≥ 0.97)")
+          f"{'FSDP2-sharded' if parallel.is_sharded(engine) else 'unsharded'} engine: engine/plain steps/s = {statistics.median(ratios):.3f} (median of {a.rounds} rounds of {a.steps} steps; target ≥ 0.97)")
+    for p in prefetchers.values():
+        p.close()
     distributed.destroy()
 
 

@@ -1,7 +1,7 @@
 """The seeded global order of packed samples: global batch k is the same samples whatever the world size."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -18,6 +18,8 @@ class GlobalOrder:
     num_samples: int
     global_batch_size: int
     seed: int
+    # (epoch, its permutation): drawn once per epoch, not per step (randperm of 10M samples is ~250 ms)
+    _cached: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.steps_per_epoch < 1:
@@ -31,8 +33,14 @@ class GlobalOrder:
         return self.num_samples // self.global_batch_size
 
     def permutation(self, epoch: int) -> torch.Tensor:
+        """The order of epoch `epoch`; the current epoch's is kept, so a step costs a slice, whatever the corpus."""
+        cached = self._cached[0] if self._cached else None  # one read: the prefetch thread also calls this
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=g)
+        perm = torch.randperm(self.num_samples, generator=g)
+        self._cached[:] = [(epoch, perm)]
+        return perm
 
     def global_batch(self, step: int) -> list[int]:
         """Sample indices of optimizer step `step` (0-based, counted over all epochs)."""

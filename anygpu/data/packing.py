@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -53,11 +54,16 @@ def pack(
 
     packed = DatasetDict()
     for split, ds in raw.items():
-        tok = ds.map(tokenize, batched=True, remove_columns=ds.column_names, num_proc=num_proc, desc=f"tokenise {split}")
-        packed[split] = tok.map(group, batched=True, batch_size=2000, num_proc=num_proc, desc=f"pack {split} into {block_size}-token blocks")
+        start, procs = time.perf_counter(), num_proc if num_proc and num_proc > 1 and len(ds) >= num_proc else None
+        tok = ds.map(tokenize, batched=True, remove_columns=ds.column_names, num_proc=procs, desc=f"tokenise {split}")
+        # Packing runs in one process: the blocks must not depend on how the texts were split among workers.
+        packed[split] = tok.map(group, batched=True, batch_size=2000, desc=f"pack {split} into {block_size}-token blocks")
         if len(packed[split]) == 0:  # (an empty split would also break save_to_disk/load_from_disk)
             raise UsageError(f"the {split} split has no full {block_size}-token block: lower --block_size or give more "
                              f"{split} text.")
+        mb, seconds = ds.data.nbytes / 1e6, time.perf_counter() - start
+        logger.info("%s: %.1f MB of text tokenised and packed in %.1f s (%.1f MB/s, %d processes)",
+                    split, mb, seconds, mb / max(seconds, 1e-9), procs or 1)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{key}."))
     packed.save_to_disk(str(tmp))

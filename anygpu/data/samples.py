@@ -88,20 +88,19 @@ def carve_validation(train: Dataset, percentage: float) -> DatasetDict:
 
 
 def make_rows(raw: DatasetDict, fmt: str, tokenizer, block_size: int, data_args: DataArguments, packing: bool,
-              corpus_fingerprint: str) -> TrainingRows:
+              corpus_fingerprint: str, num_proc: int | None = None) -> TrainingRows:
     """Tokenise (and pack) the raw data of any format into rows; carve a validation split when there is none."""
     default_template = False
     if fmt == MESSAGES or (fmt == PROMPT_COMPLETION and not isinstance(raw["train"][0]["prompt"], str)):
         default_template = chat_template.ensure_chat_template(tokenizer)
     if fmt == TEXT:
-        rows = pack(raw, tokenizer, block_size, data_args.text_column, corpus_fingerprint, data_args.data_cache_dir,
-                    data_args.preprocessing_num_workers)
+        rows = pack(raw, tokenizer, block_size, data_args.text_column, corpus_fingerprint, data_args.data_cache_dir, num_proc)
         stats, packing = {}, True
     else:
         opts = EncodeOptions(fmt, block_size, data_args.completion_only_loss, data_args.assistant_only_loss,
                              data_args.truncation_mode)
         rows, stats = build_rows(raw, tokenizer, opts, packing, corpus_fingerprint, data_args.data_cache_dir,
-                                 data_args.preprocessing_num_workers)
+                                 num_proc)
     carved = "validation" not in rows
     if carved:
         rows = carve_validation(rows["train"], data_args.validation_split_percentage)

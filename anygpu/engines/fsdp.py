@@ -10,17 +10,19 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from anygpu import auto_batch, checkpoint, distributed, errors, hardware, metrics, modeling, optim, parallel, resume_guard, run_guard
+from anygpu import (async_checkpoint, auto_batch, checkpoint, distributed, errors, hardware, metrics, modeling, optim,
+                    parallel, resume_guard, run_guard)
 from anygpu.data.order import eval_shards
 from anygpu.data.collate import Collator, count_targets
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
+from anygpu.prefetch import Prefetcher, read_now
 from anygpu.prepare import Prepared, check_run, prepare, summary_lines
 from anygpu.errors import UsageError
 from anygpu.preempt import Preemption, protected, test_fault
@@ -35,6 +37,8 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
     parallel.shard_model(model, info.device, info.world_size, train_args.bf16, train_args.gradient_checkpointing,
                          train_args.torch_compile)
     model.to_empty(device=info.device)
+    if not parallel.is_sharded(model):
+        model.tie_weights()  # to_empty gives a plain module's tied parameters separate storage
     modeling.restore_buffers(model, buffers)
     if prep.from_scratch:
         modeling.init_parameters(model, prep.config, train_args.seed)
@@ -59,28 +63,38 @@ def evaluate(model, dataset, collator: Collator, batch_size: int, info: distribu
     return (totals[0] / totals[1]).item()
 
 
-def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo) -> float:
-    """Forward/backward of one optimizer step's micro-batches; returns the global-batch mean loss."""
-    batches = [prep.collator.read(prep.datasets["train"], idx) for idx in prep.order.micro_batches(step, prep.plan, info.rank)]
+def load_step(prep: Prepared, step: int, info: distributed.DistInfo) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches of optimizer step `step` (0-based), read on the CPU."""
+    return [prep.collator.read(prep.datasets["train"], idx) for idx in prep.order.micro_batches(step, prep.plan, info.rank)]
+
+
+def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo, prefetcher: Prefetcher | None = None) -> torch.Tensor:
+    """Forward/backward of one optimizer step's micro-batches; returns this rank's part of the global-batch
+    mean loss, on the device (no host sync here: `global_loss` sums it over the ranks at logging steps)."""
+    got = prefetcher.get(step) if prefetcher is not None else read_now(load_step(prep, step, info), info.device)
     # The target tokens of the whole global batch (ranks and micro-batches hold different counts with
     # padded or masked data); labels are shifted inside the model, so position 0 is never a target.
-    num_targets = torch.tensor(float(sum(count_targets(b) for b in batches)), device=info.device)
-    distributed.all_reduce_sum(num_targets)
+    num_targets = distributed.all_reduce_sum(got.num_targets)
     loss_sum = torch.zeros((), device=info.device)
-    for j, batch in enumerate(batches):
-        model.set_requires_gradient_sync(j == len(batches) - 1)  # reduce-scatter once per step
-        batch = {k: v.to(info.device) for k, v in batch.items()}
+    for j, batch in enumerate(got.micro_batches):
+        if parallel.is_sharded(model):
+            model.set_requires_gradient_sync(j == len(got.micro_batches) - 1)  # reduce-scatter once per step
         # no KV cache: transformers confines attention to packed samples only without one
         loss = model(**batch, use_cache=False, num_items_in_batch=num_targets).loss
         (loss * info.world_size).backward()
         loss_sum += loss.detach()
-    return distributed.all_reduce_sum(loss_sum).item()
+    return loss_sum
 
 
-def clip_gradients(model, max_norm: float) -> float:
+def global_loss(loss_part: torch.Tensor) -> float:
+    """The step's global-batch mean loss from every rank's part (a collective and a host sync)."""
+    return distributed.all_reduce_sum(loss_part).item()
+
+
+def clip_gradients(model, max_norm: float) -> torch.Tensor:
+    """Clip to `max_norm` (0: no clipping); returns the total norm on the device (`.item()` it when logging)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    return norm.item()
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def banner(prep: Prepared, model, train_args: TrainArguments, tf32: bool) -> str:
@@ -120,8 +134,10 @@ class FSDPTrainer:
         self.scheduler = optim.build_scheduler(self.optimizer, train_args, prep.total_steps)
         self.writer = metrics.MetricsWriter(train_args.output_dir, info.is_main, bool({"tensorboard", "all"} & set(train_args.report_to)))
         self.start_step = self._resume(resume) if resume is not None else 0
+        self.async_saver = self._async_saver()
         self.end_step = min(prep.total_steps, train_args.stop_at_step or prep.total_steps)
-        self.peak_flops = hardware.peak_bf16_flops(hardware.devices()[0].name) if info.device.type == "cuda" else None
+        precision = hardware.matmul_precision(train_args.bf16, train_args.fp16, tf32)
+        self.peak_flops = hardware.peak_flops(hardware.devices()[0].name, precision) if info.device.type == "cuda" else None
         self.flops_per_token = metrics.flops_per_token(prep.config, modeling.count_parameters(self.model, exclude_embeddings=True), prep.block_size)
         self.last: dict[str, Any] = {}
         if info.is_main:
@@ -148,12 +164,26 @@ class FSDPTrainer:
         self.writer.truncate_after(state["global_step"])
         return state["global_step"]
 
-    def save(self, step: int) -> None:
+    def _async_saver(self) -> async_checkpoint.AsyncCheckpointer | None:
+        on, why = async_checkpoint.use_async(self.args.async_save, self.model, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        if self.info.is_main:
+            logger.info("periodic checkpoints: %s (%s)", "asynchronous" if on else "synchronous", why)
+        return async_checkpoint.AsyncCheckpointer(self.args.output_dir, self.args.save_total_limit, self.info.rank,
+                                                  self.info.device) if on else None
+
+    def save(self, step: int, background: bool = False) -> None:
+        """Checkpoint `step`; `background`: return once staged (periodic saves), else when complete."""
         prep = self.prep
-        checkpoint.save(self.args.output_dir, step, self.model, self.optimizer, self.scheduler, {
-            "global_step": step, "global_batch_size": prep.plan.global_batch_size, "world_size": self.info.world_size,
-            "seed": self.args.seed, "num_train_samples": prep.order.num_samples, "total_steps": prep.total_steps,
-        }, self.args.save_total_limit, self.info.rank, {resume_guard.FINGERPRINT_FILE: self.fingerprint})
+        state = {"global_step": step, "global_batch_size": prep.plan.global_batch_size, "world_size": self.info.world_size,
+                 "seed": self.args.seed, "num_train_samples": prep.order.num_samples, "total_steps": prep.total_steps}
+        extra = {resume_guard.FINGERPRINT_FILE: self.fingerprint}
+        if self.async_saver is not None:
+            if background:
+                self.async_saver.save(step, self.model, self.optimizer, self.scheduler, state, extra)
+                return
+            self.async_saver.wait()  # the previous one completes first: checkpoints commit in step order
+        checkpoint.save(self.args.output_dir, step, self.model, self.optimizer, self.scheduler, state,
+                        self.args.save_total_limit, self.info.rank, extra)
 
     def _log(self, rec: dict[str, Any]) -> None:
         self.writer.write(rec)
@@ -167,9 +197,9 @@ class FSDPTrainer:
                              self.args.per_device_eval_batch_size, self.info)
         self._log({"step": step, "eval_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)})
 
-    def log_train(self, step: int, loss: float, lr: float, grad_norm: float, seconds: float, num_steps: int) -> None:
+    def log_train(self, step: int, loss: float, lr: float, grad_norm: float, window: metrics.ThroughputWindow) -> None:
         info, G = self.info, self.prep.plan.global_batch_size
-        tps = G * self.prep.block_size * num_steps / seconds
+        tps = window.tokens_per_second(G * self.prep.block_size)
         rec = {"step": step, "loss": loss, "learning_rate": lr, "grad_norm": grad_norm, "tokens_per_second": tps,
                "tokens_per_second_per_device": tps / info.world_size, "world_size": info.world_size,
                "global_batch_size": G, "epoch": step / self.prep.order.steps_per_epoch}
@@ -179,9 +209,10 @@ class FSDPTrainer:
             rec["max_memory_allocated_gb"] = mem
         self._log(rec)
 
-    def optimizer_step(self, step: int) -> tuple[float, float, float]:
-        """Step `step` (1-based): forward/backward, clip, AdamW, schedule. Returns loss, lr, grad norm."""
-        loss = train_step(self.model, self.prep, step - 1, self.info)
+    def optimizer_step(self, step: int) -> tuple[torch.Tensor, float, torch.Tensor]:
+        """Step `step` (1-based): forward/backward, clip, AdamW, schedule. Returns this rank's loss part, lr,
+        grad norm (tensors: read them on logging steps only, so the host runs ahead of the device)."""
+        loss = train_step(self.model, self.prep, step - 1, self.info, self.prefetcher)
         grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -199,18 +230,24 @@ class FSDPTrainer:
         bar = tqdm(total=self.end_step, initial=self.start_step, disable=args.disable_tqdm or not info.is_main,
                    desc="train", unit="step", dynamic_ncols=True)
         self.model.train()
-        window_start, window_steps = time.perf_counter(), 0
+        self.prefetcher = Prefetcher(lambda s: load_step(self.prep, s, info), info.device, self.end_step)
+        window = metrics.ThroughputWindow()
         for step in range(self.start_step + 1, self.end_step + 1):
             loss, lr, grad_norm = self.optimizer_step(step)
-            window_steps += 1
+            if step == self.start_step + 1 and info.is_main:
+                if info.device.type == "cuda":
+                    torch.cuda.synchronize()  # once: the first step's time must count its finished work
+                logger.info("first step done %.1f s after the process started (%.1f s of CPU)", *metrics.since_process_start())
+            window.steps += 1
             bar.update(1)
             if step % args.logging_steps == 0 or step == self.end_step:
                 if info.device.type == "cuda":
                     torch.cuda.synchronize()  # tokens/s must count finished work
-                self.log_train(step, loss, lr, grad_norm, time.perf_counter() - window_start, window_steps)
-                window_start, window_steps = time.perf_counter(), 0
+                self.log_train(step, global_loss(loss), lr, grad_norm.item(), window)
+                window.reset()
             if args.eval_steps and step % args.eval_steps == 0 and step != total:
-                self.log_eval(step)
+                with metrics.paused(window):
+                    self.log_eval(step)
             preemption.beat()
             if distributed.any_rank(preemption.requested is not None, info.device):
                 if info.is_main:
@@ -219,8 +256,11 @@ class FSDPTrainer:
                 self.save(step)
                 self.close(bar)
                 sys.exit(errors.EXIT_PREEMPTED)
+            if self.async_saver is not None:
+                self.async_saver.poll()  # commit a finished background write (no wait)
             if args.save_steps and step % args.save_steps == 0 and step != self.end_step:
-                self.save(step)
+                with metrics.paused(window):
+                    self.save(step, background=True)
         bar.close()
         self.finish()
         return self.last
@@ -245,6 +285,10 @@ class FSDPTrainer:
     def close(self, bar: tqdm | None = None) -> None:
         if bar is not None:
             bar.close()
+        if getattr(self, "prefetcher", None) is not None:
+            self.prefetcher.close()
+        if self.async_saver is not None:
+            self.async_saver.close()  # a write still in flight completes and commits before exit
         self.writer.close()
         distributed.destroy()
 

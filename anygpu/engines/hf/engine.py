@@ -222,7 +222,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
             layer.compile()
     # Counted before DeepSpeed/FSDP partition the parameters.
     fpt = metrics.flops_per_token(prep.config, modeling.count_parameters(model, exclude_embeddings=True), prep.block_size)
-    peak = hardware.peak_bf16_flops(hardware.devices()[0].name) if targs.device.type == "cuda" else None
+    precision = hardware.matmul_precision(train_args.bf16, train_args.fp16, tf32)
+    peak = hardware.peak_flops(hardware.devices()[0].name, precision) if targs.device.type == "cuda" else None
     banner_text = banner(prep, model, train_args, plan, tf32)
 
     writer = metrics.MetricsWriter(train_args.output_dir, is_main,

@@ -198,13 +198,14 @@ class MetricsCallback(TrainerCallback):
         self.tokens_per_step = prep.plan.global_batch_size * prep.block_size
         self.lr: float | None = None
         self.bar = None
-        self.window_t, self.window_steps = time.perf_counter(), 0
+        self.window = metrics.ThroughputWindow()
+        self.mark = time.perf_counter()  # end of the last step or hook: what follows until a hook is a pause
         self.last: dict[str, Any] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.bar = tqdm(total=self.end_step, initial=self.start_step, disable=self.cfg.disable_tqdm or not self.is_main,
                         desc="train", unit="step", dynamic_ncols=True)
-        self.window_t, self.window_steps = time.perf_counter(), 0
+        self.window.reset()
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         # The rate this step will use (DeepSpeed steps its scheduler inside backward, so reading it
@@ -213,7 +214,8 @@ class MetricsCallback(TrainerCallback):
             self.lr = float(optimizer.param_groups[0]["lr"])
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.window_steps += 1
+        self.window.steps += 1
+        self.mark = time.perf_counter()
         if self.bar is not None:
             self.bar.update(1)
 
@@ -226,8 +228,7 @@ class MetricsCallback(TrainerCallback):
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - self.window_t
-        tps = self.tokens_per_step * self.window_steps / elapsed
+        tps = self.window.tokens_per_second(self.tokens_per_step)
         grad_norm = logs.get("grad_norm")
         rec = {"step": step, "loss": float(logs["loss"]), "learning_rate": self.lr,
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
@@ -242,9 +243,20 @@ class MetricsCallback(TrainerCallback):
         if self.is_main:
             tqdm.write(metrics.format_line(rec, self.prep.total_steps))
         self.last = rec
-        self.window_t, self.window_steps = time.perf_counter(), 0
+        self.window.reset()
+        self.mark = time.perf_counter()
+
+    def _pause_since_mark(self) -> None:
+        """Trainer evaluates and saves after logging a step: that time is left out of tokens/s."""
+        now = time.perf_counter()
+        self.window.pause(now - self.mark)
+        self.mark = now
+
+    def on_save(self, args, state, control, **kwargs):
+        self._pause_since_mark()
 
     def on_evaluate(self, args, state, control, **kwargs):
+        self._pause_since_mark()
         result = kwargs.get("metrics") or {}
         if "eval_loss" not in result:
             return

@@ -1,0 +1,117 @@
+"""Asynchronous checkpoints for the FSDP2 engine: training stops only while the model and optimizer
+state are copied to host memory (pinned on a GPU); torch.distributed.checkpoint writes the copy on a
+background thread.
+
+Still atomic: the write goes to `.checkpoint-<step>.tmp`, and only once it has finished — seen at a
+later step boundary (`poll`), before the next save, or at exit (`wait`) — does rank 0 write the state
+file and manifest and rename the folder (`checkpoint.finalize`). A crash before then leaves an incomplete temporary
+folder that is never listed, so `--resume_from_checkpoint latest` takes the previous checkpoint.
+
+Rank 0's write finishes only after every rank's (DCP's coordinator gathers all write results before
+it writes the metadata), so rank 0 commits alone, without a collective on the training path.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from anygpu import checkpoint, parallel, preempt
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    step: int
+    future: Future
+    tmp: Path
+    final: Path
+    json_files: dict[str, dict[str, Any]]  # trainer state + scheduler (as of the save) and the fingerprint
+    world_size: int
+
+
+class AsyncCheckpointer:
+    """One per run; `save` returns once the state is staged, `poll`/`wait` commit finished writes."""
+
+    def __init__(self, output_dir: str, save_total_limit: int | None, rank: int, device: torch.device) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.root, self.save_total_limit, self.rank = Path(output_dir), save_total_limit, rank
+        # The background write runs collectives (planning, gathering results): on a group of its own, on
+        # the CPU, so they never interleave with the training collectives of the main thread.
+        self.group = dist.new_group(backend="gloo")
+        gpu = device.type == "cuda"
+        # One stager for the run: on a GPU its pinned host buffers are allocated once and reused.
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=gpu))
+        self.pending: _Pending | None = None
+        self.stalls: list[float] = []  # seconds training stopped per save (staging + waiting for the previous one)
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+             trainer_state: dict[str, Any], extra_files: dict[str, dict[str, Any]] | None = None) -> None:
+        start = time.perf_counter()
+        self.wait()  # one write in flight at a time
+        tmp, final = checkpoint.start(self.root, step, self.rank), self.root / f"checkpoint-{step}"
+        checkpoint.save_rng(tmp, self.rank)  # before the write starts: rank 0's commit implies every rank's files
+        msd, osd = get_state_dict(model, optimizer)
+        future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), process_group=self.group,
+                                async_stager=self.stager)
+        # a copy of the small state as of this step (the scheduler moves on while the write runs)
+        state = json.loads(json.dumps({**trainer_state, "scheduler": scheduler.state_dict()}, default=str))
+        files = {checkpoint.STATE_FILE: state, **(extra_files or {})}
+        self.pending = _Pending(step, future, tmp, final, files, trainer_state.get("world_size", 1))
+        self.stalls.append(time.perf_counter() - start)
+        logger.info("checkpoint-%d: training paused %.3f s; writing in the background", step, self.stalls[-1])
+
+    def poll(self) -> None:
+        """At a step boundary: commit the pending checkpoint if its write has finished (never blocks)."""
+        if self.pending is not None and self.pending.future.done():
+            self._commit()
+
+    def wait(self) -> None:
+        """Block until the pending write is done and committed (before another save, and at exit)."""
+        if self.pending is not None:
+            self.pending.future.result()
+            self._commit()
+
+    def _commit(self) -> None:
+        p, self.pending = self.pending, None
+        p.future.result()  # re-raises a failed write here, with its traceback
+        preempt.test_fault("save", p.step)
+        if self.rank == 0:
+            with preempt.protected():
+                checkpoint.finalize(self.root, p.tmp, p.final, p.step, p.world_size, "fsdp", self.save_total_limit,
+                                    p.json_files)
+            logger.info("checkpoint-%d complete: %s", p.step, p.final)
+
+    def close(self) -> None:
+        """Finish the pending write, then free the staging buffers."""
+        self.wait()
+        self.stager.close()
+
+
+def use_async(requested: bool | None, model: nn.Module, local_world_size: int) -> tuple[bool, str]:
+    """Whether to save asynchronously, and why. Default: yes, when the host has room for the staged copy
+    (this rank's parameters and AdamW state, about 3x its parameter bytes, times the processes of the node)."""
+    if requested is not None:
+        return requested, "--async_save " + str(requested).lower()
+    staged = 3 * parallel.local_bytes(model) * local_world_size
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return False, "host memory unknown"
+    if staged > available / 2:
+        return False, f"the staged copy ({staged / 2**30:.1f} GiB) would take over half the free host memory"
+    return True, "default"

@@ -1,0 +1,86 @@
+"""Preparing text: what `--extra_mb` more text costs the engine's preparation (tokenise + pack, with its
+default worker processes) against what a one-process `datasets.map` tokenisation of that text takes.
+Target (2 cores): extra time <= 0.67x the one-process time; in general about 1 / cores.
+
+Both corpora are the embedded standard-library text (cycled past its ~12 MB), saved to disk first (file-backed, as a user's
+corpus is: `datasets.map` then streams its output to Arrow cache files). Fresh caches, no reuse.
+
+    .venv/bin/python benchmarks/prepare_text.py [--base_mb 2] [--extra_mb 24] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+
+from _common import anygpu  # noqa: F401  (offline defaults before datasets is imported)
+from datasets import Dataset, DatasetDict, load_from_disk
+
+from anygpu.data import packing, sources, tokenizer as tok_lib
+from anygpu.prepare import preprocessing_workers
+
+
+def corpus(mb: float, folder: str) -> DatasetDict:
+    """`mb` MB of standard-library text (the library cycled, each pass numbered, past its ~12 MB), in a
+    fresh folder: datasets keeps `map` results next to the data, so a reused folder would hit that cache."""
+    full = sources.stdlib_corpus(5.0)
+    texts, size, rnd = [], 0, 0
+    while size < mb * 1e6:
+        for t in full["train"]["text"]:
+            if size >= mb * 1e6:
+                break
+            texts.append(t if rnd == 0 else f"# pass {rnd}\n{t}")
+            size += len(texts[-1])
+        rnd += 1
+    DatasetDict(train=Dataset.from_dict({"text": texts}), validation=full["validation"]).save_to_disk(folder)
+    return load_from_disk(folder)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base_mb", type=float, default=2)
+    p.add_argument("--extra_mb", type=float, default=24)
+    p.add_argument("--rounds", type=int, default=2)
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="[%(levelname)s] %(message)s")
+    tmp = tempfile.mkdtemp(prefix="anygpu-prep-")
+    base, big = corpus(a.base_mb, f"{tmp}/base"), corpus(a.base_mb + a.extra_mb, f"{tmp}/big")
+    fresh = lambda ds, name: (ds.save_to_disk(f"{tmp}/{name}"), load_from_disk(f"{tmp}/{name}"))[1]  # noqa: E731
+    tok = tok_lib.train_bpe((t for b in sources.iter_texts(base["train"], "text") for t in b), 8192)
+    mb = lambda d: sum(ds.data.nbytes for ds in d.values()) / 1e6  # noqa: E731
+    workers = preprocessing_workers(None, big["train"].data.nbytes)
+
+    def prepare(raw: DatasetDict, name: str) -> float:
+        start = time.perf_counter()
+        packing.pack(raw, tok, 256, "text", f"bench-{name}", f"{tmp}/cache-{name}", workers)
+        return time.perf_counter() - start
+
+    extra_mb = mb(big) - mb(base)
+    # the reference: one process tokenising the extra text with datasets.map, nothing else
+    extra = big["train"].select(range(len(base["train"]), len(big["train"])))
+
+    def tokenize(batch: dict) -> dict:
+        return {"input_ids": tok(batch["text"], add_special_tokens=False)["input_ids"]}
+
+    def one_process(name: str) -> float:
+        start = time.perf_counter()
+        extra.map(tokenize, batched=True, remove_columns=["text"], cache_file_name=f"{tmp}/one-process-{name}.arrow")
+        return (time.perf_counter() - start) * extra_mb / (extra.data.nbytes / 1e6)  # scaled to all the extra text
+
+    ratios = []
+    for r in range(a.rounds):  # alternating, so load from other jobs hits both
+        one = one_process(str(r))
+        t_base, t_big = prepare(fresh(base, f"base{r}"), f"base{r}"), prepare(fresh(big, f"big{r}"), f"big{r}")
+        added = t_big - t_base
+        ratios.append(added / one)
+        print(f"round {r + 1}: {mb(base):.1f} MB in {t_base:.1f} s, {mb(big):.1f} MB in {t_big:.1f} s with {workers} "
+              f"processes: {extra_mb:.1f} MB more cost {added:.1f} s ({extra_mb / added:.2f} MB/s); one-process "
+              f"datasets.map of it {one:.1f} s ({extra_mb / one:.2f} MB/s); ratio {added / one:.2f}", flush=True)
+    print(f"preparing {extra_mb:.1f} MB more text with {workers} processes / one-process datasets.map tokenisation = "
+          f"{statistics.median(ratios):.2f} (median of {a.rounds}; target <= 0.67)")
+
+
+if __name__ == "__main__":
+    main()

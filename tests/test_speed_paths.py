@@ -1,0 +1,150 @@
+"""The speed work changes no result: the cached data order is the old per-step order, peak FLOP/s
+are matched exactly per precision, tokens/s leaves out pauses, the GPU matrix dry-runs without a GPU."""
+import pytest
+import torch
+
+from anygpu import hardware, metrics
+from anygpu.data.order import GlobalOrder
+
+
+def old_global_batch(num_samples: int, G: int, seed: int, step: int) -> list[int]:
+    """The order as it was computed before: a fresh randperm of the whole corpus at every step."""
+    epoch, k = divmod(step, num_samples // G)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_samples, generator=g)[k * G : (k + 1) * G].tolist()
+
+
+def test_cached_order_is_the_old_order_across_seeds_epochs_and_steps():
+    for n, G, seed in [(50, 4, 0), (1000, 16, 42), (30_000, 8, 7), (997, 12, 3)]:
+        order = GlobalOrder(n, G, seed)
+        spe = order.steps_per_epoch
+        steps = [0, 1, spe - 1, spe, spe + 1, 3 * spe + 2, 2, 5 * spe]  # across epochs, forwards and back
+        for step in steps:
+            assert order.global_batch(step) == old_global_batch(n, G, seed, step), (n, G, seed, step)
+
+
+def test_order_draws_each_epoch_permutation_once(monkeypatch):
+    """Per-step cost does not grow with the corpus: the whole-corpus randperm runs once per epoch, not per step."""
+    calls = []
+    real = torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    order = GlobalOrder(100_000, 8, 0)
+    for step in range(2 * order.steps_per_epoch):
+        order.global_batch(step)
+    assert calls == [100_000, 100_000]  # epochs 0 and 1
+
+
+@pytest.mark.parametrize("name,precision,tflops", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989), ("NVIDIA H100 80GB HBM3", "tf32", 494.7), ("NVIDIA H100 80GB HBM3", "fp32", 66.9),
+    ("NVIDIA H100 PCIe", "bf16", 756), ("NVIDIA H100 NVL", "bf16", 835), ("NVIDIA A100-SXM4-80GB", "tf32", 156),
+    ("NVIDIA B200", "bf16", 2250), ("NVIDIA GB200", "bf16", 2500), ("NVIDIA A10G", "bf16", 70), ("NVIDIA A10", "bf16", 125),
+    ("NVIDIA L40S", "fp32", 91.6), ("NVIDIA GeForce RTX 4090", "bf16", 165.2), ("AMD Instinct MI300X", "tf32", 653.7),
+    ("AMD Instinct MI250X", "tf32", 95.7),  # no XF32 on MI250X: its fp32 peak
+    ("Tesla V100-SXM2-32GB", "fp16", 125),
+])
+def test_peak_is_matched_exactly_per_precision(name, precision, tflops):
+    assert hardware.peak_flops(name, precision) == pytest.approx(tflops * 1e12)
+
+
+def test_no_substring_matches():
+    # a name that only contains a known one as part of a word is unknown, not mistaken for it
+    for name in ("NVIDIA XB200", "NVIDIA H1000", "AMD Instinct MI300XT"):
+        assert hardware.peak_flops(name, "bf16") is None
+
+
+def test_matmul_precision_picks_the_peak_column():
+    assert hardware.matmul_precision(True, False, True) == "bf16"
+    assert hardware.matmul_precision(False, False, True) == "tf32"
+    assert hardware.matmul_precision(False, False, False) == "fp32"
+
+
+def test_tokens_per_second_leaves_pauses_out_of_the_window(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    w = metrics.ThroughputWindow()
+    w.steps = 4
+    clock[0] += 2.0  # 4 steps of training
+    with metrics.paused(w):
+        clock[0] += 30.0  # an evaluation or a checkpoint
+    w.steps += 1
+    clock[0] += 0.5
+    assert w.tokens_per_second(1000) == pytest.approx(5 * 1000 / 2.5)
+    w.reset()
+    assert w.steps == 0 and w.paused == 0
+
+
+@pytest.mark.slow  # starts worker processes
+def test_packed_data_is_the_same_with_one_and_two_workers(tmp_path, caplog):
+    import logging
+
+    from datasets import Dataset, DatasetDict
+
+    from anygpu.data import packing, tokenizer as tok_lib
+
+    docs = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * (1 + i % 9) for i in range(1000)]
+    raw = DatasetDict(train=Dataset.from_dict({"text": docs[:900]}), validation=Dataset.from_dict({"text": docs[900:]}))
+    tok = tok_lib.train_bpe(iter(docs), 400)
+    with caplog.at_level(logging.INFO):
+        # separate caches (and fingerprints) so the second call packs again rather than reading the first
+        one = packing.pack(raw, tok, 16, "text", "fp-1", str(tmp_path / "a"), num_proc=1)
+        two = packing.pack(raw, tok, 16, "text", "fp-2", str(tmp_path / "b"), num_proc=2)
+    for split in ("train", "validation"):
+        assert len(one[split]) > 30 and one[split]["input_ids"] == two[split]["input_ids"]
+    assert "MB/s, 2 processes" in caplog.text  # the log reports the rate
+
+
+def test_default_workers_follow_the_cores_and_the_corpus():
+    from anygpu.prepare import preprocessing_workers
+
+    assert preprocessing_workers(3, 10) == 3  # as asked
+    assert preprocessing_workers(None, 1_000) == 1  # a small corpus: no process start-up to pay
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert preprocessing_workers(None, 10**12) == min(cores, 64)
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers
+def test_engines_do_not_import_deepspeed_until_used():
+    import subprocess
+    import sys
+
+    code = ("import sys, anygpu.engines.fsdp, anygpu.engines.hf.engine, anygpu.engines.hf.trainer; "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_gpu_matrix_without_a_gpu_prints_its_plan_and_exits_0():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the script would run the matrix")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run(["bash", "benchmarks/gpu_matrix.sh"], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr
+    assert "no GPU" in proc.stdout
+    for what in ("run_fsdp_standalone.py", "--torch_compile true", "--gradient_checkpointing true",
+                 "accelerate_configs/ddp.yaml", "accelerate_configs/fsdp.yaml", "accelerate_configs/deepspeed_zero3.yaml"):
+        assert what in proc.stdout, what
+    assert proc.stdout.count("--bf16 true") == 7
+
+
+def test_background_prefetch_gives_the_batches_and_counts_of_inline_reads():
+    from anygpu.prefetch import Prefetcher, read_now
+
+    g = torch.Generator().manual_seed(0)
+    data = {s: [{"input_ids": torch.randint(0, 50, (2, 9), generator=g)} for _ in range(3)] for s in range(12)}
+    for step_batches in data.values():
+        for b in step_batches:
+            b["labels"] = b["input_ids"].masked_fill(b["input_ids"] < 10, -100)  # masked targets are not counted
+    load = lambda s: [dict(b) for b in data[s]]  # noqa: E731
+    pf = Prefetcher(load, torch.device("cpu"), end_step=12, background=True)
+    for step in [0, 1, 2, 3, 7, 8, 11]:  # in order, and a jump (a resume) that the pending read does not match
+        got, want = pf.get(step), read_now(load(step), torch.device("cpu"))
+        assert got.num_targets.item() == want.num_targets.item() == sum(int((b["labels"][:, 1:] != -100).sum()) for b in data[step])
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(got.micro_batches, want.micro_batches) for k in a)
+    assert pf.pending is None  # nothing read past the last step
+    pf.close()
