@@ -192,7 +192,8 @@ def export_safetensors(
         config.save_pretrained(str(tmp))
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
         replace_dir(tmp, out)
     distributed.barrier()
     return out

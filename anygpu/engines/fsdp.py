@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from anygpu import checkpoint, distributed, hardware, metrics, modeling, optim, parallel
+from anygpu import checkpoint, distributed, dropout, hardware, metrics, modeling, moe, optim, parallel
 from anygpu.data.order import eval_shards
 from anygpu.data.packing import read_batch
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
@@ -62,6 +62,8 @@ class _Terminate:
 def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
     """Meta model → AC / compile / FSDP2 → materialised on the device → initial or pretrained weights."""
     model = modeling.build_meta_model(prep.config, model_args)
+    modeling.check_loss_kwargs(model)
+    dropout.install(model, train_args.seed)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     parallel.shard_model(model, info.device, info.world_size, train_args.bf16, train_args.gradient_checkpointing,
                          train_args.torch_compile)
@@ -83,7 +85,8 @@ def evaluate(model, dataset, batch_size: int, info: distributed.DistInfo) -> flo
         batch = read_batch(dataset, idx or [0])
         ids = batch["input_ids"].to(info.device)
         # num_items_in_batch=1 turns the model's loss into a token-loss sum (HF's own loss path)
-        loss_sum = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(1, device=info.device)).loss
+        loss_sum = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(1, device=info.device),
+                         **moe.eval_kwargs(model)).loss
         if idx:
             totals += torch.stack([loss_sum.double(), torch.tensor(float(ids[:, 1:].numel()), device=info.device, dtype=torch.float64)])
     distributed.all_reduce_sum(totals)
@@ -93,16 +96,19 @@ def evaluate(model, dataset, batch_size: int, info: distributed.DistInfo) -> flo
 
 def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo) -> float:
     """Forward/backward of one optimizer step's micro-batches; returns the global-batch mean loss."""
-    batches = [read_batch(prep.datasets["train"], idx) for idx in prep.order.micro_batches(step, prep.plan, info.rank)]
+    micro = prep.order.micro_batches(step, prep.plan, info.rank)  # data set indices of each micro-batch
+    batches = [read_batch(prep.datasets["train"], idx) for idx in micro]
     # labels are shifted inside the model: each sequence has len-1 targets (no padding in packed data)
     num_targets = torch.tensor(float(sum((b["labels"][:, 1:] != -100).sum().item() for b in batches)), device=info.device)
     distributed.all_reduce_sum(num_targets)
     loss_sum = torch.zeros((), device=info.device)
-    for j, batch in enumerate(batches):
+    for j, (batch, idx) in enumerate(zip(batches, micro)):
         model.set_requires_gradient_sync(j == len(batches) - 1)  # reduce-scatter once per step
         ids, labels = batch["input_ids"].to(info.device), batch["labels"].to(info.device)
-        loss = model(input_ids=ids, labels=labels, num_items_in_batch=num_targets).loss
-        (loss * info.world_size).backward()
+        with dropout.keys(model, step, idx):  # masks keyed by sample, also in checkpointing's recomputation
+            out = model(input_ids=ids, labels=labels, num_items_in_batch=num_targets)
+            loss = moe.global_batch_loss(model, out, ids.shape[0], prep.plan.global_batch_size)
+            (loss * info.world_size).backward()
         loss_sum += loss.detach()
     return distributed.all_reduce_sum(loss_sum).item()
 

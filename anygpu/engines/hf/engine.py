@@ -152,7 +152,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.utils import logging as hf_logging
 
-    from anygpu import checkpoint, metrics, modeling
+    from anygpu import checkpoint, dropout, metrics, modeling
     from anygpu.engines.hf.trainer import (AnygpuTrainer, FlowCallback, MetricsCallback, export_final,
                                    plain_model_construction, read_anygpu_state)
     from anygpu.prepare import prepare
@@ -190,6 +190,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
 
     with plain_model_construction(targs.deepspeed_plugin):
         model = modeling.build_full_model(prep.config, model_args, train_args.seed)
+    dropout.install(model, train_args.seed)  # masks keyed by sample, as in the FSDP2 engine
     if train_args.torch_compile:
         for layer in (m for m in model.modules() if isinstance(m, modeling.decoder_layer_classes(model))):
             layer.compile()
