@@ -15,13 +15,15 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from anygpu import distributed
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+# Frozen parameters (a LoRA run's base) come from --model_name_or_path, not from the checkpoint.
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -82,7 +84,7 @@ def save(
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     distributed.barrier()
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_OPTIONS)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank-{rank}.pt")
@@ -102,10 +104,12 @@ def save(
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_OPTIONS)
     state_dict = {"model": msd, "optim": osd}
     dcp.load(state_dict, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"],
+                   # strict=False: the frozen keys are absent by design; dcp.load above already failed on any other
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     state = json.loads((path / STATE_FILE).read_text())
     scheduler.load_state_dict(state["scheduler"])
     rng_file = path / "rng" / f"rank-{rank}.pt"

@@ -59,6 +59,9 @@ class _Keyed:
 def install(model: nn.Module, seed: int) -> str | None:
     """Key the model's dropout (before sharding; a no-op without dropout). Returns a banner note or None."""
     rates = dropout_rates(model.config)
+    for name, module in model.named_modules():  # dropout modules the config does not list (a LoRA adapter's)
+        if isinstance(module, nn.Dropout) and module.p > 0 and "lora_dropout" in name:
+            rates["lora_dropout"] = module.p
     if not rates:
         return None
     state = _Keyed(seed, names={id(m): name for name, m in model.named_modules()})

@@ -57,13 +57,13 @@ def distribute_tensor_local(full: torch.Tensor, param) -> torch.Tensor:
 
 
 @torch.no_grad()
-def initialize(model: nn.Module, scratch: nn.Module, seed: int, layer_classes: tuple[type, ...]) -> None:
-    """Fill `model`'s parameters with `scratch`'s own `_init_weights` scheme, unit by unit.
+def initialize(targets: dict[str, list[torch.Tensor]], scratch: nn.Module, seed: int, layer_classes: tuple[type, ...]) -> None:
+    """Fill the `targets` (base parameter name → the model's parameters that start from it; plain or
+    sharded) with `scratch`'s own `_init_weights` scheme, unit by unit.
 
     `scratch`: the same architecture on the meta device (it is consumed: units are materialised
-    and dropped again). `model` may be sharded; tied parameters are filled once, under their first name.
+    and dropped again). Tied parameters are filled once, under their first name.
     """
-    targets = dict(model.named_parameters())
     done: set[str] = set()
     for name, unit, whole in _units(scratch, layer_classes):
         own = list(unit.named_parameters(prefix=name, recurse=whole))
@@ -80,7 +80,8 @@ def initialize(model: nn.Module, scratch: nn.Module, seed: int, layer_classes: t
                 scratch._init_weights(module)
         for pname, p in unit.named_parameters(prefix=name, recurse=whole):
             if pname in targets and pname not in done:
-                assign(targets[pname], p)
+                for target in targets[pname]:
+                    assign(target, p)
                 done.add(pname)
         _drop(unit, whole)
     missing = set(targets) - done

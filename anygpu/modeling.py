@@ -18,7 +18,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from anygpu import init_weights
+from anygpu import init_weights, lora
 from anygpu.args import PRESETS_DIR, ModelArguments, preset_names
 
 logger = logging.getLogger(__name__)
@@ -123,14 +123,13 @@ def init_parameters(model: nn.Module, config: PretrainedConfig, seed: int, trust
     """Fill every parameter (plain or FSDP2-sharded DTensor) with the model family's own seeded initial value."""
     # A copy: from_config records the attention kernel in the config it is given.
     scratch = build_meta_model(copy.deepcopy(config), ModelArguments(trust_remote_code=trust_remote_code))
-    init_weights.initialize(model, scratch, seed, decoder_layer_classes(scratch))
+    init_weights.initialize(lora.base_targets(model), scratch, seed, decoder_layer_classes(scratch))
 
 
 @torch.no_grad()
 def load_pretrained_weights(model: nn.Module, path: str) -> None:
     """Fill a (possibly sharded) model from a folder's safetensors, one tensor at a time."""
     from safetensors import safe_open
-    from torch.distributed.tensor import DTensor, distribute_tensor
 
     folder = Path(path)
     files = sorted(folder.glob("*.safetensors"))
@@ -141,20 +140,16 @@ def load_pretrained_weights(model: nn.Module, path: str) -> None:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"--model_name_or_path {path}: no *.safetensors weights found (convert .bin weights with save_pretrained).")
-    params = dict(model.named_parameters())
+    params = lora.base_targets(model)  # under a LoRA adapter, the base weights' own names
     missing = set(params)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 if key not in params:
                     continue
-                param = params[key]
-                full = f.get_tensor(key).to(param.device, param.dtype)
-                if isinstance(param, DTensor):
-                    full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-                    param.to_local().copy_(full)
-                else:
-                    param.copy_(full)
+                full = f.get_tensor(key)
+                for param in params[key]:
+                    init_weights.assign(param, full)
                 missing.discard(key)
     if missing:
         raise ValueError(f"--model_name_or_path {path}: weights missing for {sorted(missing)[:5]}…")

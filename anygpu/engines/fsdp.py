@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from anygpu import checkpoint, distributed, dropout, hardware, metrics, modeling, moe, optim, parallel
+from anygpu import checkpoint, distributed, dropout, hardware, lora, metrics, modeling, moe, optim, parallel
 from anygpu.data.order import eval_shards
 from anygpu.data.packing import read_batch
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
@@ -61,7 +61,7 @@ class _Terminate:
 
 def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
     """Meta model → AC / compile / FSDP2 → materialised on the device → initial or pretrained weights."""
-    model = modeling.build_meta_model(prep.config, model_args)
+    model = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args)  # adapter before sharding
     modeling.check_loss_kwargs(model)
     dropout.install(model, train_args.seed)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
@@ -73,6 +73,8 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
         modeling.init_parameters(model, prep.config, train_args.seed)
     else:
         modeling.load_pretrained_weights(model, model_args.model_name_or_path)
+    if lora.is_peft(model):
+        lora.init_adapter(model, train_args.seed)
     return model
 
 
@@ -128,7 +130,7 @@ class FSDPTrainer:
 
     def __init__(self, model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
         checked = check_run(model_args, data_args, train_args, distributed.world_size_from_env())  # refuse bad input first
-        self.args = train_args
+        self.args, self.model_args = train_args, model_args
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
         logging.basicConfig(level=logging.INFO if info.is_main else logging.WARNING, format="[%(levelname)s] %(message)s")
         if train_args.fp16:
@@ -248,7 +250,12 @@ class FSDPTrainer:
             self.log_eval(self.end_step)
         if self.end_step > self.start_step:
             self.save(self.end_step)
-        if self.end_step == self.prep.total_steps and self.args.export_final:
+        if self.end_step == self.prep.total_steps and self.args.export_final and lora.is_peft(self.model):
+            final = lora.export_adapter(self.model, self.prep.tokenizer, self.model_args.model_name_or_path, out / "final",
+                                        self.info.rank, self.model_args.merge_lora)
+            if self.info.is_main:
+                print(f"final adapter: {final} (PeftModel.from_pretrained loads it over the base)", flush=True)
+        elif self.end_step == self.prep.total_steps and self.args.export_final:
             final = checkpoint.export_safetensors(self.model, self.prep.config, self.prep.tokenizer, out / "final", self.info.rank)
             if self.info.is_main:
                 print(f"final model: {final} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
