@@ -110,3 +110,17 @@ def test_tokenizer_and_chat_template_carried(lora):
         tok = AutoTokenizer.from_pretrained(folder)
         assert tok.chat_template == TEMPLATE and len(tok) == len(base), folder
         assert (tok.bos_token, tok.eos_token, tok.pad_token) == (base.bos_token, base.eos_token, base.pad_token)
+
+
+@pytest.mark.slow
+def test_hf_engine_trains_the_same_adapter(lora, tmp_path):
+    """The HF engine (one process, DDP config) from the same folder: same losses, an adapter that loads."""
+    from test_hf_engine import accelerate
+
+    accelerate("ddp", 1, [*ARGS, "--model_name_or_path", str(lora["base"]), "--output_dir", str(tmp_path)])
+    hf, fsdp = losses(tmp_path), losses(lora["one"])
+    assert sorted(hf) == [1, 2, 3, 4]
+    for s in hf:
+        assert abs(hf[s] - fsdp[s]) <= 1e-4 * abs(fsdp[s]), (hf, fsdp)
+    assert (tmp_path / "final" / "adapter_model.safetensors").exists()
+    assert digest(lora["base"]) == lora["before"]
