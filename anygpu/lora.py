@@ -79,9 +79,13 @@ def trainable_line(model: nn.Module) -> str:
     return f"LoRA: {trainable / 1e6:.3f}M trainable / {total / 1e6:.1f}M parameters ({100 * trainable / total:.2f}%)"
 
 
-def export_adapter(model: nn.Module, tokenizer, base_path: str, out_dir: str | Path, rank: int, merge: bool) -> Path:
+def export_adapter(model: nn.Module, tokenizer, base_path: str, out_dir: str | Path, rank: int, merge: bool,
+                   gathered: dict[str, torch.Tensor] | None = None) -> Path:
     """<out_dir> as a PEFT adapter (adapter_model.safetensors + adapter_config.json + tokenizer), gathered
-    one tensor at a time; with `merge`, also <out_dir>-merged, the base with the adapter merged in."""
+    one tensor at a time; with `merge`, also <out_dir>-merged, the base with the adapter merged in.
+
+    `gathered`: full tensors already collected on rank 0 by the caller (the HF engine's ZeRO-3 gather);
+    by default trainable DTensors are all-gathered here."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
     from torch.distributed.tensor import DTensor
@@ -93,9 +97,14 @@ def export_adapter(model: nn.Module, tokenizer, base_path: str, out_dir: str | P
     tmp = out.with_name(f".{out.name}.tmp")
     trainable = {}
     for name, param in model.named_parameters():
-        if param.requires_grad:
-            full = param.full_tensor() if isinstance(param, DTensor) else param
-            trainable[name] = full.detach().to("cpu").contiguous()
+        if not param.requires_grad:
+            continue
+        if gathered is not None:
+            if rank == 0:
+                trainable[name] = gathered[name].contiguous()
+            continue
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        trainable[name] = full.detach().to("cpu").contiguous()
     if rank == 0:
         state = get_peft_model_state_dict(model, state_dict=trainable)
         import shutil

@@ -153,7 +153,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     from transformers.utils import logging as hf_logging
 
     from anygpu import checkpoint, dropout, lora, metrics, modeling
-    from anygpu.engines.hf.trainer import (AnygpuTrainer, FlowCallback, MetricsCallback, export_final,
+    from anygpu.engines.hf.trainer import (AnygpuTrainer, FlowCallback, MetricsCallback, export_final, full_state_dict,
                                    plain_model_construction, read_anygpu_state)
     from anygpu.prepare import prepare
 
@@ -246,8 +246,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         distributed.destroy()
         sys.exit(143)
     if end_step == prep.total_steps and end_step > start_step and train_args.export_final and lora.is_peft(model):
-        out = lora.export_adapter(trainer.accelerator.unwrap_model(trainer.model), prep.tokenizer, model_args.model_name_or_path,
-                                  Path(train_args.output_dir) / "final", targs.process_index, model_args.merge_lora)
+        gathered = full_state_dict(trainer.model, is_main)  # whole tensors on rank 0, whatever the strategy (ZeRO-3 too)
+        out = lora.export_adapter(trainer.model, prep.tokenizer, model_args.model_name_or_path, Path(train_args.output_dir) / "final",
+                                  targs.process_index, model_args.merge_lora, gathered)
         if is_main:
             print(f"final adapter: {out} (PeftModel.from_pretrained loads it over the base)", flush=True)
     elif end_step == prep.total_steps and end_step > start_step and train_args.export_final:
