@@ -112,10 +112,13 @@ def test_tokenizer_and_chat_template_carried(lora):
 
 @pytest.mark.slow
 def test_hf_engine_trains_the_same_adapter(lora, tmp_path):
-    """The HF engine (one process, DDP config) from the same folder: same losses, an adapter that loads."""
+    """The HF engine (one process, DDP config) from the same folder, stopped after step 2 and resumed:
+    the FSDP2 engine's losses, and a PEFT adapter at the end."""
     from test_hf_engine import accelerate
 
-    accelerate("ddp", 1, [*ARGS, "--model_name_or_path", str(lora["base"]), "--output_dir", str(tmp_path)])
+    args = [*ARGS, "--model_name_or_path", str(lora["base"]), "--output_dir", str(tmp_path)]
+    accelerate("ddp", 1, [*args, "--stop_at_step", "2"])
+    accelerate("ddp", 1, [*args, "--resume_from_checkpoint", "latest"])
     hf, fsdp = losses(tmp_path), losses(lora["one"])
     assert sorted(hf) == [1, 2, 3, 4]
     for s in hf:
