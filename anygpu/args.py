@@ -55,6 +55,20 @@ class ModelArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run model/tokenizer code from the model's folder. Off unless you trust it."}
     )
+    # LoRA (anygpu.lora), named as TRL's ModelConfig names them
+    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter (peft) over the frozen --model_name_or_path."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input (keyed per sample, as all dropout)."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Module names to adapt, or all-linear. Default: peft's choice for the model type."}
+    )
+    lora_modules_to_save: list[str] | None = field(
+        default=None, metadata={"help": "Modules trained in full and saved with the adapter (e.g. lm_head)."}
+    )
+    merge_lora: bool = field(
+        default=False, metadata={"help": "Also write <output_dir>/final-merged: the base with the adapter merged in."}
+    )
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -62,6 +76,16 @@ class ModelArguments:
             raise UsageError(f"--vocab_size {self.vocab_size} is too small for a byte-level BPE (256 bytes + specials): use at least 300, e.g. 8192.")
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
             raise UsageError(f"--attn_implementation {self.attn_implementation!r} is unknown: use sdpa, eager or flash_attention_2.")
+        if self.lora_r < 1:
+            raise UsageError(f"--lora_r {self.lora_r} must be at least 1, e.g. 16.")
+        if self.lora_alpha <= 0:
+            raise UsageError(f"--lora_alpha {self.lora_alpha} must be positive, e.g. 32.")
+        if not 0 <= self.lora_dropout < 1:
+            raise UsageError(f"--lora_dropout {self.lora_dropout} must be in [0, 1), e.g. 0.05.")
+        if self.merge_lora and not self.use_peft:
+            raise UsageError("--merge_lora true needs --use_peft true (there is no adapter to merge).")
+        if self.use_peft and not self.model_name_or_path:
+            raise UsageError("--use_peft true needs --model_name_or_path (LoRA adapts a pretrained model): give the base model's folder.")
 
 
 @dataclass

@@ -65,7 +65,7 @@ class AsyncCheckpointer:
         self.wait()  # one write in flight at a time
         tmp, final = checkpoint.start(self.root, step, self.rank), self.root / f"checkpoint-{step}"
         checkpoint.save_rng(tmp, self.rank)  # before the write starts: rank 0's commit implies every rank's files
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer, options=checkpoint.STATE_DICT_OPTIONS)
         future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), process_group=self.group,
                                 async_stager=self.stager)
         # a copy of the small state as of this step (the scheduler moves on while the write runs)

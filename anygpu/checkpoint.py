@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from anygpu import distributed, manifest, preempt
 from anygpu.errors import SaveError, UsageError
@@ -26,6 +26,8 @@ from anygpu.errors import SaveError, UsageError
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+# Frozen parameters (a LoRA run's base) come from --model_name_or_path, not from the checkpoint.
+STATE_DICT_OPTIONS = StateDictOptions(ignore_frozen_params=True)
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -145,7 +147,7 @@ def start(root: Path, step: int, rank: int) -> Path:
 
 def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
     """This rank's part: its model and optimizer shards (DCP, collective) and its RNG state."""
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     save_rng(tmp, rank)
     preempt.test_fault("save", int(tmp.name.split("-")[1].split(".")[0]))
@@ -190,10 +192,12 @@ def _disk_errors(root: Path, tmp: Path, final: Path, rank: int) -> Iterator[None
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     state_dict = {"model": msd, "optim": osd}
     dcp.load(state_dict, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"],
+                   # strict=False: the frozen keys are absent by design; dcp.load above already failed on any other
+                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
     state = json.loads((path / STATE_FILE).read_text())
     scheduler.load_state_dict(state["scheduler"])
     rng_file = path / "rng" / f"rank-{rank}.pt"
@@ -280,7 +284,8 @@ def export_safetensors(
         config.save_pretrained(str(tmp))
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
         replace_dir(tmp, out)
     distributed.barrier()
     return out

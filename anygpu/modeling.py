@@ -1,13 +1,14 @@
 """Model config and construction: pretrained, config.json, or a shipped preset.
 
 Parameters are created on the meta device (buffers stay real), so a model is sharded
-before any memory is spent on it; `init_parameters` then fills each parameter from a
-generator seeded by its name, one full tensor at a time, which gives the same weights
-whatever the sharding (and the same as an unsharded model built by the HF engine).
+before any memory is spent on it; `init_parameters` then fills them with the family's own
+`_init_weights` scheme, one decoder layer at a time from CPU generators seeded by name
+(`anygpu.init_weights`), which gives the same weights whatever the sharding, the device, and
+the same as the unsharded model the HF engine builds.
 """
 from __future__ import annotations
 
-import hashlib
+import copy
 import json
 import logging
 from pathlib import Path
@@ -17,6 +18,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from anygpu import init_weights, lora
 from anygpu.args import PRESETS_DIR, ModelArguments, preset_names
 from anygpu.errors import UsageError
 
@@ -104,8 +106,9 @@ def build_full_model(config: PretrainedConfig, args: ModelArguments, seed: int) 
     buffers = {n: b.clone() for n, b in build_meta_model(config, args).named_buffers()}
     model = build_meta_model(config, args)
     model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives each module a new Parameter: tie lm_head to the embedding again
     restore_buffers(model, buffers)
-    init_parameters(model, config, seed)
+    init_parameters(model, config, seed, args.trust_remote_code)
     return model
 
 
@@ -117,48 +120,17 @@ def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
                 buf.copy_(buffers[name].to(buf.device, buf.dtype))
 
 
-def _name_seed(seed: int, name: str) -> int:
-    return int(hashlib.sha256(f"{seed}:{name}".encode()).hexdigest()[:15], 16)
-
-
-def _full_init(name: str, shape: torch.Size, std: float, seed: int, device: torch.device, is_norm: bool) -> torch.Tensor:
-    """The full initial value of one parameter; depends only on (seed, name, shape)."""
-    if len(shape) == 1:  # norm scales start at 1, biases (and norm shifts) at 0, as HF's _init_weights
-        return torch.ones(shape, device=device) if is_norm and name.endswith("weight") else torch.zeros(shape, device=device)
-    gen = torch.Generator(device=device).manual_seed(_name_seed(seed, name))
-    return torch.empty(shape, device=device).normal_(0.0, std, generator=gen)
-
-
-def _norm_parameter_names(model: nn.Module) -> set[str]:
-    """Parameters owned by normalisation layers (LayerNorm, RMSNorm, …), whatever they are called."""
-    names = set()
-    for mod_name, module in model.named_modules():
-        if "norm" in type(module).__name__.lower():
-            names.update(f"{mod_name}.{p}" if mod_name else p for p, _ in module.named_parameters(recurse=False))
-    return names
-
-
-@torch.no_grad()
-def init_parameters(model: nn.Module, config: PretrainedConfig, seed: int) -> None:
-    """Fill every parameter (plain or FSDP2-sharded DTensor) with its seeded initial value."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    std = getattr(config, "initializer_range", 0.02)
-    norms = _norm_parameter_names(model)
-    for name, param in model.named_parameters():
-        full = _full_init(name, param.shape, std, seed, param.device, name in norms)
-        if isinstance(param, DTensor):
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-            param.to_local().copy_(local)
-        else:
-            param.copy_(full)
+def init_parameters(model: nn.Module, config: PretrainedConfig, seed: int, trust_remote_code: bool = False) -> None:
+    """Fill every parameter (plain or FSDP2-sharded DTensor) with the model family's own seeded initial value."""
+    # A copy: from_config records the attention kernel in the config it is given.
+    scratch = build_meta_model(copy.deepcopy(config), ModelArguments(trust_remote_code=trust_remote_code))
+    init_weights.initialize(lora.base_targets(model), scratch, seed, decoder_layer_classes(scratch))
 
 
 @torch.no_grad()
 def load_pretrained_weights(model: nn.Module, path: str) -> None:
     """Fill a (possibly sharded) model from a folder's safetensors, one tensor at a time."""
     from safetensors import safe_open
-    from torch.distributed.tensor import DTensor, distribute_tensor
 
     folder = Path(path)
     files = sorted(folder.glob("*.safetensors"))
@@ -169,20 +141,16 @@ def load_pretrained_weights(model: nn.Module, path: str) -> None:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise UsageError(f"--model_name_or_path {path}: no *.safetensors weights found (convert .bin weights with save_pretrained).")
-    params = dict(model.named_parameters())
+    params = lora.base_targets(model)  # under a LoRA adapter, the base weights' own names
     missing = set(params)
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 if key not in params:
                     continue
-                param = params[key]
-                full = f.get_tensor(key).to(param.device, param.dtype)
-                if isinstance(param, DTensor):
-                    full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-                    param.to_local().copy_(full)
-                else:
-                    param.copy_(full)
+                full = f.get_tensor(key)
+                for param in params[key]:
+                    init_weights.assign(param, full)
                 missing.discard(key)
     if missing:
         raise UsageError(f"--model_name_or_path {path}: weights missing for {sorted(missing)[:5]}…")
@@ -203,3 +171,18 @@ def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
     if not classes:
         raise UsageError(f"{type(model).__name__} names no decoder layer class (_no_split_modules={sorted(names)}): cannot shard it per layer.")
     return tuple(classes)
+
+
+def check_loss_kwargs(model: nn.Module) -> None:
+    """Refuse a model whose loss cannot take `num_items_in_batch` (the global-batch token count), as Trainer decides it."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper
+    accepts = getattr(base, "accepts_loss_kwargs", None)
+    if accepts is None:
+        accepts = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(base.forward).parameters.values())
+    if not accepts:
+        raise UsageError(
+            f"{type(base).__name__}.forward takes no num_items_in_batch: its loss could not be normalised over the "
+            "global batch. Use a transformers causal LM whose forward accepts **kwargs."
+        )

@@ -14,7 +14,7 @@ from typing import Any
 from datasets import DatasetDict
 from transformers import PretrainedConfig
 
-from anygpu import distributed, hardware, modeling
+from anygpu import distributed, dropout, hardware, lora, modeling
 from anygpu.data import tokenizer as tok_lib
 from anygpu.data.order import GlobalOrder
 from anygpu.data.collate import Collator, packing_supported
@@ -139,4 +139,5 @@ def summary_lines(prep: Prepared, model, train_args: TrainArguments, tf32: bool)
         prep.plan.banner(),
         f"steps: {prep.total_steps} ({prep.order.steps_per_epoch} per epoch), precision: {precision}"
         + (", TF32 matmuls" if tf32 else ""),
+        *[line for line in (dropout.note(model), lora.is_peft(model) and lora.trainable_line(model)) if line],
     ]

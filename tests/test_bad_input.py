@@ -68,3 +68,14 @@ def test_config_file_with_command_line_override(tmp_path):
     js.write_text(json.dumps({"block_size": 32, "nonsense": 1}))
     with pytest.raises(ValueError, match="unknown option.*--nonsense"):
         parse_args([str(js)])
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--use_peft", "true"], "--use_peft true needs --model_name_or_path"),
+    (["--lora_r", "0"], "--lora_r 0 must be at least 1"),
+    (["--lora_dropout", "1.5"], "--lora_dropout 1.5 must be in [0, 1)"),
+    (["--merge_lora", "true"], "--merge_lora true needs --use_peft true"),
+])
+def test_lora_options(capsys, tmp_path, extra, expected):
+    err = refuse([*TINY, *extra, "--output_dir", str(tmp_path)], capsys)
+    assert expected in err

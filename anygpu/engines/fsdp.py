@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from anygpu import (async_checkpoint, auto_batch, checkpoint, distributed, errors, hardware, metrics, modeling, optim,
-                    parallel, resume_guard, run_guard)
+from anygpu import (async_checkpoint, auto_batch, checkpoint, distributed, dropout, errors, hardware, lora, metrics,
+                    modeling, moe, optim, parallel, resume_guard, run_guard)
 from anygpu.data.order import eval_shards
 from anygpu.data.collate import Collator, count_targets
 from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
@@ -32,7 +32,9 @@ logger = logging.getLogger("anygpu")
 
 def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
     """Meta model → AC / compile / FSDP2 → materialised on the device → initial or pretrained weights."""
-    model = modeling.build_meta_model(prep.config, model_args)
+    model = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args)  # adapter before sharding
+    modeling.check_loss_kwargs(model)
+    dropout.install(model, train_args.seed)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     parallel.shard_model(model, info.device, info.world_size, train_args.bf16, train_args.gradient_checkpointing,
                          train_args.torch_compile)
@@ -44,6 +46,8 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
         modeling.init_parameters(model, prep.config, train_args.seed)
     else:
         modeling.load_pretrained_weights(model, model_args.model_name_or_path)
+    if lora.is_peft(model):
+        lora.init_adapter(model, train_args.seed)
     return model
 
 
@@ -55,7 +59,8 @@ def evaluate(model, dataset, collator: Collator, batch_size: int, info: distribu
     for idx in eval_shards(len(dataset), info.world_size, info.rank, batch_size):
         batch = {k: v.to(info.device) for k, v in collator.read(dataset, idx or [0]).items()}
         # num_items_in_batch=1 turns the model's loss into a token-loss sum (HF's own loss path)
-        loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=info.device)).loss
+        loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=info.device),
+                         **moe.eval_kwargs(model)).loss
         if idx:
             totals += torch.stack([loss_sum.double(), torch.tensor(float(count_targets(batch)), device=info.device, dtype=torch.float64)])
     distributed.all_reduce_sum(totals)
@@ -71,17 +76,20 @@ def load_step(prep: Prepared, step: int, info: distributed.DistInfo) -> list[dic
 def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo, prefetcher: Prefetcher | None = None) -> torch.Tensor:
     """Forward/backward of one optimizer step's micro-batches; returns this rank's part of the global-batch
     mean loss, on the device (no host sync here: `global_loss` sums it over the ranks at logging steps)."""
+    micro = prep.order.micro_batches(step, prep.plan, info.rank)  # data set indices of each micro-batch
     got = prefetcher.get(step) if prefetcher is not None else read_now(load_step(prep, step, info), info.device)
     # The target tokens of the whole global batch (ranks and micro-batches hold different counts with
     # padded or masked data); labels are shifted inside the model, so position 0 is never a target.
     num_targets = distributed.all_reduce_sum(got.num_targets)
     loss_sum = torch.zeros((), device=info.device)
-    for j, batch in enumerate(got.micro_batches):
+    for j, (batch, idx) in enumerate(zip(got.micro_batches, micro)):
         if parallel.is_sharded(model):
             model.set_requires_gradient_sync(j == len(got.micro_batches) - 1)  # reduce-scatter once per step
-        # no KV cache: transformers confines attention to packed samples only without one
-        loss = model(**batch, use_cache=False, num_items_in_batch=num_targets).loss
-        (loss * info.world_size).backward()
+        with dropout.keys(model, step, idx):  # masks keyed by sample, also in checkpointing's recomputation
+            # no KV cache: transformers confines attention to packed samples only without one
+            out = model(**batch, use_cache=False, num_items_in_batch=num_targets)
+            loss = moe.global_batch_loss(model, out, batch["input_ids"].shape[0], prep.plan.global_batch_size)
+            (loss * info.world_size).backward()
         loss_sum += loss.detach()
     return loss_sum
 
@@ -107,7 +115,7 @@ class FSDPTrainer:
     def __init__(self, model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
         checked = check_run(model_args, data_args, train_args, distributed.world_size_from_env())  # refuse bad input first
         run_guard.claim_output_dir(train_args, errors.rank())  # lock, repairs, used output_dir, rewinds
-        self.args = train_args
+        self.args, self.model_args = train_args, model_args
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
         run_guard.check_ranks(info, resolved_dict(model_args, data_args, train_args), train_args.output_dir)
         logging.basicConfig(level=logging.INFO if info.is_main else logging.WARNING, format="[%(levelname)s] %(message)s")
@@ -272,8 +280,14 @@ class FSDPTrainer:
             self.log_eval(self.end_step)
         if self.end_step > self.start_step:
             self.save(self.end_step)
-        if self.end_step == self.prep.total_steps and self.args.export_final:
+        if self.end_step == self.prep.total_steps and self.args.export_final and lora.is_peft(self.model):
             with protected():  # the preemption watchdog waits for the export, however long
+                final = lora.export_adapter(self.model, self.prep.tokenizer, self.model_args.model_name_or_path, out / "final",
+                                            self.info.rank, self.model_args.merge_lora)
+            if self.info.is_main:
+                print(f"final adapter: {final} (PeftModel.from_pretrained loads it over the base)", flush=True)
+        elif self.end_step == self.prep.total_steps and self.args.export_final:
+            with protected():
                 final = checkpoint.export_safetensors(self.model, self.prep.config, self.prep.tokenizer, out / "final", self.info.rank)
             if self.info.is_main:
                 print(f"final model: {final} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)

@@ -166,8 +166,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.utils import logging as hf_logging
 
-    from anygpu import checkpoint, metrics, modeling
-    from anygpu.engines.hf.trainer import (AnygpuTrainer, FlowCallback, MetricsCallback, export_final,
+    from anygpu import checkpoint, dropout, lora, metrics, modeling
+    from anygpu.engines.hf.trainer import (AnygpuTrainer, FlowCallback, MetricsCallback, export_final, full_state_dict,
                                    plain_model_construction, read_anygpu_state)
     from anygpu.prepare import prepare
 
@@ -217,6 +217,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
 
     with plain_model_construction(targs.deepspeed_plugin):
         model = modeling.build_full_model(prep.config, model_args, train_args.seed)
+    model = lora.wrap(model, model_args)
+    if lora.is_peft(model):
+        lora.init_adapter(model, train_args.seed)  # the FSDP2 engine's adapter, not peft's draw from the global stream
+    dropout.install(model, train_args.seed)  # masks keyed by sample, as in the FSDP2 engine
     if train_args.torch_compile:
         for layer in (m for m in model.modules() if isinstance(m, modeling.decoder_layer_classes(model))):
             layer.compile()
@@ -275,7 +279,13 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         writer.close()
         distributed.destroy()
         sys.exit(errors.EXIT_PREEMPTED)
-    if end_step == prep.total_steps and end_step > start_step and train_args.export_final:
+    if end_step == prep.total_steps and end_step > start_step and train_args.export_final and lora.is_peft(model):
+        gathered = full_state_dict(trainer.model, is_main)  # whole tensors on rank 0, whatever the strategy (ZeRO-3 too)
+        out = lora.export_adapter(trainer.model, prep.tokenizer, model_args.model_name_or_path, Path(train_args.output_dir) / "final",
+                                  targs.process_index, model_args.merge_lora, gathered)
+        if is_main:
+            print(f"final adapter: {out} (PeftModel.from_pretrained loads it over the base)", flush=True)
+    elif end_step == prep.total_steps and end_step > start_step and train_args.export_final:
         out = export_final(trainer.model, prep.config, prep.tokenizer, Path(train_args.output_dir) / "final", is_main)
         if is_main:
             print(f"final model: {out} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)

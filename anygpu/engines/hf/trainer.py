@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback
 
-from anygpu import checkpoint, distributed, metrics, optim, resume_guard
+from anygpu import checkpoint, distributed, dropout, metrics, moe, optim, resume_guard
 from anygpu.data.order import MicroBatchSampler, eval_shards
 from anygpu.data.collate import count_targets
 from anygpu.args import TrainArguments
@@ -62,7 +62,8 @@ class AnygpuTrainer(Trainer):
         """
         sampler = MicroBatchSampler(self.prep.order, self.sampler_plan, self.args.process_index, self.start_step,
                                          self.prep.total_steps)
-        return DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.prep.collator, num_workers=0,
+        self.sample_queue = dropout.SampleQueue(sampler)  # each micro-batch's data set indices, for keyed dropout
+        return DataLoader(self.train_dataset, batch_sampler=self.sample_queue, collate_fn=self.prep.collator, num_workers=0,
                           pin_memory=self.args.device.type == "cuda")
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -102,6 +103,20 @@ class AnygpuTrainer(Trainer):
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's step, with dropout masks keyed by this micro-batch's samples (`anygpu.dropout`)."""
+        with dropout.keys(self.accelerator.unwrap_model(model), self.state.global_step, self.sample_queue.pop()):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Trainer's loss; a MoE router loss in its global-batch form (`anygpu.moe`), as the FSDP2 engine."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        if not model.training or not moe.aux_loss_coef(unwrapped):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
+        loss = moe.global_batch_loss(unwrapped, outputs, inputs["input_ids"].shape[0], self.prep.plan.global_batch_size)
+        return (loss, outputs) if return_outputs else loss
+
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -123,7 +138,8 @@ class AnygpuTrainer(Trainer):
         for idx in eval_shards(len(dataset), self.args.world_size, self.args.process_index, batch_size):
             batch = {k: v.to(device) for k, v in self.prep.collator.read(dataset, idx or [0]).items()}
             # num_items_in_batch=1: the model's loss is the token-loss sum (HF's own loss path).
-            loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=device)).loss
+            loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=device),
+                             **moe.eval_kwargs(self.accelerator.unwrap_model(model))).loss
             if idx:
                 totals += torch.stack([loss_sum.double(), torch.tensor(float(count_targets(batch)), device=device,
                                                                         dtype=torch.float64)])

@@ -1,0 +1,164 @@
+"""Dropout masks that are a function of (seed, step, sample, call site): the same whatever the world size.
+
+torch's dropout draws from the device's generator, whose stream differs per rank and per micro-batch
+split: a model with dropout (GPT-2 and OPT as shipped) would then follow another loss curve on
+another number of ranks. While `keys(model, step, samples)` is active (one micro-batch's forward
+and backward), every dropout call (`nn.Dropout` modules and the functional dropout transformers'
+layers call) draws each sample's mask from its own generator, seeded by
+
+    (seed, step, the sample's index in the data set, the call site).
+
+The call site is the innermost module whose code made the call (its name in the model) and the code
+lines from there to the dropout call, read from the Python stack: activation checkpointing's
+recomputation runs the same code, so it draws exactly the masks of the first pass. (A module that
+calls dropout twice from the same line, in a loop, would reuse one mask; no transformers model does.) Attention
+dropout inside a fused kernel (sdpa's `dropout_p`, flash attention) cannot be keyed: a model whose
+config asks for attention dropout runs eager attention, whose dropout is a plain call (`note` says so).
+The masks come from the device's own generator type: identical across world sizes on the same kind
+of device (CPU or one GPU vendor), not between a CPU and a GPU.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_ATTENTION_KEYS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
+_IGNORED = ("classifier_dropout", "summary_first_dropout", "summary_last_dropout", "layerdrop")
+ATTR = "_anygpu_keyed_dropout"
+
+
+def dropout_rates(config) -> dict[str, float]:
+    """The config's non-zero dropout probabilities (classifier heads and layer drop left out)."""
+    out = {}
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and key not in _IGNORED and isinstance(value, (int, float)) and value > 0:
+            out[key] = float(value)
+    return out
+
+
+@dataclass
+class _Keyed:
+    seed: int
+    step: int = -1
+    samples: Sequence[int] = ()
+    names: dict[int, str] = field(default_factory=dict)  # id(module) → its name in the model
+    warned: bool = False
+    note: str = ""
+
+
+def install(model: nn.Module, seed: int) -> str | None:
+    """Key the model's dropout (before sharding; a no-op without dropout). Returns a banner note or None."""
+    rates = dropout_rates(model.config)
+    for name, module in model.named_modules():  # dropout modules the config does not list (a LoRA adapter's)
+        if isinstance(module, nn.Dropout) and module.p > 0 and "lora_dropout" in name:
+            rates["lora_dropout"] = module.p
+    if not rates:
+        return None
+    state = _Keyed(seed, names={id(m): name for name, m in model.named_modules()})
+    object.__setattr__(model, ATTR, state)  # not a submodule, not a parameter
+    note = "dropout: " + ", ".join(f"{k} {v:g}" for k, v in sorted(rates.items())) + \
+           "; masks keyed by (seed, step, sample, call site): the same on any number of ranks"
+    if any(k in rates for k in _ATTENTION_KEYS) and model.config._attn_implementation != "eager":
+        # sdpa/flash draw their attention-dropout masks inside the kernel, from the rank's own stream.
+        model.set_attn_implementation("eager")
+        note += "; attention dropout needs eager attention (fused kernels cannot key their masks)"
+    state.note = note
+    return note
+
+
+def note(model: nn.Module) -> str | None:
+    """The banner line of a model whose dropout is keyed, else None."""
+    state = getattr(model, ATTR, None)
+    return state.note if state is not None else None
+
+
+def _call_site(state: _Keyed) -> str:
+    """The innermost model module on the Python stack and the code lines from it to the dropout call."""
+    frame, lines = sys._getframe(2), []
+    while frame is not None:
+        lines.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        owner = frame.f_locals.get("self")
+        if owner is not None and id(owner) in state.names:
+            return f"{state.names[id(owner)]}/{'/'.join(lines)}"
+        frame = frame.f_back
+    return "/".join(lines[:4])
+
+
+def _seed(*parts) -> int:
+    return int(hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:15], 16)
+
+
+@contextlib.contextmanager
+def keys(model: nn.Module, step: int, samples: Sequence[int]) -> Iterator[None]:
+    """Around one micro-batch's forward and backward: its rows are `samples` (data set indices) of `step`."""
+    state = getattr(model, ATTR, None)
+    if state is None:
+        yield
+        return
+    original = torch.nn.functional.dropout
+    state.step, state.samples = step, list(samples)
+
+    def keyed_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not training or p == 0.0:
+            return original(input, p, training, inplace)
+        if p == 1.0:
+            return input * 0.0
+        return input * _masks(state, _call_site(state), input, p)
+
+    torch.nn.functional.dropout = keyed_dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = original
+
+
+def _masks(state: _Keyed, site: str, input: torch.Tensor, p: float) -> torch.Tensor:
+    """Scaled keep-masks, one per sample, each from its own seeded generator.
+
+    Rows are batch-major: dim 0 is the batch, or the batch flattened with the sequence (OPT's MLP
+    sees (batch·seq, hidden)); either way sample i owns the i-th of len(samples) equal slices of dim 0.
+    """
+    rows, samples = (input.shape[0] if input.dim() > 0 else 0), state.samples
+    if rows == 0 or rows % len(samples):  # not batch-major: one mask for the micro-batch, keyed by its first sample
+        if not state.warned:
+            logger.warning("dropout at %s on a tensor of shape %s: not keyed per sample", site, tuple(input.shape))
+            state.warned = True
+        samples, shape = samples[:1], input.shape
+    else:
+        shape = (rows // len(samples), *input.shape[1:])
+    gen = torch.Generator(device=input.device)
+    masks = []
+    for sample in samples:
+        gen.manual_seed(_seed(state.seed, state.step, sample, site))
+        masks.append(torch.rand(shape, generator=gen, device=input.device) >= p)
+    return torch.cat(masks).reshape(input.shape).to(input.dtype) / (1.0 - p)
+
+
+class SampleQueue:
+    """A batch sampler that remembers what it yielded, so the training step that consumes a batch
+    (in the same order, later) knows its data set indices (Trainer's loop hides them)."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+        self.pending: collections.deque[list[int]] = collections.deque()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for idx in self.sampler:
+            self.pending.append(list(idx))
+            yield idx
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def pop(self) -> list[int]:
+        return self.pending.popleft()

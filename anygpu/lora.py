@@ -1,0 +1,140 @@
+"""LoRA with `peft`, TRL's options: the frozen base is sharded like any model, only the adapter trains.
+
+The adapter is added on the meta device, before sharding, so FSDP2 shards the base and the adapter
+of each decoder layer together; the base weights are then loaded (or initialised) under their base
+names, and the adapter's own tensors start as peft starts them (A: Kaiming-uniform, B: zeros), drawn
+from CPU generators seeded by name: the same on any world size, in both engines. Only parameters that
+require gradients get an optimizer (AdamW state is measured in the tests). `final/` is a PEFT adapter
+(`PeftModel.from_pretrained(base, final)`); `--merge_lora true` also writes `final-merged/`, a full model.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+PREFIX = "base_model.model."
+
+
+def wrap(model: nn.Module, args) -> nn.Module:
+    """The model with a LoRA adapter (parameters still on meta), or the model itself without --use_peft."""
+    if not args.use_peft:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    target = args.lora_target_modules
+    if target is not None and len(target) == 1:
+        target = target[0]  # "all-linear" is a string to peft
+    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=target,
+                        modules_to_save=args.lora_modules_to_save, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def is_peft(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def base_name(name: str) -> str | None:
+    """The base model's name of a parameter of a PEFT model (None for the adapter's own A/B tensors)."""
+    if ".lora_" in name:
+        return None
+    name = name.removeprefix(PREFIX)
+    for part in (".base_layer", ".original_module", ".modules_to_save.default"):
+        name = name.replace(part, "")
+    return name
+
+
+def base_targets(model: nn.Module) -> dict[str, list[torch.Tensor]]:
+    """Base name → the parameters that start from that base tensor (a module to save has two copies)."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for name, param in model.named_parameters():
+        base = base_name(name)
+        if base is not None:
+            out.setdefault(base, []).append(param)
+    return out
+
+
+@torch.no_grad()
+def init_adapter(model: nn.Module, seed: int) -> None:
+    """peft's initial A (Kaiming-uniform, a=√5) and B (zeros), from CPU generators seeded by name."""
+    from anygpu.init_weights import assign
+
+    for name, param in model.named_parameters():
+        if ".lora_" not in name:
+            continue
+        value = torch.zeros(param.shape)
+        if ".lora_A." in name or ".lora_embedding_A." in name:
+            gen = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}:lora:{name}".encode()).hexdigest()[:15], 16))
+            bound = 1.0 / math.sqrt(param.shape[1])  # kaiming_uniform_(a=√5) on a (r, in) matrix
+            value.uniform_(-bound, bound, generator=gen)
+        assign(param, value)
+
+
+def trainable_line(model: nn.Module) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"LoRA: {trainable / 1e6:.3f}M trainable / {total / 1e6:.1f}M parameters ({100 * trainable / total:.2f}%)"
+
+
+def export_adapter(model: nn.Module, tokenizer, base_path: str, out_dir: str | Path, rank: int, merge: bool,
+                   gathered: dict[str, torch.Tensor] | None = None) -> Path:
+    """<out_dir> as a PEFT adapter (adapter_model.safetensors + adapter_config.json + tokenizer), gathered
+    one tensor at a time; with `merge`, also <out_dir>-merged, the base with the adapter merged in.
+
+    `gathered`: full tensors already collected on rank 0 by the caller (the HF engine's ZeRO-3 gather);
+    by default trainable DTensors are all-gathered here."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    from anygpu import distributed
+    from anygpu.checkpoint import replace_dir
+
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}.tmp")
+    trainable = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if gathered is not None:
+            if rank == 0:
+                trainable[name] = gathered[name].contiguous()
+            continue
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        trainable[name] = full.detach().to("cpu").contiguous()
+    if rank == 0:
+        state = get_peft_model_state_dict(model, state_dict=trainable)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = model.peft_config["default"]
+        config.base_model_name_or_path = str(base_path)
+        config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        replace_dir(tmp, out)
+        if merge:
+            merge_adapter(base_path, out, tokenizer)
+    distributed.barrier()
+    return out
+
+
+def merge_adapter(base_path: str, adapter: Path, tokenizer) -> Path:
+    """<adapter>-merged: the base from its folder (never modified) with the adapter merged in (one process, CPU)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from anygpu.checkpoint import replace_dir
+
+    merged_dir = adapter.with_name(f"{adapter.name}-merged")
+    tmp = merged_dir.with_name(f".{merged_dir.name}.tmp")
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    merged.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    replace_dir(tmp, merged_dir)
+    return merged_dir

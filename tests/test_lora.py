@@ -1,0 +1,127 @@
+"""LoRA (peft, TRL's option names) on the FSDP2 engine over a pretrained folder: 1 and 2 ranks agree,
+a run resumes exactly on another world size, only the adapter has optimizer state, `final/` is a PEFT
+adapter that loads over the base, the merged model equals it, and the base folder is never modified.
+The folder's tokenizer (special tokens, chat template) is what the run uses and exports."""
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY, losses, torchrun
+
+SCRIPT = "run_fsdp_standalone.py"
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+ARGS = [a for a in TINY if a not in ("--config_name", "tiny")] + [
+    "--max_steps", "4", "--max_eval_samples", "4", "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8",
+    "--lora_dropout", "0.1", "--lora_target_modules", "all-linear", "--learning_rate", "1e-2",
+]
+
+
+def build_base(folder: Path) -> None:
+    """A tiny pretrained folder as save_pretrained writes it: Llama weights + a BPE tokenizer built offline."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    # a fixed text (this Python's json package), so the tokenizer and the losses do not move with our own code
+    texts = [p.read_text(errors="ignore") for p in sorted(Path(json.__file__).parent.glob("*.py"))]
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1000, special_tokens=["<s>", "</s>", "<pad>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.chat_template = TEMPLATE
+    config = LlamaConfig(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=128, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory) -> dict:
+    base = tmp_path_factory.mktemp("base")
+    build_base(base)
+    before = digest(base)
+    one, two = tmp_path_factory.mktemp("lora-ws1"), tmp_path_factory.mktemp("lora-ws2")
+    args = [*ARGS, "--model_name_or_path", str(base)]
+    proc = torchrun(1, SCRIPT, [*args, "--output_dir", str(one), "--merge_lora", "true"])
+    torchrun(2, SCRIPT, [*args, "--output_dir", str(two), "--stop_at_step", "2"])
+    resumed = torchrun(1, SCRIPT, [*args, "--output_dir", str(two), "--resume_from_checkpoint", "latest"])
+    return {"base": base, "before": before, "one": one, "two": two, "stdout": proc.stdout, "resumed": resumed.stdout}
+
+
+@pytest.mark.slow
+def test_world_sizes_agree_and_resume_is_exact(lora):
+    one, two = losses(lora["one"]), losses(lora["two"])
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4]
+    assert "was 2 ranks, now 1" in lora["resumed"]
+    for s in one:  # steps 1-2: 1 vs 2 ranks; steps 3-4: resumed on 1 rank from the 2-rank checkpoint
+        assert abs(one[s] - two[s]) <= 1e-5 * abs(one[s]), (one, two)
+
+
+@pytest.mark.slow
+def test_only_the_adapter_trains(lora):
+    """Banner, and the checkpoint measured: optimizer state for adapter tensors only, no base weights."""
+    import torch.distributed.checkpoint as dcp
+
+    assert "LoRA:" in lora["stdout"] and "trainable /" in lora["stdout"]
+    meta = dcp.FileSystemReader(str(lora["two"] / "checkpoint-2")).read_metadata()
+    optim = [k for k in meta.state_dict_metadata if k.startswith("optim.state.")]
+    model = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+    assert optim and all(".lora_" in k for k in optim), optim[:5]
+    assert model and all(".lora_" in k for k in model), model[:5]
+
+
+@pytest.mark.slow
+def test_adapter_loads_over_the_base_and_merges(lora):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = lora["one"] / "final"
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(lora["base"])
+    base = AutoModelForCausalLM.from_pretrained(lora["base"]).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(final)("def main():\n    return 0\n")["input_ids"]])
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, final).eval()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(lora["one"] / "final-merged").eval()(input_ids=ids).logits
+    assert not torch.allclose(plain, adapted)  # the adapter changes the model
+    assert torch.allclose(adapted, merged, atol=1e-5)
+    assert digest(lora["base"]) == lora["before"]  # the base folder is never modified
+
+
+@pytest.mark.slow
+def test_tokenizer_and_chat_template_carried(lora):
+    from transformers import AutoTokenizer
+
+    base = AutoTokenizer.from_pretrained(lora["base"])
+    for folder in (lora["one"] / "final", lora["one"] / "final-merged", lora["one"] / "tokenizer"):
+        tok = AutoTokenizer.from_pretrained(folder)
+        assert tok.chat_template == TEMPLATE and len(tok) == len(base), folder
+        assert (tok.bos_token, tok.eos_token, tok.pad_token) == (base.bos_token, base.eos_token, base.pad_token)
+
+
+@pytest.mark.slow
+def test_hf_engine_trains_the_same_adapter(lora, tmp_path):
+    """The HF engine (one process, DDP config) from the same folder, stopped after step 2 and resumed:
+    the FSDP2 engine's losses, and a PEFT adapter at the end."""
+    from test_hf_engine import accelerate
+
+    args = [*ARGS, "--model_name_or_path", str(lora["base"]), "--output_dir", str(tmp_path)]
+    accelerate("ddp", 1, [*args, "--stop_at_step", "2"])
+    accelerate("ddp", 1, [*args, "--resume_from_checkpoint", "latest"])
+    hf, fsdp = losses(tmp_path), losses(lora["one"])
+    assert sorted(hf) == [1, 2, 3, 4]
+    for s in hf:
+        assert abs(hf[s] - fsdp[s]) <= 1e-4 * abs(fsdp[s]), (hf, fsdp)
+    assert (tmp_path / "final" / "adapter_model.safetensors").exists()
+    assert digest(lora["base"]) == lora["before"]
