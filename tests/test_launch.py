@@ -381,6 +381,9 @@ def test_port_and_restarts():
     assert fixed.opt("--max-restarts") == "2"
     assert fixed.exports["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in default.exports
+    # Slurm's --signal=USR1: torchrun forwards SIGUSR1 to the workers (they save and exit 143) where it can
+    if launch.torchrun_forwards_signals():
+        assert "SIGUSR1" in fixed.opt("--signals-to-handle").split(",")
 
 
 # -------------------------------------------------------------------- no GPU, wrong vendor

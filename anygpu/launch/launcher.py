@@ -212,6 +212,17 @@ def torch_probe(env: Mapping[str, str]) -> dict | None:
 
 TorchProbe = Callable[[Mapping[str, str]], "dict | None"]
 
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's default list plus Slurm's SIGUSR1
+
+
+def torchrun_forwards_signals() -> bool:
+    """Whether this torch's torchrun takes --signals-to-handle (read from its source: no torch import here)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    run_py = Path(list(spec.submodule_search_locations)[0]) / "distributed" / "run.py"
+    return run_py.is_file() and "signals_to_handle" in run_py.read_text(errors="replace")
+
 
 # ----------------------------------------------------------------------------------- plan
 
@@ -466,6 +477,10 @@ def build_command(args: argparse.Namespace, script: Path, script_args: Sequence[
         cmd += ["--nproc-per-node", str(nproc)]
         if args.max_restarts:
             cmd += ["--max-restarts", str(args.max_restarts)]
+        if torchrun_forwards_signals():
+            # Slurm's --signal sends SIGUSR1 before preemption: forwarded, every rank saves and exits 143
+            # (without it torchrun dies of the signal and its workers with it, no checkpoint).
+            cmd += ["--signals-to-handle", TORCHRUN_SIGNALS]
         cmd += [str(script), *script_args]
         lines.append((cpu_line if not use_gpus else f"{plural(nproc, 'process')} per node") + ", torchrun")
     else:
