@@ -226,12 +226,7 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+fsync_dir = manifest.fsync_path
 
 
 def export_safetensors(

@@ -29,7 +29,8 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def fsync_file(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's entries to the disk (a folder: the names in it, e.g. after a rename)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -43,14 +44,14 @@ def write(folder: Path, step: int, world_size: int, engine: str) -> None:
 
     files: dict[str, dict[str, Any]] = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
-        fsync_file(path)  # Trainer's and torch.save's files are not synced by their writers
+        fsync_path(path)  # Trainer's and torch.save's files are not synced by their writers
         size = path.stat().st_size
         entry: dict[str, Any] = {"size": size}
         if size <= HASH_LIMIT_BYTES:
             entry["sha256"] = sha256(path)
         files[path.relative_to(folder).as_posix()] = entry
     for sub in sorted({p.parent for p in folder.rglob("*")} | {folder}):
-        fsync_file(sub)
+        fsync_path(sub)
     data = {"step": step, "world_size": world_size, "engine": engine, "anygpu_version": __version__, "files": files}
     with (folder / MANIFEST).open("w") as f:
         json.dump(data, f, indent=1)

@@ -201,6 +201,38 @@ def test_two_nodes_with_different_arguments_stop_within_seconds(tmp_path):
     assert not steps_logged(tmp_path)  # no training step was taken
 
 
+def _private_mounts_work() -> bool:
+    """Whether this machine lets us give a process a mount namespace of its own (root, unshare)."""
+    import shutil as sh
+
+    if not sh.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+def test_two_nodes_without_a_shared_output_dir_are_refused(tmp_path):
+    """Node 1 sees another filesystem at --output_dir (a tmpfs in a mount namespace of its own), as a
+    node without the shared mount would: the job stops at start-up, naming the rank that is blind."""
+    if not _private_mounts_work():
+        pytest.skip("needs unshare -m (root) to give one 'node' its own filesystem")
+    port = str(_free_port())
+    procs = []
+    start_t = time.time()
+    for node in (0, 1):
+        cmd = [str(BIN / "torchrun"), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
+               "--master-addr=127.0.0.1", f"--master-port={port}", SCRIPT, *TINY, "--max_steps", "50",
+               "--output_dir", str(tmp_path)]
+        if node == 1:
+            cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{tmp_path}" && exec "$@"', "sh", *cmd]
+        procs.append(start(cmd))
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert time.time() - start_t < 60 and all(p.returncode != 0 for p in procs)
+    text = "\n".join(outs)
+    assert f"--output_dir {tmp_path} is not shared: rank(s) 1" in text and "filesystem every node mounts" in text, text[-3000:]
+    assert not steps_logged(tmp_path)
+
+
 def _free_port() -> int:
     import socket
 
