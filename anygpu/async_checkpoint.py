@@ -50,8 +50,9 @@ class AsyncCheckpointer:
 
         self.root, self.save_total_limit, self.rank = Path(output_dir), save_total_limit, rank
         # The background write runs collectives (planning, gathering results): on a group of its own, on
-        # the CPU, so they never interleave with the training collectives of the main thread.
-        self.group = dist.new_group(backend="gloo")
+        # the CPU, so they never interleave with the training collectives of the main thread. Made at the
+        # first save (every rank saves at the same step), so a run that never saves holds no extra group.
+        self.group = None
         gpu = device.type == "cuda"
         # One stager for the run: on a GPU its pinned host buffers are allocated once and reused.
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
@@ -65,6 +66,8 @@ class AsyncCheckpointer:
         self.wait()  # one write in flight at a time
         tmp, final = checkpoint.start(self.root, step, self.rank), self.root / f"checkpoint-{step}"
         checkpoint.save_rng(tmp, self.rank)  # before the write starts: rank 0's commit implies every rank's files
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo")
         msd, osd = get_state_dict(model, optimizer, options=checkpoint.STATE_DICT_OPTIONS)
         future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), process_group=self.group,
                                 async_stager=self.stager)
@@ -97,8 +100,13 @@ class AsyncCheckpointer:
             logger.info("checkpoint-%d complete: %s", p.step, p.final)
 
     def close(self) -> None:
-        """Finish the pending write, then free the staging buffers."""
+        """Finish the pending write, leave the write group together (a rank that tears a gloo group down
+        while a peer still uses it aborts that peer), then free the staging buffers."""
         self.wait()
+        if self.group is not None:
+            dist.barrier(group=self.group)
+            dist.destroy_process_group(self.group)
+            self.group = None
         self.stager.close()
 
 

@@ -73,27 +73,27 @@ class Shapes:
 
 
 def shapes_from_model(model, config, lora_r: int = 0, lora_targets: tuple[str, ...] = ()) -> Shapes:
-    """Shapes of a (meta) HF causal LM; with ``lora_r`` the base is frozen and rank-r adapters
-    (A: r×in, B: out×r) are added to every nn.Linear inside the decoder layers whose name ends in
-    one of ``lora_targets`` (all of them when empty)."""
-    from torch import nn
+    """Shapes of a (meta) HF causal LM; with ``lora_r`` the base is frozen and the adapter is the one the
+    engines train: peft's own LoRA on the meta model (``lora_targets``: module names or all-linear; none:
+    peft's default for the model type, as --lora_target_modules left out)."""
+    if lora_r:
+        from types import SimpleNamespace
 
-    from anygpu.modeling import decoder_layer_classes
+        from anygpu import lora
 
+        model = lora.wrap(model, SimpleNamespace(
+            use_peft=True, lora_r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0,
+            lora_target_modules=list(lora_targets) or None, lora_modules_to_save=None))
     seen: set[int] = set()
     params: list[Param] = []
     for name, p in model.named_parameters():
         if id(p) in seen:  # tied weights are one tensor
             continue
         seen.add(id(p))
-        params.append(Param(name, tuple(p.shape), trainable=lora_r == 0))
+        params.append(Param(name, tuple(p.shape), trainable=p.requires_grad))
+    from anygpu.modeling import decoder_layer_classes
+
     layers = [m for m in model.modules() if isinstance(m, decoder_layer_classes(model))]
-    if lora_r:
-        for i, layer in enumerate(layers):
-            for mname, mod in layer.named_modules():
-                if isinstance(mod, nn.Linear) and (not lora_targets or mname.split(".")[-1] in lora_targets):
-                    params.append(Param(f"layers.{i}.{mname}.lora_A", (lora_r, mod.in_features)))
-                    params.append(Param(f"layers.{i}.{mname}.lora_B", (mod.out_features, lora_r)))
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return Shapes(tuple(params), config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size),

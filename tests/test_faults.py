@@ -195,7 +195,7 @@ def test_two_nodes_with_different_arguments_stop_within_seconds(tmp_path):
                "--learning_rate", lr, "--output_dir", str(tmp_path)]
         procs.append(start(cmd))
     outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert time.time() - start_t < 60 and all(p.returncode != 0 for p in procs)
+    assert time.time() - start_t < 30 and all(p.returncode != 0 for p in procs)  # process start-up included
     text = "\n".join(outs)
     assert "rank 1 on host" in text and "learning_rate = '0.002' there, '0.001' on rank 0" in text, text[-3000:]
     assert not steps_logged(tmp_path)  # no training step was taken

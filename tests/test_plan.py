@@ -45,6 +45,27 @@ def test_planned_model_states_equal_the_sharded_tensors(measured, preset, nproc)
             assert abs(planned[key] - real[key]) <= 0.01 * real[key], (preset, nproc, rank, key, planned, real)
 
 
+@pytest.mark.slow
+def test_planned_lora_states_equal_the_sharded_tensors(tmp_path_factory):
+    """LoRA: the frozen base's parameters, and gradients and AdamW state of the adapter only, as planned."""
+    from test_lora import build_base
+
+    base = tmp_path_factory.mktemp("lora-base")
+    build_base(base)
+    args = [a for a in TINY if a not in ("--config_name", "tiny")] + [
+        "--model_name_or_path", str(base), "--use_peft", "true", "--lora_r", "4", "--lora_target_modules", "all-linear"]
+    shapes, _, _ = plan_tool.load_shapes(str(base), None, 4, ("all-linear",))
+    assert 0 < shapes.num_trainable < sum(p.numel for p in shapes.params) / 10
+    for nproc in (1, 2):
+        proc = torchrun(nproc, "tests/scripts/state_bytes.py",
+                        ["pretrained", *args, "--output_dir", str(tmp_path_factory.mktemp(f"lora-states{nproc}"))])
+        real = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("BYTES ")).split(" ", 2)[2])
+        for rank, measured in enumerate(real):
+            planned, _ = memory_plan.model_state_bytes(shapes, "fsdp2", "fp32", nproc, rank)
+            for key in STATES:
+                assert abs(planned[key] - measured[key]) <= 0.01 * measured[key], (nproc, rank, key, planned, measured)
+
+
 def test_states_shard_by_n_and_sum_to_16_bytes_per_parameter():
     shapes, _, _ = plan_tool.load_shapes(None, "default")
     n = shapes.num_params

@@ -45,13 +45,14 @@ def chat_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chat_runs(chat_file, tmp_path_factory):
-    """FSDP2 engine on 1 and 3 ranks, HF engine on 2 processes: 6 conversations-rows per step, 5 steps."""
+    """FSDP2 engine on 1, 2 and 3 ranks, HF engine on 2 processes: 6 conversations-rows per step, 5 steps."""
     out = tmp_path_factory.mktemp("chat-runs")
     args = [*COMMON, "--train_file", str(chat_file), "--global_batch_size", "6", "--max_steps", "5"]
     torchrun(1, "run_fsdp_standalone.py", [*args, "--per_device_train_batch_size", "3", "--output_dir", str(out / "f1")])
+    torchrun(2, "run_fsdp_standalone.py", [*args, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f2")])
     torchrun(3, "run_fsdp_standalone.py", [*args, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f3")])
     accelerate("ddp", 2, [*args, "--per_device_train_batch_size", "1", "--output_dir", str(out / "hf2")])
-    return {k: losses(out / k) for k in ("f1", "f3", "hf2")}, args, out
+    return {k: losses(out / k) for k in ("f1", "f2", "f3", "hf2")}, args, out
 
 
 def test_chat_ranks_hold_very_different_target_counts(chat_runs, tmp_path):
@@ -69,9 +70,10 @@ def test_chat_ranks_hold_very_different_target_counts(chat_runs, tmp_path):
     assert max(ratios) > 1.5, ratios
 
 
-def test_chat_loss_is_the_same_on_1_and_3_ranks(chat_runs):
+def test_chat_loss_is_the_same_on_1_2_and_3_ranks(chat_runs):
     runs, _, _ = chat_runs
     assert sorted(runs["f1"]) == [1, 2, 3, 4, 5]
+    assert_close(runs["f1"], runs["f2"], rel=1e-5)
     assert_close(runs["f1"], runs["f3"], rel=1e-5)
 
 
@@ -86,18 +88,24 @@ def test_chat_loss_is_the_same_on_the_hf_engine(chat_runs):
 @pytest.fixture(scope="module")
 def completion_runs(tmp_path_factory):
     """Random prompts (1 to 30 words) that end with '=>', one fixed completion. The loss on the
-    completion only (the default) and on every token, 30 steps; and 5 steps of the first on 2 ranks."""
+    completion only (the default) and on every token, 30 steps; 5 steps of the first on 2 ranks; and
+    4 steps of a global batch of 6 on 1 and 3 ranks and on the HF engine."""
     rng = random.Random(1)
     root = tmp_path_factory.mktemp("completion")
     path = root / "pc.jsonl"
     path.write_text("".join(json.dumps({"prompt": sentence(rng, 1, 30) + " =>", "completion": " the cat runs fast"}) + "\n"
                             for _ in range(300)))
-    args = [*COMMON, "--train_file", str(path), "--global_batch_size", "8", "--max_steps", "30",
-            "--learning_rate", "1e-2", "--per_device_train_batch_size", "2"]
+    base = [*COMMON, "--train_file", str(path), "--learning_rate", "1e-2"]
+    args = [*base, "--global_batch_size", "8", "--max_steps", "30", "--per_device_train_batch_size", "2"]
     python("run_fsdp_standalone.py", [*args, "--output_dir", str(root / "only")])
     python("run_fsdp_standalone.py", [*args, "--completion_only_loss", "false", "--output_dir", str(root / "all")])
     torchrun(2, "run_fsdp_standalone.py", [*args, "--stop_at_step", "5", "--output_dir", str(root / "two")])
-    return {k: losses(root / k) for k in ("only", "all", "two")}
+    # a global batch of 6 splits over 1, 3 ranks and 2 HF-engine processes: 4 steps each
+    six = [*base, "--global_batch_size", "6", "--max_steps", "4", "--per_device_train_batch_size", "1"]
+    torchrun(1, "run_fsdp_standalone.py", [*six, "--output_dir", str(root / "six1")])
+    torchrun(3, "run_fsdp_standalone.py", [*six, "--output_dir", str(root / "six3")])
+    accelerate("ddp", 2, [*six, "--output_dir", str(root / "sixhf")])
+    return {k: losses(root / k) for k in ("only", "all", "two", "six1", "six3", "sixhf")}
 
 
 def test_completion_only_loss_learns_the_fixed_completion(completion_runs):
@@ -108,3 +116,9 @@ def test_completion_only_loss_learns_the_fixed_completion(completion_runs):
 
 def test_prompt_completion_loss_is_the_same_on_1_and_2_ranks(completion_runs):
     assert_close(completion_runs["only"], completion_runs["two"], rel=1e-5, steps=range(1, 6))
+
+
+def test_prompt_completion_loss_is_the_same_on_3_ranks_and_the_hf_engine(completion_runs):
+    assert sorted(completion_runs["six1"]) == [1, 2, 3, 4]
+    assert_close(completion_runs["six1"], completion_runs["six3"], rel=1e-5)
+    assert_close(completion_runs["six1"], completion_runs["sixhf"], rel=1e-4)

@@ -226,7 +226,7 @@ def check_output_dir(output_dir: str, multi_node: bool) -> Check:
         probe.unlink()
     except OSError as e:
         return Check("output folder", False, f"{path} cannot be written ({e.strerror or e})",
-                     f"choose a writable folder with --output_dir (e.g. ./outputs), or fix its permissions")
+                     "choose a writable folder with --output_dir (e.g. ./outputs), or fix its permissions")
     kind = filesystem_type(path)
     if multi_node and kind not in SHARED_FS:
         return Check("output folder", False, f"{path} is writable but on {kind}, not a shared filesystem",

@@ -17,9 +17,6 @@ from anygpu import memory_plan
 from anygpu.memory_plan import GIB, Machine, PlanResult, Shapes
 
 DEFAULT_MFU = 0.4
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="anygpu plan",
@@ -44,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finetune", choices=("full", "lora"), default="full",
                    help="What the recommendation is for (the table shows both).")
     p.add_argument("--lora_r", type=int, default=16, help="LoRA rank of the LoRA rows (default 16).")
-    p.add_argument("--lora_target_modules", default=",".join(LORA_TARGETS),
-                   help="Linear layers of each block that get adapters (default: all of them).")
+    p.add_argument("--lora_target_modules", default="",
+                   help="Modules that get adapters, comma-separated, or all-linear (default: peft's choice for the "
+                        "model type, as the engines' --lora_target_modules left out).")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"Model FLOP utilisation of the step-time "
                                                                   f"estimate (default {DEFAULT_MFU}).")
     p.add_argument("--json", action="store_true", help="One JSON object (rows, recommendation) instead of tables.")

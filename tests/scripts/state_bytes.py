@@ -1,7 +1,8 @@
 """Under torchrun: build the FSDP2 engine's model, run one step, print each rank's held bytes of
 parameters, gradients and optimizer state, measured from the sharded tensors themselves.
 
-    torchrun … state_bytes.py tiny,default [engine args]   one BYTES line per preset (one start-up for all)"""
+    torchrun … state_bytes.py tiny,default [engine args]   one BYTES line per preset (one start-up for all)
+    torchrun … state_bytes.py pretrained --model_name_or_path DIR [--use_peft true …]   the model of DIR"""
 import json
 import sys
 
@@ -26,7 +27,8 @@ def nbytes(t: torch.Tensor) -> int:
 
 info = distributed.init_distributed()
 for preset in sys.argv[1].split(","):
-    model_args, data_args, train_args = parse_args(["--config_name", preset, *sys.argv[2:]])
+    model_args, data_args, train_args = parse_args([*(["--config_name", preset] if preset != "pretrained" else []),
+                                                    *sys.argv[2:]])
     prep = prepare(model_args, data_args, train_args, info)
     model = fsdp_engine.build_model(prep, model_args, train_args, info)
     opt = optim.build_optimizer(model, train_args, info.device)
