@@ -45,8 +45,6 @@ PEAK_TFLOPS: dict[str, tuple[float, float | None, float]] = {
     "MI250": (362.1, None, 90.5),
     "MI210": (181.0, None, 45.3),
 }
-# Kept for callers of the bf16-only table.
-PEAK_BF16_TFLOPS: list[tuple[str, float]] = [(k, v[0]) for k, v in PEAK_TFLOPS.items()]
 
 
 @dataclass(frozen=True)

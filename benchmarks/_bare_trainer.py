@@ -12,7 +12,6 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from anygpu import distributed, modeling
 from anygpu.args import parse_args
-from anygpu.data.packing import collate
 from anygpu.prepare import prepare
 
 
@@ -44,7 +43,7 @@ def main() -> None:
         dataloader_num_workers=0, remove_unused_columns=False, skip_memory_metrics=True,
     )
     cb = Windows(train_args.logging_steps, prep.plan.global_batch_size * prep.block_size)
-    Trainer(model=model, args=targs, train_dataset=prep.datasets["train"], data_collator=collate, callbacks=[cb]).train()
+    Trainer(model=model, args=targs, train_dataset=prep.datasets["train"], data_collator=prep.collator, callbacks=[cb]).train()
     print("BARE " + json.dumps({"tokens_per_second": statistics.median(cb.rates[1:] or cb.rates), "windows": cb.rates}))
 
 

@@ -26,7 +26,6 @@ anygpu.set_offline_defaults()
 import torch  # noqa: E402
 
 from anygpu import distributed, modeling, optim, parallel
-from anygpu.data.packing import read_batch
 from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
 from anygpu.prefetch import Prefetcher  # noqa: E402
 from anygpu.args import parse_args  # noqa: E402
@@ -36,8 +35,8 @@ from anygpu.prepare import prepare  # noqa: E402
 LOG_EVERY = 10
 
 
-def plain_step(model, opt, dataset, micro_batches, device, max_norm: float, step: int) -> None:
-    batches = [{k: v.to(device) for k, v in read_batch(dataset, idx).items()} for idx in micro_batches]
+def plain_step(model, opt, prep, micro_batches, device, max_norm: float, step: int) -> None:
+    batches = [{k: v.to(device) for k, v in prep.collator.read(prep.datasets["train"], idx).items()} for idx in micro_batches]
     n = sum(b["labels"][:, 1:].numel() for b in batches)
     for b in batches:
         loss = model(input_ids=b["input_ids"], labels=b["labels"], num_items_in_batch=n).loss
@@ -87,7 +86,7 @@ def main() -> None:
             torch.cuda.synchronize()
         return a.steps / (time.perf_counter() - start)
 
-    run_plain = lambda s: plain_step(plain, plain_opt, prep.datasets["train"], micro[s], info.device, train_args.max_grad_norm, s)  # noqa: E731
+    run_plain = lambda s: plain_step(plain, plain_opt, prep, micro[s], info.device, train_args.max_grad_norm, s)  # noqa: E731
     # each round replays steps 0..steps-1: a fresh prefetcher per round, as a resumed run would start one
     prefetchers = {}
 

@@ -18,7 +18,7 @@ import time
 from _common import anygpu  # noqa: F401  (offline defaults before datasets is imported)
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from anygpu.data import packing, sources, tokenizer as tok_lib
+from anygpu.data import formats, packing, sources, tokenizer as tok_lib
 from anygpu.prepare import preprocessing_workers
 
 
@@ -48,7 +48,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="anygpu-prep-")
     base, big = corpus(a.base_mb, f"{tmp}/base"), corpus(a.base_mb + a.extra_mb, f"{tmp}/big")
     fresh = lambda ds, name: (ds.save_to_disk(f"{tmp}/{name}"), load_from_disk(f"{tmp}/{name}"))[1]  # noqa: E731
-    tok = tok_lib.train_bpe((t for b in sources.iter_texts(base["train"], "text") for t in b), 8192)
+    tok = tok_lib.train_bpe(formats.training_texts(base["train"], formats.TEXT, "text"), 8192)
     mb = lambda d: sum(ds.data.nbytes for ds in d.values()) / 1e6  # noqa: E731
     workers = preprocessing_workers(None, big["train"].data.nbytes)
 

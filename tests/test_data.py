@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from anygpu.data import order, packing, sources, tokenizer as tok_lib
+from anygpu.data import formats, order, packing, sources, tokenizer as tok_lib
 from anygpu.args import DataArguments
 from anygpu.batch import plan_batch
 
@@ -33,7 +33,7 @@ def test_file_formats_pack_into_blocks(tmp_path, fmt, column):
     raw, is_default = sources.load_raw_text(args)
     assert not is_default and len(raw["validation"]) >= 1 and len(raw["train"]) > len(raw["validation"])
     fp = sources.fingerprint(raw, column)
-    tok = tok_lib.train_bpe((t for b in sources.iter_texts(raw["train"], column) for t in b), 400)
+    tok = tok_lib.train_bpe(formats.training_texts(raw["train"], formats.TEXT, column), 400)
     packed = packing.pack(raw, tok, 16, column, fp, args.data_cache_dir)
     blocks = packed["train"]["input_ids"]
     assert blocks and all(len(b) == 16 for b in blocks)
@@ -53,7 +53,7 @@ def test_packing_and_tokenizer_are_cached(tmp_path, caplog):
     args = DataArguments(train_file=str(path), data_cache_dir=str(tmp_path / "c"))
     raw, _ = sources.load_raw_text(args)
     fp = sources.fingerprint(raw, "text")
-    texts = lambda: (t for b in sources.iter_texts(raw["train"], "text") for t in b)  # noqa: E731
+    texts = lambda: formats.training_texts(raw["train"], formats.TEXT, "text")  # noqa: E731
     with caplog.at_level(logging.INFO):
         tok = tok_lib.load_or_train(None, texts, fp, 400, args.data_cache_dir, True)
         packing.pack(raw, tok, 16, "text", fp, args.data_cache_dir)

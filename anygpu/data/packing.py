@@ -10,8 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from datasets import Dataset, DatasetDict, load_from_disk
+from datasets import DatasetDict, load_from_disk
 
 from anygpu.errors import UsageError
 
@@ -73,13 +72,3 @@ def pack(
         shutil.rmtree(tmp, ignore_errors=True)
     return load_from_disk(str(path))
 
-
-def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
-    ids = torch.tensor([s["input_ids"] for s in samples], dtype=torch.long)
-    return {"input_ids": ids, "labels": ids.clone()}
-
-
-def read_batch(dataset: Dataset, indices: list[int]) -> dict[str, torch.Tensor]:
-    """Rows `indices` as a batch, in one Arrow read (row-by-row reads cost ~0.1 ms each)."""
-    ids = torch.tensor(dataset[indices]["input_ids"], dtype=torch.long)
-    return {"input_ids": ids, "labels": ids.clone()}

@@ -8,7 +8,6 @@ import os
 import re
 import sysconfig
 from pathlib import Path
-from typing import Iterator
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
@@ -132,8 +131,3 @@ def fingerprint(raw: DatasetDict, text_column: str) -> str:
                 h.update(row)
                 h.update(b"\0")
     return h.hexdigest()
-
-
-def iter_texts(ds: Dataset, text_column: str, batch: int = 1000) -> Iterator[list[str]]:
-    for i in range(0, len(ds), batch):
-        yield [t for t in ds[i : i + batch][text_column] if t]
