@@ -119,19 +119,30 @@ def test_multi_node_still_needs_the_total_on_the_command_line():
 
 
 @pytest.mark.slow
-def test_accelerate_test_passes_as_typed(tmp_path):
-    """`accelerate test --config_file accelerate_configs/ddp.yaml`, accelerate's own check of a
-    config, as a user types it: 8 processes (on this CPU host, over gloo)."""
+def test_accelerate_own_check_forms_one_group(tmp_path):
+    """accelerate's own config check (the script `accelerate test` runs) on ddp.yaml, launched as
+    the CPU launcher does (ACCELERATE_USE_CPU=true): the processes form one gloo group and pass.
+    Without that switch a CPU host runs N unconnected single processes (DistributedType.NO), which
+    is what an earlier version of this test passed on, by luck of a file race."""
     import subprocess
     import sys
 
+    import accelerate.test_utils as tu
+
+    script = Path(tu.__file__).parent / "scripts" / "test_script.py"
     bindir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
+           "ACCELERATE_USE_CPU": "true"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
-    proc = subprocess.run([str(bindir / "accelerate"), "test", "--config_file", str(CONFIG_DIR / "ddp.yaml")],
+    # 2 processes: accelerate's script checks tensor splits as if there were at most 2
+    # (huggingface/accelerate#1722, #2769), whatever the hardware.
+    proc = subprocess.run([str(bindir / "accelerate"), "launch", "--config_file", str(CONFIG_DIR / "ddp.yaml"),
+                           "--num_processes", "2", str(script)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Test is a success" in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert out.count("Distributed environment: DistributedType.MULTI_CPU") == 2, out[-6000:]
+    assert out.count("Num processes: 2") == 2 and "DistributedType.NO" not in out
 
 
 def test_ddp():
