@@ -23,7 +23,9 @@ def build_optimizer(model: nn.Module, args: TrainArguments, device: torch.device
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
-        fused=device.type == "cuda",  # one kernel for all parameters; CPU has no fused AdamW for DTensors
+        # One kernel for all parameters, plain tensors or FSDP2's DTensors. On CPU torch's default
+        # is a Python loop over the parameters, 4-6x slower than the fused kernel (tiny, default presets).
+        fused=device.type in ("cuda", "cpu"),
     )
 
 
