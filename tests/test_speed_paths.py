@@ -74,23 +74,41 @@ def test_tokens_per_second_leaves_pauses_out_of_the_window(monkeypatch):
 
 
 @pytest.mark.slow  # starts worker processes
-def test_packed_data_is_the_same_with_one_and_two_workers(tmp_path, caplog):
+def test_packed_data_is_the_same_with_one_two_and_three_workers(tmp_path, caplog, monkeypatch):
+    """Tokenising and packing run in parallel, chunk by chunk; the blocks are those of the documented rule
+    (non-empty texts + EOS, joined per chunk of about BYTES_PER_BLOCK_IN_CHUNK x block_size bytes, text i in
+    chunk floor(bytes before it / chunk bytes), cut into full blocks), whatever the number of processes,
+    with empty and missing texts among them."""
     import logging
 
     from datasets import Dataset, DatasetDict
 
     from anygpu.data import packing, tokenizer as tok_lib
 
+    monkeypatch.setattr(packing, "BYTES_PER_BLOCK_IN_CHUNK", 128)  # 2 KB chunks: many, uneven over 2 and 3 workers
     docs = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * (1 + i % 9) for i in range(1000)]
+    docs = [None if i % 53 == 0 else "" if i % 11 == 0 else d for i, d in enumerate(docs)]
+    docs[5] = docs[5] * 300  # one text larger than several chunks
     raw = DatasetDict(train=Dataset.from_dict({"text": docs[:900]}), validation=Dataset.from_dict({"text": docs[900:]}))
-    tok = tok_lib.train_bpe(iter(docs), 400)
+    tok = tok_lib.train_bpe(iter(d for d in docs if d), 400)
     with caplog.at_level(logging.INFO):
-        # separate caches (and fingerprints) so the second call packs again rather than reading the first
-        one = packing.pack(raw, tok, 16, "text", "fp-1", str(tmp_path / "a"), num_proc=1)
-        two = packing.pack(raw, tok, 16, "text", "fp-2", str(tmp_path / "b"), num_proc=2)
-    for split in ("train", "validation"):
-        assert len(one[split]) > 30 and one[split]["input_ids"] == two[split]["input_ids"]
-    assert "MB/s, 2 processes" in caplog.text  # the log reports the rate
+        # separate caches (and fingerprints) so each call packs again rather than reading the first
+        runs = [packing.pack(raw, tok, 16, "text", f"fp-{n}", str(tmp_path / str(n)), num_proc=n) for n in (1, 2, 3)]
+    eos = tok.eos_token_id
+    for split, texts in (("train", docs[:900]), ("validation", docs[900:])):
+        chunks, before = {}, 0
+        for t in (t for t in texts if t):
+            chunks.setdefault(before // (128 * 16), []).append(t)
+            before += len(t.encode())
+        assert len(chunks) > 5
+        expected = []
+        for chunk in chunks.values():
+            flat = [t for x in tok(chunk, add_special_tokens=False)["input_ids"] for t in (*x, eos)]
+            expected += [flat[i : i + 16] for i in range(0, len(flat) // 16 * 16, 16)]
+        assert len(expected) > 30
+        for run in runs:
+            assert run[split].to_dict()["input_ids"] == expected
+    assert "MB/s, 3 processes" in caplog.text  # the log reports the rate
 
 
 def test_default_workers_follow_the_cores_and_the_corpus():
