@@ -3,7 +3,7 @@ against a bare `transformers.Trainer` on the same model, packed data and batch (
 one process each, alternating. Steady state: the median over logging windows after the first, so
 start-up is not counted. Target >= 0.97.
 
-    .venv/bin/python benchmarks/hf_vs_trainer.py [--config_name tiny] [--steps 60] [--rounds 2]
+    .venv/bin/python benchmarks/hf_vs_trainer.py [--config_name tiny] [--steps 150] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ def main() -> None:
     p.add_argument("--config_name", default="tiny")
     p.add_argument("--block_size", default="128")
     p.add_argument("--global_batch_size", default="8")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=150)
     p.add_argument("--every", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     common = ["--config_name", a.config_name, "--block_size", a.block_size, "--global_batch_size", a.global_batch_size,
               "--max_corpus_mb", "2", "--max_steps", str(a.steps), "--logging_steps", str(a.every), "--report_to", "none",

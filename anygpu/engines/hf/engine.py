@@ -66,9 +66,9 @@ def training_arguments(train_args: TrainArguments, plan: hf_strategy.Plan):
         tf32=None,  # set by hardware.configure_tf32, which knows ROCm and CPUs
         activation_checkpointing=train_args.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if train_args.gradient_checkpointing else None,
-        # Trainer logs every step (its loss is then the step's own); MetricsCallback keeps every --logging_steps.
+        # The loss Trainer logs is the logging step's own (AnygpuTrainer.log), as in the FSDP2 engine.
         logging_strategy="steps",
-        logging_steps=1,
+        logging_steps=train_args.logging_steps,
         logging_nan_inf_filter=False,  # a NaN loss is reported as NaN, not replaced by a running mean
         eval_strategy="no",  # FlowCallback decides when to evaluate and save
         save_strategy="no",

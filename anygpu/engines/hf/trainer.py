@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback
+from transformers.trainer_pt_utils import nested_gather
 
 from anygpu import checkpoint, distributed, dropout, metrics, moe, optim, resume_guard
 from anygpu.data.order import MicroBatchSampler, eval_shards
@@ -73,6 +74,7 @@ class AnygpuTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         """The step's micro-batches and its target-token count, counted here rather than by Trainer: releases
         before transformers#46204 count labels[:, 0] too (never a target: the model shifts labels)."""
+        self._step_loss = None  # this optimizer step's loss, summed over its micro-batches in training_step
         batches = []
         for _ in range(num_batches):
             try:
@@ -106,7 +108,16 @@ class AnygpuTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step, with dropout masks keyed by this micro-batch's samples (`anygpu.dropout`)."""
         with dropout.keys(self.accelerator.unwrap_model(model), self.state.global_step, self.sample_queue.pop()):
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+        return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The logged loss is the logging step's own (as the FSDP2 engine logs it), not Trainer's mean
+        since its last log: read (a host sync) on logging steps only, by Trainer's own gather + mean."""
+        if "loss" in logs and getattr(self, "_step_loss", None) is not None:
+            logs = {**logs, "loss": nested_gather(self._step_loss, self.args.parallel_mode).mean().item()}
+        super().log(logs, start_time)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Trainer's loss; a MoE router loss in its global-batch form (`anygpu.moe`), as the FSDP2 engine."""
@@ -200,8 +211,8 @@ class AnygpuTrainer(Trainer):
 class MetricsCallback(TrainerCallback):
     """metrics.jsonl / TensorBoard records with the FSDP2 engine's keys, console lines and the tqdm bar.
 
-    Trainer logs every step (its loss is then exactly the step's global-batch mean); a record is
-    written every --logging_steps steps and at the last step, as the FSDP2 engine does.
+    Trainer logs every --logging_steps steps and at the last step, as the FSDP2 engine does, with the
+    logging step's own global-batch mean loss (`AnygpuTrainer.log`): no host sync on other steps.
     """
 
     def __init__(self, writer: metrics.MetricsWriter, prep: Prepared, train_config: TrainArguments, world_size: int,
@@ -307,6 +318,8 @@ class FlowCallback(TrainerCallback):
             control.should_evaluate = True
         if (save_steps and step % save_steps == 0) or step == self.end_step:
             control.should_save = True
+        if step == self.end_step:  # Trainer logs every --logging_steps; the run's last step too, as the FSDP2 engine
+            control.should_log = True
         if step >= self.end_step:
             control.should_training_stop = True
         return self.check_preemption(control)
