@@ -3,6 +3,7 @@ and the batches read from them."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ PACKING_VERSION = "2"  # 2: blocks per chunk of text bytes (1: per 2000 texts), 
 # Text joined and cut into blocks together: about 2048 blocks' worth of bytes (~4 bytes a token), so the
 # partial block dropped at the end of each chunk costs ~0.1% of the tokens, whatever the block size.
 BYTES_PER_BLOCK_IN_CHUNK = 2048
+MAX_CHUNK_BYTES = 32 << 20  # bounds a worker's memory at long block sizes (> 16k tokens: fewer blocks per chunk)
 BLOCK_FEATURES = Features({"input_ids": Sequence(Value("int32"))})
 
 
@@ -94,16 +96,19 @@ def _pack_split(ds: Dataset, tokenizer, block_size: int, text_column: str, num_p
     to an Arrow file: the corpus is never held in memory.
     """
     eos = tokenizer.eos_token_id
-    starts, ends = chunk_bounds(ds, text_column, BYTES_PER_BLOCK_IN_CHUNK * block_size)
+    starts, ends = chunk_bounds(ds, text_column, min(BYTES_PER_BLOCK_IN_CHUNK * block_size, MAX_CHUNK_BYTES))
     chunks = Dataset.from_dict({"start": starts, "end": ends})
 
     def tokenize_and_pack(batch: dict) -> dict:
         blocks = []
         for first, last in zip(batch["start"], batch["end"]):
             texts = [t for t in ds[first:last][text_column] if t]
-            flat = [t for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for t in (*ids, eos)]
-            blocks += [flat[i : i + block_size] for i in range(0, len(flat) // block_size * block_size, block_size)]
-        return {"input_ids": blocks}
+            ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            # int32 numpy: ~9x less memory than Python ints for a chunk's tokens, and a faster Arrow write
+            flat = np.fromiter(itertools.chain.from_iterable((*x, eos) for x in ids), dtype=np.int32)
+            n = len(flat) // block_size
+            blocks.append(flat[: n * block_size].reshape(n, block_size))
+        return {"input_ids": np.concatenate(blocks) if blocks else np.zeros((0, block_size), dtype=np.int32)}
 
     procs = max(1, min(num_proc or 1, len(chunks)))
     out = chunks.map(tokenize_and_pack, batched=True, batch_size=1, remove_columns=["start", "end"],
