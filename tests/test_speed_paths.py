@@ -171,14 +171,13 @@ def test_background_prefetch_gives_the_batches_and_counts_of_inline_reads():
 def test_cpu_adamw_is_the_fused_kernel_with_the_loops_updates():
     """On CPU the optimizer is AdamW's fused kernel (torch's CPU default loops over the parameters in
     Python, 4-6x slower); its updates are the loop's to float rounding, decay groups included."""
+    import copy
     from types import SimpleNamespace
 
     from anygpu import optim
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
-    import copy
-
     loop = copy.deepcopy(model)
     args = SimpleNamespace(weight_decay=0.1, learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8)
     fused = optim.build_optimizer(model, args, torch.device("cpu"))

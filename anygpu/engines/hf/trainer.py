@@ -51,6 +51,8 @@ class AnygpuTrainer(Trainer):
         self.train_config = train_config
         self.num_devices = num_devices  # data-parallel devices: processes, or GPUs under DataParallel
         self.strategy = strategy  # hf_strategy's kind, recorded in each checkpoint
+        self._step_loss: torch.Tensor | None = None  # this optimizer step's loss, summed over its micro-batches
+        self._unwrapped_cache: tuple[torch.nn.Module, torch.nn.Module] | None = None  # (wrapper, unwrapped)
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ data
@@ -74,7 +76,7 @@ class AnygpuTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         """The step's micro-batches and its target-token count, counted here rather than by Trainer: releases
         before transformers#46204 count labels[:, 0] too (never a target: the model shifts labels)."""
-        self._step_loss = None  # this optimizer step's loss, summed over its micro-batches in training_step
+        self._step_loss = None  # summed over the step's micro-batches in training_step
         batches = []
         for _ in range(num_batches):
             try:
@@ -108,8 +110,7 @@ class AnygpuTrainer(Trainer):
     def unwrapped(self, model: torch.nn.Module) -> torch.nn.Module:
         """`accelerator.unwrap_model(model)`, remembered per wrapper: it costs ~1 ms a call (1% of a
         tiny-preset step), and the training step needs it for every micro-batch."""
-        cached = getattr(self, "_unwrapped_cache", None)
-        if cached is None or cached[0] is not model:
+        if self._unwrapped_cache is None or self._unwrapped_cache[0] is not model:
             self._unwrapped_cache = (model, self.accelerator.unwrap_model(model))
         return self._unwrapped_cache[1]
 
@@ -123,7 +124,7 @@ class AnygpuTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The logged loss is the logging step's own (as the FSDP2 engine logs it), not Trainer's mean
         since its last log: read (a host sync) on logging steps only, by Trainer's own gather + mean."""
-        if "loss" in logs and getattr(self, "_step_loss", None) is not None:
+        if "loss" in logs and self._step_loss is not None:
             logs = {**logs, "loss": nested_gather(self._step_loss, self.args.parallel_mode).mean().item()}
         super().log(logs, start_time)
 
