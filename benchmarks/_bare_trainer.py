@@ -8,9 +8,10 @@ import sys
 from _common import anygpu  # noqa: F401
 from transformers import Trainer, TrainingArguments
 
-from anygpu import distributed, modeling
-from anygpu.args import parse_args
-from anygpu.prepare import prepare
+from anygpu.config.args import parse_args
+from anygpu.data.prepare import prepare
+from anygpu.model import modeling
+from anygpu.runtime import distributed
 
 
 def main() -> None:

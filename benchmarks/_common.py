@@ -10,9 +10,9 @@ import anygpu  # noqa: E402
 
 anygpu.set_offline_defaults()
 
-from anygpu import distributed  # noqa: E402
-from anygpu.args import parse_args  # noqa: E402
-from anygpu.prepare import prepare  # noqa: E402
+from anygpu.config.args import parse_args  # noqa: E402
+from anygpu.data.prepare import prepare  # noqa: E402
+from anygpu.runtime import distributed  # noqa: E402
 
 
 def setup(config_name: str, block_size: int, global_batch_size: int, extra: list[str] | None = None):

@@ -17,8 +17,10 @@ import time
 
 from _common import setup
 
-from anygpu import async_checkpoint, checkpoint, distributed, optim
+from anygpu.checkpoint import async_store, store
 from anygpu.engines import fsdp as fsdp_engine
+from anygpu.runtime import distributed
+from anygpu.train import optim
 
 
 def main() -> None:
@@ -51,15 +53,15 @@ def main() -> None:
     for i in range(a.saves):
         train(a.steps_between)
         start = time.perf_counter()
-        checkpoint.save(out, step, model, opt, sched, state, 2, info.rank)
+        store.save(out, step, model, opt, sched, state, 2, info.rank)
         sync_stalls.append(time.perf_counter() - start)
-    saver = async_checkpoint.AsyncCheckpointer(out, 2, info.rank, info.device)
+    saver = async_store.AsyncCheckpointer(out, 2, info.rank, info.device)
     for i in range(a.saves):
         train(a.steps_between)
         saver.poll()
         saver.save(step, model, opt, sched, state)
     saver.close()
-    nbytes = sum(f.stat().st_size for f in checkpoint.checkpoints(out)[-1].rglob("*") if f.is_file())
+    nbytes = sum(f.stat().st_size for f in store.checkpoints(out)[-1].rglob("*") if f.is_file())
     sync_s, async_s = statistics.median(sync_stalls), statistics.median(saver.stalls)
     print(f"{a.config_name} preset, checkpoint {nbytes / 2**20:.0f} MiB, {info.device}: stall per save "
           f"sync {sync_s * 1000:.0f} ms, async {async_s * 1000:.0f} ms; async/sync = {async_s / sync_s:.3f} "

@@ -16,15 +16,15 @@ import tempfile
 import time
 
 import numpy as np
+import torch
 from _common import setup
 from datasets import Dataset, load_from_disk
 
-import torch
-
-from anygpu import distributed, optim
 from anygpu.data.order import GlobalOrder
+from anygpu.data.prefetch import Prefetcher
 from anygpu.engines import fsdp as fsdp_engine
-from anygpu.prefetch import Prefetcher
+from anygpu.runtime import distributed
+from anygpu.train import optim
 
 
 def synthetic(num_samples: int, block_size: int, vocab: int, folder: str) -> Dataset:

@@ -25,12 +25,13 @@ anygpu.set_offline_defaults()
 
 import torch  # noqa: E402
 
-from anygpu import distributed, modeling, optim, parallel
+from anygpu.config.args import parse_args  # noqa: E402
+from anygpu.data.prefetch import Prefetcher  # noqa: E402
+from anygpu.data.prepare import prepare  # noqa: E402
 from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
-from anygpu.prefetch import Prefetcher  # noqa: E402
-from anygpu.args import parse_args  # noqa: E402
-from anygpu.prepare import prepare  # noqa: E402
-
+from anygpu.model import modeling
+from anygpu.runtime import distributed, parallel
+from anygpu.train import optim
 
 LOG_EVERY = 10
 

@@ -25,10 +25,12 @@ anygpu.set_offline_defaults()
 
 import torch  # noqa: E402
 
-from anygpu import distributed, modeling, optim, parallel  # noqa: E402
-from anygpu.args import parse_args  # noqa: E402
+from anygpu.config.args import parse_args  # noqa: E402
+from anygpu.data.prepare import prepare  # noqa: E402
 from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
-from anygpu.prepare import prepare  # noqa: E402
+from anygpu.model import modeling  # noqa: E402
+from anygpu.runtime import distributed, parallel
+from anygpu.train import optim
 
 
 def write_base(a, folder: Path, info) -> None:

@@ -26,11 +26,12 @@ import anygpu  # noqa: E402
 
 anygpu.set_offline_defaults()
 
-import torch  # noqa: E402
 
-from anygpu import distributed, modeling, optim  # noqa: E402
-from anygpu.args import parse_args  # noqa: E402
-from anygpu.prepare import prepare  # noqa: E402
+from anygpu.config.args import parse_args  # noqa: E402
+from anygpu.data.prepare import prepare  # noqa: E402
+from anygpu.model import modeling  # noqa: E402
+from anygpu.runtime import distributed
+from anygpu.train import optim
 
 WORDS = ("the a sky is blue green model data token batch train loss rank step layer weight attention sample "
          "packed padded row length chat user assistant answer question why how what when").split()

@@ -18,8 +18,9 @@ import time
 from _common import anygpu  # noqa: F401  (offline defaults before datasets is imported)
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from anygpu.data import formats, packing, sources, tokenizer as tok_lib
-from anygpu.prepare import preprocessing_workers
+from anygpu.data import formats, packing, sources
+from anygpu.data import tokenizer as tok_lib
+from anygpu.data.prepare import preprocessing_workers
 
 
 def corpus(mb: float, folder: str) -> DatasetDict:

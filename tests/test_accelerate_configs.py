@@ -10,7 +10,6 @@ from unittest import mock
 
 import pytest
 import yaml
-
 from conftest import ROOT
 
 CONFIG_DIR = ROOT / "accelerate_configs"

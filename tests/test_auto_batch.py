@@ -8,10 +8,10 @@ import re
 
 import pytest
 import torch
-
 from conftest import TINY, assert_close, losses, torchrun
-from anygpu import auto_batch, memory_plan
-from anygpu.args import parse_args
+
+from anygpu.config.args import parse_args
+from anygpu.planning import auto_batch, memory_plan
 from anygpu.tools.plan import load_shapes
 
 CPU = torch.device("cpu")

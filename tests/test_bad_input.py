@@ -2,10 +2,10 @@
 import json
 
 import pytest
-
-from anygpu.engines.fsdp import main
-from anygpu.args import parse_args
 from conftest import TINY
+
+from anygpu.config.args import parse_args
+from anygpu.engines.fsdp import main
 
 
 def refuse(argv: list[str], capsys) -> str:

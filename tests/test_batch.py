@@ -1,8 +1,9 @@
 """Batch math: G = per-device × world × accumulation, always, or a refusal that says why."""
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from anygpu.batch import plan_batch, resolve_global_batch
+from anygpu.config.batch import plan_batch, resolve_global_batch
 
 sizes = st.integers(min_value=1, max_value=512)
 worlds = st.integers(min_value=1, max_value=64)

@@ -13,8 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from anygpu import checkpoint, manifest, run_guard
+from anygpu.checkpoint import manifest, store
 from anygpu.errors import SaveError, UsageError
+from anygpu.reliability import run_guard
 
 
 def fake_checkpoint(root: Path, step: int, payload: bytes = b"weights") -> Path:
@@ -22,8 +23,8 @@ def fake_checkpoint(root: Path, step: int, payload: bytes = b"weights") -> Path:
     tmp = root / f".checkpoint-{step}.tmp"
     tmp.mkdir(parents=True)
     (tmp / "__0_0.distcp").write_bytes(payload * 100)
-    checkpoint.finalize(root, tmp, root / f"checkpoint-{step}", step, 2, "fsdp", None,
-                        {checkpoint.STATE_FILE: {"global_step": step}})
+    store.finalize(root, tmp, root / f"checkpoint-{step}", step, 2, "fsdp", None,
+                        {store.STATE_FILE: {"global_step": step}})
     return root / f"checkpoint-{step}"
 
 
@@ -33,7 +34,7 @@ def args(root: Path, **kw) -> SimpleNamespace:
 
 
 def names(root: Path) -> list[str]:
-    return [c.name for c in checkpoint.checkpoints(root)]
+    return [c.name for c in store.checkpoints(root)]
 
 
 # ---------------------------------------------------------------------- verified checkpoints
@@ -51,20 +52,20 @@ def test_latest_skips_a_damaged_checkpoint_and_the_path_form_refuses_it(tmp_path
         shard.unlink()
     else:
         (bad / manifest.MANIFEST).unlink()
-    assert checkpoint.resolve_resume("latest", str(tmp_path)) == good
+    assert store.resolve_resume("latest", str(tmp_path)) == good
     warning = capsys.readouterr().err
     assert "skipping checkpoint-6" in warning
     named = "manifest.json" if damage == "no-manifest" else "__0_0.distcp"
     assert named in warning
     with pytest.raises(UsageError, match=f"--resume_from_checkpoint {bad}: .*{named}.*use latest"):
-        checkpoint.resolve_resume(str(bad), str(tmp_path))
-    assert checkpoint.resolve_resume(str(good), str(tmp_path)) == good
+        store.resolve_resume(str(bad), str(tmp_path))
+    assert store.resolve_resume(str(good), str(tmp_path)) == good
 
 
 def test_auto_starts_fresh_when_nothing_is_intact_and_latest_refuses(tmp_path):
-    assert checkpoint.resolve_resume("auto", str(tmp_path)) is None
+    assert store.resolve_resume("auto", str(tmp_path)) is None
     with pytest.raises(UsageError, match="latest: no intact checkpoint.*use auto"):
-        checkpoint.resolve_resume("latest", str(tmp_path))
+        store.resolve_resume("latest", str(tmp_path))
 
 
 def test_a_half_replaced_checkpoint_is_recovered_at_start_up(tmp_path):
@@ -89,7 +90,7 @@ def test_rotation_never_deletes_the_checkpoint_just_written(tmp_path):
         fake_checkpoint(tmp_path, step)
     tmp = tmp_path / ".checkpoint-110.tmp"
     tmp.mkdir()
-    checkpoint.finalize(tmp_path, tmp, tmp_path / "checkpoint-110", 110, 1, "fsdp", 2, {"trainer_state.json": {}})
+    store.finalize(tmp_path, tmp, tmp_path / "checkpoint-110", 110, 1, "fsdp", 2, {"trainer_state.json": {}})
     assert "checkpoint-110" in names(tmp_path) and "checkpoint-300" in names(tmp_path)
 
 
@@ -98,7 +99,7 @@ def test_keep_last_k_keeps_the_only_loadable_checkpoint(tmp_path):
     for step in (4, 6):
         (fake_checkpoint(tmp_path, step) / manifest.MANIFEST).write_text("{")  # damaged
     fake_checkpoint(tmp_path, 8)
-    checkpoint.rotate(tmp_path, 2, tmp_path / "checkpoint-8")
+    store.rotate(tmp_path, 2, tmp_path / "checkpoint-8")
     assert names(tmp_path) == ["checkpoint-2", "checkpoint-8"]
 
 
@@ -114,9 +115,9 @@ def test_a_rewind_is_refused_naming_the_newer_checkpoints_and_the_option(tmp_pat
     assert names(tmp_path) == ["checkpoint-100"]
     assert sorted(p.name for p in (tmp_path / "abandoned").glob("*/checkpoint-*")) == ["checkpoint-200", "checkpoint-300"]
     fake_checkpoint(tmp_path, 110)
-    checkpoint.rotate(tmp_path, 2, tmp_path / "checkpoint-110")
+    store.rotate(tmp_path, 2, tmp_path / "checkpoint-110")
     assert names(tmp_path) == ["checkpoint-100", "checkpoint-110"]
-    assert checkpoint.resolve_resume("latest", str(tmp_path)).name == "checkpoint-110"
+    assert store.resolve_resume("latest", str(tmp_path)).name == "checkpoint-110"
 
 
 # ---------------------------------------------------------------------- a used output_dir and the lock
@@ -152,7 +153,7 @@ def test_one_writer_per_output_dir(tmp_path, capsys):
 def test_tensorboard_events_past_the_resumed_step_are_dropped(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from anygpu.metrics import MetricsWriter
+    from anygpu.train.metrics import MetricsWriter
 
     w = MetricsWriter(str(tmp_path), True, True)
     for step in range(1, 9):
@@ -169,20 +170,21 @@ def test_tensorboard_events_past_the_resumed_step_are_dropped(tmp_path):
 def test_a_full_disk_while_saving_is_a_clear_error_and_the_previous_checkpoint_stays(tmp_path, monkeypatch):
     import torch
 
-    from anygpu import distributed, optim
-    from anygpu.args import TrainArguments
+    from anygpu.config.args import TrainArguments
+    from anygpu.runtime import distributed
+    from anygpu.train import optim
 
     distributed.init_distributed()  # a one-rank gloo group, as under plain python
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(model.parameters())
     sched = optim.build_scheduler(opt, TrainArguments(report_to=[]), 10)
-    first = checkpoint.save(str(tmp_path), 1, model, opt, sched, {"global_step": 1}, 2, 0)
+    first = store.save(str(tmp_path), 1, model, opt, sched, {"global_step": 1}, 2, 0)
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.dcp, "save", full)
+    monkeypatch.setattr(store.dcp, "save", full)
     with pytest.raises(SaveError, match="no space left .* checkpoint-2 .* checkpoint-1 is intact; free space"):
-        checkpoint.save(str(tmp_path), 2, model, opt, sched, {"global_step": 2}, 2, 0)
+        store.save(str(tmp_path), 2, model, opt, sched, {"global_step": 2}, 2, 0)
     assert names(tmp_path) == ["checkpoint-1"] and manifest.problem(first) is None
     assert not list(tmp_path.glob(".checkpoint-*"))

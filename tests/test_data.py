@@ -4,11 +4,13 @@ import logging
 
 import pandas as pd
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from anygpu.data import formats, order, packing, sources, tokenizer as tok_lib
-from anygpu.args import DataArguments
-from anygpu.batch import plan_batch
+from anygpu.config.args import DataArguments
+from anygpu.config.batch import plan_batch
+from anygpu.data import formats, order, packing, sources
+from anygpu.data import tokenizer as tok_lib
 
 DOCS = [f"def f{i}(x):\n    return x * {i} + {i % 7}  # doc {i}\n" * (3 + i % 5) for i in range(120)]
 

@@ -8,7 +8,6 @@ pass the unigram plateau (a 20% drop), not to show the full run's 30%.
 import json
 
 import pytest
-
 from conftest import python
 
 pytestmark = pytest.mark.slow  # starts training processes

@@ -7,8 +7,8 @@ import json
 import os
 
 import pytest
-
 from conftest import ROOT
+
 from anygpu.tools import cli
 
 FAKES = ROOT / "tests" / "fakes"

@@ -4,7 +4,6 @@ prefetch and with asynchronous saves, and a run killed mid-save resumes from the
 import json
 
 import pytest
-
 from conftest import TINY, assert_close, losses, python, torchrun
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from conftest import BIN, ROOT, TINY, assert_close, env, losses, python, torchrun
+from conftest import BIN, ROOT, TINY, assert_close, env, losses, python
 
 pytestmark = pytest.mark.slow
 SCRIPT = "run_fsdp_standalone.py"
@@ -143,7 +142,7 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(reference
 
 
 def manifest_ok(path: Path) -> bool:
-    from anygpu import manifest
+    from anygpu.checkpoint import manifest
 
     return manifest.problem(path) is None
 
@@ -287,7 +286,7 @@ def test_hf_engine_sigterm_during_an_evaluation_resumes_exactly(tmp_path):
 
 CONNECT = r"""
 import sys, time, torch.distributed as dist
-from anygpu import run_guard
+from anygpu.reliability import run_guard
 dist.init_process_group("gloo")
 if dist.get_rank() == 1:
     time.sleep(20)  # a rank that never reaches the first collective

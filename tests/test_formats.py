@@ -12,10 +12,11 @@ import torch
 from datasets import Dataset, DatasetDict
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from anygpu.args import parse_args
-from anygpu.data import chat_template, collate, formats, samples, sources, tokenizer as tok_lib
-from anygpu.distributed import DistInfo
-from anygpu.prepare import prepare
+from anygpu.config.args import parse_args
+from anygpu.data import chat_template, collate, formats, samples, sources
+from anygpu.data import tokenizer as tok_lib
+from anygpu.data.prepare import prepare
+from anygpu.runtime.distributed import DistInfo
 
 WORDS = "the sky is blue and green red cat dog runs fast slow why how".split()
 

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import BIN, ROOT, TINY, assert_close, env, losses, python, torchrun
 
 pytestmark = pytest.mark.slow  # starts training processes
@@ -61,9 +60,9 @@ def test_final_export_round_trip(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from anygpu import distributed
-    from anygpu.args import parse_args
-    from anygpu.prepare import prepare
+    from anygpu.config.args import parse_args
+    from anygpu.data.prepare import prepare
+    from anygpu.runtime import distributed
 
     args = [*TINY, "--max_steps", "6", "--output_dir", str(tmp_path), "--max_eval_samples", "24"]
     torchrun(2, SCRIPT, args)

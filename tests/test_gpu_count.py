@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ROOT
+from conftest import env as clean_env
 
-from conftest import ROOT, env as clean_env
 from anygpu.engines.hf.gpu_count import check_processes_per_node, visible_gpus
 
 FAKES = ROOT / "tests" / "fakes"

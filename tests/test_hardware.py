@@ -2,10 +2,11 @@
 import pytest
 import torch
 
-from anygpu import hardware, metrics
-from anygpu.distributed import backend_for
-from anygpu.modeling import resolve_config
-from anygpu.args import ModelArguments
+from anygpu.config.args import ModelArguments
+from anygpu.model.modeling import resolve_config
+from anygpu.runtime import hardware
+from anygpu.runtime.distributed import backend_for
+from anygpu.train import metrics
 
 
 def test_cpu_machine_is_cpu_with_gloo():

@@ -8,7 +8,6 @@ import json
 import math
 
 import pytest
-
 from conftest import TINY, assert_close, losses
 from test_hf_engine import accelerate, records
 
@@ -46,9 +45,9 @@ def test_zero3_checkpoint_holds_partitions_and_export_holds_the_model(runs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from anygpu import distributed
-    from anygpu.args import parse_args
-    from anygpu.prepare import prepare
+    from anygpu.config.args import parse_args
+    from anygpu.data.prepare import prepare
+    from anygpu.runtime import distributed
 
     out = runs["zero3"]
     ckpt = out / "checkpoint-10"

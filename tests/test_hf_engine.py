@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import BIN, ROOT, TINY, assert_close, env, losses, python, run
 
 pytestmark = pytest.mark.slow  # starts training processes
@@ -91,9 +90,9 @@ def test_final_export_round_trip(ddp):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from anygpu import distributed
-    from anygpu.args import parse_args
-    from anygpu.prepare import prepare
+    from anygpu.config.args import parse_args
+    from anygpu.data.prepare import prepare
+    from anygpu.runtime import distributed
 
     final = ddp["ws2"] / "final"
     assert (final / "model.safetensors").exists() and (final / "config.json").exists()

@@ -3,7 +3,6 @@ single-process DataParallel, bf16. Skipped without a GPU (CI runs on CPU)."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import TINY, assert_close, losses, python, torchrun
 from test_hf_engine import accelerate, records
 

@@ -8,7 +8,6 @@ import json
 import textwrap
 
 import pytest
-
 from conftest import TINY, assert_close, losses, torchrun
 from test_hf_engine import accelerate, records
 

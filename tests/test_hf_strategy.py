@@ -3,15 +3,15 @@ asked for without saying so. Unit tests of the decision, and the real thing: fsd
 CPU-only host stops with the message (or, with --allow_strategy_fallback, trains DDP and says so)."""
 from __future__ import annotations
 
-import pytest
-
 import json
+
+import pytest
+from conftest import TINY, losses
+from test_hf_engine import accelerate
 
 from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.engines.hf.engine import _check_resume_world
 from anygpu.engines.hf.strategy import Request, check_in_effect, plan, requested
-from conftest import TINY, losses
-from test_hf_engine import accelerate
 
 
 def test_what_the_launcher_asked_for():

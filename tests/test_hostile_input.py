@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import yaml
+from conftest import BIN, ROOT, TINY, env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args
+from anygpu.config.args import DataArguments, ModelArguments, TrainArguments, parse_args
 from anygpu.engines.fsdp import main
 from anygpu.errors import UsageError
-from conftest import BIN, ROOT, TINY, env
 
 
 def refuse(argv: list[str], capsys) -> str:

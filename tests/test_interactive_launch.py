@@ -11,9 +11,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, env
-from anygpu.tools import cli, interactive, plan as plan_tool
+
+from anygpu.tools import cli, interactive
+from anygpu.tools import plan as plan_tool
 
 FAKES = ROOT / "tests" / "fakes"
 

@@ -21,7 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from anygpu.launch import detect as gpu_detect, launcher as launch, vendor_env
+from anygpu.launch import detect as gpu_detect
+from anygpu.launch import launcher as launch
+from anygpu.launch import vendor_env
 from anygpu.launch.detect import AMD, NVIDIA, Gpu
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, losses, torchrun
 
 SCRIPT = "run_fsdp_standalone.py"

@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, losses, torchrun
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -109,8 +108,8 @@ def test_engines_and_world_sizes_start_equal(runs, name):
     import torch
     from safetensors.torch import load_file
 
-    from anygpu import modeling
-    from anygpu.args import ModelArguments
+    from anygpu.config.args import ModelArguments
+    from anygpu.model import modeling
 
     one = load_file(runs[1] / name / "init" / "model.safetensors")
     two = load_file(runs[2] / name / "init" / "model.safetensors")

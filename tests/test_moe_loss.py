@@ -2,8 +2,8 @@
 import torch
 from transformers import AutoConfig
 
-from anygpu import modeling, moe
-from anygpu.args import ModelArguments
+from anygpu.config.args import ModelArguments
+from anygpu.model import modeling, moe
 
 
 def test_router_loss_is_a_global_batch_mean():

@@ -9,10 +9,11 @@ import json
 import subprocess
 
 import pytest
-
 from conftest import TINY, torchrun
-from anygpu import memory_plan
-from anygpu.tools import cli, plan as plan_tool
+
+from anygpu.planning import memory_plan
+from anygpu.tools import cli
+from anygpu.tools import plan as plan_tool
 
 STATES = ("parameters", "gradients", "optimizer")
 

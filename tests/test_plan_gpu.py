@@ -14,9 +14,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_planned_peak_matches_the_allocator(block_size, checkpointing):
     from transformers import AutoModelForCausalLM
 
-    from anygpu import memory_plan
-    from anygpu.args import ModelArguments
-    from anygpu.modeling import resolve_config
+    from anygpu.config.args import ModelArguments
+    from anygpu.model.modeling import resolve_config
+    from anygpu.planning import memory_plan
     from anygpu.tools.plan import load_shapes
 
     shapes, _, _ = load_shapes(None, "llama-1b")

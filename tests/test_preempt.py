@@ -7,12 +7,12 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, env
 
 SCRIPT = r"""
 import os, signal, sys, time
-from anygpu.preempt import Preemption, protected
+from anygpu.reliability.preempt import Preemption
+from anygpu.runtime.progress import protected
 p = Preemption(save_on_preempt=sys.argv[2] == "true")
 mode = sys.argv[1]
 os.kill(os.getpid(), signal.SIGUSR1 if mode == "usr1" else signal.SIGTERM)

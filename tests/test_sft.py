@@ -9,13 +9,12 @@ import random
 
 import pytest
 import torch
-
 from conftest import TINY, assert_close, losses, python, torchrun
 from test_hf_engine import accelerate
 
-from anygpu.args import parse_args
-from anygpu.distributed import DistInfo
-from anygpu.prepare import prepare
+from anygpu.config.args import parse_args
+from anygpu.data.prepare import prepare
+from anygpu.runtime.distributed import DistInfo
 
 pytestmark = pytest.mark.slow
 

@@ -3,8 +3,9 @@ are matched exactly per precision, tokens/s leaves out pauses, the GPU matrix dr
 import pytest
 import torch
 
-from anygpu import hardware, metrics
 from anygpu.data.order import GlobalOrder
+from anygpu.runtime import hardware
+from anygpu.train import metrics
 
 
 def old_global_batch(num_samples: int, G: int, seed: int, step: int) -> list[int]:
@@ -83,7 +84,8 @@ def test_packed_data_is_the_same_with_one_two_and_three_workers(tmp_path, caplog
 
     from datasets import Dataset, DatasetDict
 
-    from anygpu.data import packing, tokenizer as tok_lib
+    from anygpu.data import packing
+    from anygpu.data import tokenizer as tok_lib
 
     monkeypatch.setattr(packing, "BYTES_PER_BLOCK_IN_CHUNK", 128)  # 2 KB chunks: many, uneven over 2 and 3 workers
     docs = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * (1 + i % 9) for i in range(1000)]
@@ -112,7 +114,7 @@ def test_packed_data_is_the_same_with_one_two_and_three_workers(tmp_path, caplog
 
 
 def test_default_workers_follow_the_cores_and_the_corpus():
-    from anygpu.prepare import preprocessing_workers
+    from anygpu.data.prepare import preprocessing_workers
 
     assert preprocessing_workers(3, 10) == 3  # as asked
     assert preprocessing_workers(None, 1_000) == 1  # a small corpus: no process start-up to pay
@@ -151,7 +153,7 @@ def test_gpu_matrix_without_a_gpu_prints_its_plan_and_exits_0():
 
 
 def test_background_prefetch_gives_the_batches_and_counts_of_inline_reads():
-    from anygpu.prefetch import Prefetcher, read_now
+    from anygpu.data.prefetch import Prefetcher, read_now
 
     g = torch.Generator().manual_seed(0)
     data = {s: [{"input_ids": torch.randint(0, 50, (2, 9), generator=g)} for _ in range(3)] for s in range(12)}
@@ -174,7 +176,7 @@ def test_cpu_adamw_is_the_fused_kernel_with_the_loops_updates():
     import copy
     from types import SimpleNamespace
 
-    from anygpu import optim
+    from anygpu.train import optim
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))

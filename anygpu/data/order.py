@@ -6,7 +6,7 @@ from typing import Iterator
 
 import torch
 
-from anygpu.batch import BatchPlan
+from anygpu.config.batch import BatchPlan
 from anygpu.errors import UsageError
 
 

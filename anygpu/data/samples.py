@@ -13,7 +13,7 @@ from pathlib import Path
 
 from datasets import Dataset, DatasetDict, load_from_disk
 
-from anygpu.args import DataArguments
+from anygpu.config.args import DataArguments
 from anygpu.data import chat_template
 from anygpu.data.collate import Collator, pack_samples
 from anygpu.data.formats import MESSAGES, PROMPT_COMPLETION, TEXT, EncodeOptions, EncodeStats, encode

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
-from anygpu.args import DataArguments
-from anygpu.data.formats import TEXT, detect_format, row_key
+from anygpu.config.args import DataArguments
 from anygpu.data import checks
+from anygpu.data.formats import TEXT, detect_format, row_key
 from anygpu.errors import UsageError
 
 FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}

@@ -9,23 +9,30 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from anygpu import (async_checkpoint, auto_batch, checkpoint, distributed, dropout, errors, hardware, lora, metrics,
-                    modeling, moe, optim, parallel, resume_guard, run_guard)
-from anygpu.data.order import eval_shards
+from anygpu import errors
+from anygpu.checkpoint import async_store, export, resume_guard, store
+from anygpu.config.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.data.collate import Collator, count_targets
-from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
-from anygpu.prefetch import Prefetcher, read_now
-from anygpu.prepare import Prepared, check_run, prepare, summary_lines
+from anygpu.data.order import eval_shards
+from anygpu.data.prefetch import Prefetcher, read_now
+from anygpu.data.prepare import Prepared, check_run, prepare, summary_lines
 from anygpu.errors import UsageError
-from anygpu.preempt import Preemption, protected, test_fault
+from anygpu.model import dropout, lora, modeling, moe
+from anygpu.planning import auto_batch
+from anygpu.reliability import run_guard
+from anygpu.reliability.preempt import Preemption
+from anygpu.runtime import distributed, hardware, parallel
+from anygpu.runtime.faults import test_fault
+from anygpu.runtime.progress import protected
+from anygpu.train import metrics, optim
 
 logger = logging.getLogger("anygpu")
 
@@ -127,7 +134,7 @@ class FSDPTrainer:
         torch.manual_seed(train_args.seed + info.rank)
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
         run_guard.check_data_agrees(info, prep.data_fingerprint)
-        resume = checkpoint.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, warn=False)
+        resume = store.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, warn=False)
         self.fingerprint = resume_guard.fingerprint(train_args, prep)
         changed = []
         if resume is not None:  # before loading: a changed model or the other engine's files get a message
@@ -161,7 +168,7 @@ class FSDPTrainer:
             prep.tokenizer.save_pretrained(str(out / "tokenizer"))
 
     def _resume(self, path: Path) -> int:
-        state = checkpoint.load(path, self.model, self.optimizer, self.scheduler, self.info.rank)
+        state = store.load(path, self.model, self.optimizer, self.scheduler, self.info.rank)
         G = self.prep.plan.global_batch_size
         if state["global_batch_size"] != G:
             raise UsageError(
@@ -172,11 +179,11 @@ class FSDPTrainer:
         self.writer.truncate_after(state["global_step"])
         return state["global_step"]
 
-    def _async_saver(self) -> async_checkpoint.AsyncCheckpointer | None:
-        on, why = async_checkpoint.use_async(self.args.async_save, self.model, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    def _async_saver(self) -> async_store.AsyncCheckpointer | None:
+        on, why = async_store.use_async(self.args.async_save, self.model, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         if self.info.is_main:
             logger.info("periodic checkpoints: %s (%s)", "asynchronous" if on else "synchronous", why)
-        return async_checkpoint.AsyncCheckpointer(self.args.output_dir, self.args.save_total_limit, self.info.rank,
+        return async_store.AsyncCheckpointer(self.args.output_dir, self.args.save_total_limit, self.info.rank,
                                                   self.info.device) if on else None
 
     def save(self, step: int, background: bool = False) -> None:
@@ -190,7 +197,7 @@ class FSDPTrainer:
                 self.async_saver.save(step, self.model, self.optimizer, self.scheduler, state, extra)
                 return
             self.async_saver.wait()  # the previous one completes first: checkpoints commit in step order
-        checkpoint.save(self.args.output_dir, step, self.model, self.optimizer, self.scheduler, state,
+        store.save(self.args.output_dir, step, self.model, self.optimizer, self.scheduler, state,
                         self.args.save_total_limit, self.info.rank, extra)
 
     def _log(self, rec: dict[str, Any]) -> None:
@@ -282,13 +289,13 @@ class FSDPTrainer:
             self.save(self.end_step)
         if self.end_step == self.prep.total_steps and self.args.export_final and lora.is_peft(self.model):
             with protected():  # the preemption watchdog waits for the export, however long
-                final = lora.export_adapter(self.model, self.prep.tokenizer, self.model_args.model_name_or_path, out / "final",
+                final = export.export_adapter(self.model, self.prep.tokenizer, self.model_args.model_name_or_path, out / "final",
                                             self.info.rank, self.model_args.merge_lora)
             if self.info.is_main:
                 print(f"final adapter: {final} (PeftModel.from_pretrained loads it over the base)", flush=True)
         elif self.end_step == self.prep.total_steps and self.args.export_final:
             with protected():
-                final = checkpoint.export_safetensors(self.model, self.prep.config, self.prep.tokenizer, out / "final", self.info.rank)
+                final = export.export_safetensors(self.model, self.prep.config, self.prep.tokenizer, out / "final", self.info.rank)
             if self.info.is_main:
                 print(f"final model: {final} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
         if self.info.is_main:

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from anygpu.launch import detect as gpu_detect, vendor_env
+from anygpu.launch import detect as gpu_detect
+from anygpu.launch import vendor_env
 from anygpu.launch.detect import AMD, NVIDIA, VENDOR_LABEL, Gpu, Runner
 
 ROOT = Path(__file__).resolve().parent.parent.parent

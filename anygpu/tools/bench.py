@@ -17,7 +17,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from anygpu.launch import detect as gpu_detect, launcher
+from anygpu.launch import detect as gpu_detect
+from anygpu.launch import launcher
 
 
 @dataclass

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "info":
-        from anygpu import hardware
+        from anygpu.runtime import hardware
 
         print(hardware.describe())
         return 0
@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         train_main(rest)
         return 0
     if command == "launch":
-        from anygpu.launch.launcher import main as launch_main, split_argv
+        from anygpu.launch.launcher import main as launch_main
+        from anygpu.launch.launcher import split_argv
 
         mine, _ = split_argv(rest)
         if "--interactive" in mine or not any(a == "--vendor" or a.startswith("--vendor=") for a in mine):

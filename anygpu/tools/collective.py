@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from anygpu import distributed
+from anygpu.runtime import distributed
 
 DEFAULT_SIZES_GPU = (1 << 20, 16 << 20, 256 << 20)
 DEFAULT_SIZES_CPU = (64 << 10, 1 << 20, 8 << 20)

@@ -19,7 +19,8 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from anygpu.launch import detect as gpu_detect, launcher
+from anygpu.launch import detect as gpu_detect
+from anygpu.launch import launcher
 
 PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft")
 VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
@@ -76,7 +77,7 @@ def driver_version(vendor: str | None) -> str | None:
 def torch_facts() -> dict:
     import torch
 
-    from anygpu import hardware
+    from anygpu.runtime import hardware
 
     facts = {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
              "vendor": hardware.vendor(), "gpus": [], "nccl": None}
@@ -144,7 +145,7 @@ def check_tf32() -> Check:
     own switch, hardware.configure_tf32, which --tf32 drives)."""
     import torch
 
-    from anygpu import hardware
+    from anygpu.runtime import hardware
 
     if not (hardware.vendor() == "nvidia" and hardware.has_tf32()):
         where = "CPU" if hardware.vendor() == "cpu" else "this GPU"

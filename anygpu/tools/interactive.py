@@ -15,7 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import TextIO
 
-from anygpu.launch import detect as gpu_detect, launcher
+from anygpu.launch import detect as gpu_detect
+from anygpu.launch import launcher
 
 DEFAULT_GLOBAL_BATCH = 64
 DEFAULT_OUTPUT = "outputs/run"

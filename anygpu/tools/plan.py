@@ -4,7 +4,7 @@
     anygpu plan --model_name_or_path ./my-model --json
 
 The model is built on the meta device (nothing allocated). Model states are exact; activations are
-estimates (see anygpu/memory_plan.py).
+estimates (see anygpu/planning/memory_plan.py).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import json
 import sys
 from dataclasses import dataclass
 
-from anygpu import memory_plan
-from anygpu.memory_plan import GIB, Machine, PlanResult, Shapes
+from anygpu.planning import memory_plan
+from anygpu.planning.memory_plan import GIB, Machine, PlanResult, Shapes
 
 DEFAULT_MFU = 0.4
 def build_parser() -> argparse.ArgumentParser:
@@ -67,8 +67,8 @@ def check_args(args: argparse.Namespace) -> str | None:
 def load_shapes(model_name_or_path: str | None, config_name: str | None, lora_r: int = 0,
                 lora_targets: tuple[str, ...] = ()) -> tuple[Shapes, object, int]:
     """(shapes, config, parameters without embeddings) of the model, built on the meta device."""
-    from anygpu import modeling
-    from anygpu.args import ModelArguments
+    from anygpu.config.args import ModelArguments
+    from anygpu.model import modeling
 
     margs = ModelArguments(model_name_or_path=model_name_or_path, config_name=config_name)
     config = modeling.resolve_config(margs)
@@ -80,15 +80,16 @@ def load_shapes(model_name_or_path: str | None, config_name: str | None, lora_r:
 
 def detect_machine(num_gpus: int | None, gpu_memory_gb: float | None, gpu_name: str | None) -> Machine:
     """The GPUs of this machine (torch, else the smi tools), overridden by what was given."""
-    from anygpu import hardware
+    from anygpu.runtime import hardware
 
     count, memory, name, source = 0, 0, "", "none detected"
     found = hardware.devices()
     if found:
         count, memory, name, source = len(found), int(found[0].total_memory_gb * GIB), found[0].name, "torch"
     else:
-        from anygpu.launch import detect as gpu_detect
         import os
+
+        from anygpu.launch import detect as gpu_detect
 
         for vendor in gpu_detect.VENDORS:
             probe = gpu_detect.probe(vendor, env=os.environ)
@@ -108,7 +109,7 @@ def detect_machine(num_gpus: int | None, gpu_memory_gb: float | None, gpu_name: 
 
 def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     """(full fine-tuning plan, LoRA plan) from parsed arguments."""
-    from anygpu import metrics
+    from anygpu.train import metrics
 
     targets = tuple(t for t in args.lora_target_modules.split(",") if t)
     full, config, non_embedding = load_shapes(args.model_name_or_path, args.config_name)

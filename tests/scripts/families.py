@@ -12,9 +12,11 @@ import anygpu
 
 anygpu.set_offline_defaults()
 
-from anygpu import checkpoint, distributed, modeling  # noqa: E402
-from anygpu.args import parse_args  # noqa: E402
+from anygpu.checkpoint import export
+from anygpu.config.args import parse_args  # noqa: E402
 from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
+from anygpu.model import modeling
+from anygpu.runtime import distributed
 
 split = sys.argv.index("--")
 root, configs, engine_args = Path(sys.argv[1]), sys.argv[2:split], sys.argv[split + 1:]
@@ -26,7 +28,7 @@ for config_path in configs:
     info = distributed.init_distributed()
     config = modeling.resolve_config(model_args)
     initial = fsdp_engine.build_model(SimpleNamespace(config=config, from_scratch=True), model_args, train_args, info)
-    checkpoint.export_safetensors(initial, config, None, out / "init", info.rank)
+    export.export_safetensors(initial, config, None, out / "init", info.rank)
     del initial
     fsdp_engine.run(model_args, data_args, train_args)
 destroy()

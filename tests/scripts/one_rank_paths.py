@@ -6,12 +6,12 @@ import anygpu
 
 anygpu.set_offline_defaults()
 
-import torch  # noqa: E402
 
-from anygpu import distributed, optim, parallel  # noqa: E402
+from anygpu.config.args import parse_args  # noqa: E402
+from anygpu.data.prepare import prepare  # noqa: E402
 from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
-from anygpu.args import parse_args  # noqa: E402
-from anygpu.prepare import prepare  # noqa: E402
+from anygpu.runtime import distributed, parallel  # noqa: E402
+from anygpu.train import optim
 
 model_args, data_args, train_args = parse_args(sys.argv[1:])
 info = distributed.init_distributed()

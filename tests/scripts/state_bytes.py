@@ -14,10 +14,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from anygpu import distributed, optim  # noqa: E402
-from anygpu.args import parse_args  # noqa: E402
+from anygpu.config.args import parse_args  # noqa: E402
+from anygpu.data.prepare import prepare  # noqa: E402
 from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
-from anygpu.prepare import prepare  # noqa: E402
+from anygpu.runtime import distributed  # noqa: E402
+from anygpu.train import optim
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -16,15 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anygpu import distributed, errors, hardware, resume_guard, run_guard
+from anygpu import errors
+from anygpu.checkpoint import export, resume_guard
+from anygpu.config.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
+from anygpu.config.batch import BatchPlan
 from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.engines.hf.gpu_count import check_processes_per_node
-from anygpu.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
-from anygpu.batch import BatchPlan
 from anygpu.errors import UsageError
+from anygpu.reliability import run_guard
+from anygpu.runtime import blocks, distributed, hardware
 
 if TYPE_CHECKING:
-    from anygpu.prepare import Prepared
+    from anygpu.data.prepare import Prepared
 
 logger = logging.getLogger("anygpu")
 
@@ -90,7 +93,7 @@ def training_arguments(train_args: TrainArguments, plan: hf_strategy.Plan):
 
 
 def banner(prep: Prepared, model, train_args: TrainArguments, plan: hf_strategy.Plan, tf32: bool) -> str:
-    from anygpu.prepare import summary_lines
+    from anygpu.data.prepare import summary_lines
 
     return "\n".join(["anygpu HF Trainer engine", *summary_lines(prep, model, train_args, tf32), plan.describe()])
 
@@ -139,7 +142,7 @@ def _check_resume_world(resume: Path | None, plan: hf_strategy.Plan) -> None:
 
 
 def plan_strategy(plan: hf_strategy.Plan, ds_plugin) -> str:
-    """The memory plan's name for the strategy that runs (anygpu/memory_plan.py)."""
+    """The memory plan's name for the strategy that runs (anygpu/planning/memory_plan.py)."""
     if plan.kind == "fsdp":
         return "fsdp2"
     if plan.kind == "deepspeed":
@@ -166,16 +169,17 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.utils import logging as hf_logging
 
-    from anygpu import checkpoint, dropout, lora, metrics, modeling
-    from anygpu.engines.hf.trainer import (AnygpuTrainer, FlowCallback, MetricsCallback, export_final, full_state_dict,
-                                   plain_model_construction, read_anygpu_state)
-    from anygpu.prepare import prepare
+    from anygpu.checkpoint import store
+    from anygpu.data.prepare import prepare
+    from anygpu.engines.hf.trainer import AnygpuTrainer, FlowCallback, MetricsCallback, export_final, full_state_dict, plain_model_construction, read_anygpu_state
+    from anygpu.model import dropout, lora, modeling
+    from anygpu.train import metrics
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars between our lines
     tf32 = hardware.configure_tf32(train_args.tf32)
     targs = training_arguments(train_args, plan)  # joins the process group
     # Resolved once rank 0's start-up checks (before the process group) are done.
-    resume = checkpoint.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, warn=False)
+    resume = store.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, warn=False)
     if resume is not None:
         resume_guard.check_engine(resume, "hf")
     _check_resume_world(resume, plan)
@@ -200,7 +204,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         changed = resume_guard.check(resume, resume_guard.fingerprint(train_args, prep), train_args.allow_changed_args)
     probe = None
     if train_args.auto_micro_batch:  # from the plan's estimate (Trainer builds the sharded model later); G unchanged
-        from anygpu import auto_batch
+        from anygpu.planning import auto_batch
 
         probe = auto_batch.apply(prep, model_args, train_args, targs.device, plan_strategy(plan, ds_plugin))
         print(f"rank {targs.process_index}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
@@ -222,7 +226,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         lora.init_adapter(model, train_args.seed)  # the FSDP2 engine's adapter, not peft's draw from the global stream
     dropout.install(model, train_args.seed)  # masks keyed by sample, as in the FSDP2 engine
     if train_args.torch_compile:
-        for layer in (m for m in model.modules() if isinstance(m, modeling.decoder_layer_classes(model))):
+        for layer in (m for m in model.modules() if isinstance(m, blocks.decoder_layer_classes(model))):
             layer.compile()
     # Counted before DeepSpeed/FSDP partition the parameters.
     fpt = metrics.flops_per_token(prep.config, modeling.count_parameters(model, exclude_embeddings=True), prep.block_size)
@@ -281,7 +285,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         sys.exit(errors.EXIT_PREEMPTED)
     if end_step == prep.total_steps and end_step > start_step and train_args.export_final and lora.is_peft(model):
         gathered = full_state_dict(trainer.model, is_main)  # whole tensors on rank 0, whatever the strategy (ZeRO-3 too)
-        out = lora.export_adapter(trainer.model, prep.tokenizer, model_args.model_name_or_path, Path(train_args.output_dir) / "final",
+        out = export.export_adapter(trainer.model, prep.tokenizer, model_args.model_name_or_path, Path(train_args.output_dir) / "final",
                                   targs.process_index, model_args.merge_lora, gathered)
         if is_main:
             print(f"final adapter: {out} (PeftModel.from_pretrained loads it over the base)", flush=True)

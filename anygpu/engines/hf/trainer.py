@@ -1,7 +1,7 @@
 """`Trainer` glue for the HF engine: our data order, optimizer, schedule, evaluation, atomic
 checkpoints and metrics under Hugging Face's own training loop (DDP, FSDP2, DeepSpeed, DataParallel).
 
-What the loop computes, per optimizer step k and rank r (G = m·W·A as in `anygpu.batch`):
+What the loop computes, per optimizer step k and rank r (G = m·W·A as in `anygpu.config.batch`):
 - data: rank r's A micro-batches of m sequences from global batch k of `GlobalOrder`, from a batch
   sampler of our own that accelerate never sees (so it cannot reshard, reshuffle or drop), started
   at the resume step (so Trainer's skip-batches logic is switched off: `ignore_data_skip`);
@@ -28,14 +28,18 @@ from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_pt_utils import nested_gather
 
-from anygpu import checkpoint, distributed, dropout, metrics, moe, optim, resume_guard
-from anygpu.data.order import MicroBatchSampler, eval_shards
+from anygpu.checkpoint import resume_guard, store
+from anygpu.config.args import TrainArguments
+from anygpu.config.batch import BatchPlan
 from anygpu.data.collate import count_targets
-from anygpu.args import TrainArguments
-from anygpu.batch import BatchPlan
-from anygpu.preempt import Preemption, protected
-from anygpu.preempt import test_fault
-from anygpu.prepare import Prepared
+from anygpu.data.order import MicroBatchSampler, eval_shards
+from anygpu.data.prepare import Prepared
+from anygpu.model import dropout, moe
+from anygpu.reliability.preempt import Preemption
+from anygpu.runtime import distributed, fs
+from anygpu.runtime.faults import test_fault
+from anygpu.runtime.progress import protected
+from anygpu.train import metrics, optim
 
 ANYGPU_STATE = "anygpu_state.json"  # our keys next to Trainer's trainer_state.json in each checkpoint
 
@@ -115,7 +119,7 @@ class AnygpuTrainer(Trainer):
         return self._unwrapped_cache[1]
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Trainer's step, with dropout masks keyed by this micro-batch's samples (`anygpu.dropout`)."""
+        """Trainer's step, with dropout masks keyed by this micro-batch's samples (`anygpu.model.dropout`)."""
         with dropout.keys(self.unwrapped(model), self.state.global_step, self.sample_queue.pop()):
             loss = super().training_step(model, inputs, num_items_in_batch)
         self._step_loss = loss if self._step_loss is None else self._step_loss + loss
@@ -129,7 +133,7 @@ class AnygpuTrainer(Trainer):
         super().log(logs, start_time)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Trainer's loss; a MoE router loss in its global-batch form (`anygpu.moe`), as the FSDP2 engine."""
+        """Trainer's loss; a MoE router loss in its global-batch form (`anygpu.model.moe`), as the FSDP2 engine."""
         unwrapped = self.unwrapped(model)
         if not model.training or not moe.aux_loss_coef(unwrapped):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -193,7 +197,7 @@ class AnygpuTrainer(Trainer):
         distributed.barrier()
         self._staging_dir = str(staging)
         folder, final = staging / f"checkpoint-{step}", root / f"checkpoint-{step}"
-        with protected(), checkpoint._disk_errors(root, staging, final, 0 if self.args.should_save else 1):
+        with protected(), store._disk_errors(root, staging, final, 0 if self.args.should_save else 1):
             try:
                 super()._save_checkpoint(model, trial)
                 test_fault("save", step)
@@ -207,7 +211,7 @@ class AnygpuTrainer(Trainer):
                          "strategy": self.strategy}
                 fingerprint = resume_guard.fingerprint(self.train_config, self.prep)
                 # state files, manifest (fsyncs Trainer's files), rename, rotation
-                checkpoint.finalize(root, folder, final, step, self.num_devices, "hf", self.train_config.save_total_limit,
+                store.finalize(root, folder, final, step, self.num_devices, "hf", self.train_config.save_total_limit,
                                     {ANYGPU_STATE: state, resume_guard.FINGERPRINT_FILE: fingerprint})
                 shutil.rmtree(staging, ignore_errors=True)
         distributed.barrier()
@@ -312,7 +316,7 @@ class FlowCallback(TrainerCallback):
 
     Evaluate every --eval_steps and once at the end of the schedule; save every --save_steps and at
     the last step of this run (--stop_at_step or the end); stop at --stop_at_step. A SIGTERM or SIGUSR1
-    seen by any rank makes every rank save at the next step boundary and stop (see `anygpu.preempt`).
+    seen by any rank makes every rank save at the next step boundary and stop (see `anygpu.reliability.preempt`).
     """
 
     def __init__(self, train_config: TrainArguments, total_steps: int, end_step: int, device: torch.device) -> None:
@@ -405,7 +409,7 @@ def _export(model: torch.nn.Module, config: Any, tokenizer: Any, out: Path, tmp:
         model.save_pretrained(str(tmp), state_dict=state, is_main_process=True)
         config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        checkpoint.replace_dir(tmp, out)
+        fs.replace_dir(tmp, out)
     distributed.barrier()
 
 

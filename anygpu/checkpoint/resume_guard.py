@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from anygpu import manifest
+from anygpu.checkpoint import manifest
 from anygpu.errors import UsageError
 
 FINGERPRINT_FILE = "fingerprint.json"

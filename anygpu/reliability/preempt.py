@@ -19,9 +19,11 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 from anygpu.errors import EXIT_NO_CHECKPOINT
+from anygpu.runtime import progress
+from anygpu.runtime.blocks import decoder_layer_classes
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -33,23 +35,17 @@ class Preemption:
         self.save_on_preempt = save_on_preempt
         self.requested: str | None = None
         self.grace_s = float(os.environ.get("ANYGPU_SIGTERM_GRACE_S", "20"))
-        self.beats = 0
-        self.protected_depth = 0
         for sig in SIGNALS:
             signal.signal(sig, self._handler)
-        global _ACTIVE
-        _ACTIVE = self
 
     def beat(self, *_: Any) -> None:
-        self.beats += 1
+        progress.beat()
 
     def watch(self, model: Any) -> None:
         """Bump the heartbeat on every forward of the model and of its decoder layers (hooks survive wrapping)."""
-        from anygpu import modeling
-
         model.register_forward_pre_hook(self.beat)
         with contextlib.suppress(Exception):  # a model that names no decoder layer still beats once per forward
-            layer_types = modeling.decoder_layer_classes(model)
+            layer_types = decoder_layer_classes(model)
             for module in model.modules():
                 if isinstance(module, layer_types):
                     module.register_forward_pre_hook(self.beat)
@@ -69,45 +65,16 @@ class Preemption:
         threading.Thread(target=self._watchdog, daemon=True, name="anygpu-preempt-watchdog").start()
 
     def _watchdog(self) -> None:
-        seen = self.beats
+        seen = progress.PROGRESS.beats
         while True:
             time.sleep(self.grace_s)
-            if self.protected_depth or self.beats != seen:
-                seen = self.beats
+            if progress.PROGRESS.protected_depth or progress.PROGRESS.beats != seen:
+                seen = progress.PROGRESS.beats
                 continue
             _say(f"{self.requested}: no progress for {self.grace_s:.0f} s, stuck in a collective (a peer rank is gone?): "
                  f"exiting without a checkpoint (exit {EXIT_NO_CHECKPOINT})")
             os._exit(EXIT_NO_CHECKPOINT)
 
 
-_ACTIVE: Preemption | None = None
-
-
-@contextlib.contextmanager
-def protected() -> Iterator[None]:
-    """A save or export in progress: the watchdog waits for it, however long it takes."""
-    p = _ACTIVE
-    if p is None:
-        yield
-        return
-    p.protected_depth += 1
-    try:
-        yield
-    finally:
-        p.protected_depth -= 1
-        p.beat()
-
-
 def _say(message: str) -> None:
     print(f"[rank {os.environ.get('RANK', '0')}] {message}", file=sys.stderr, flush=True)
-
-
-def test_fault(point: str, step: int) -> None:
-    """Fault injection for the tests, off unless set: ANYGPU_TEST_SIGTERM_AT=eval:4 makes rank 0 send itself
-    SIGTERM as the evaluation at step 4 starts; ANYGPU_TEST_SLOW_SAVE=10:60 sleeps 60 s inside the write of
-    checkpoint-10 (after the shards, before the rename), so a test can kill the job mid-write."""
-    if os.environ.get("ANYGPU_TEST_SIGTERM_AT") == f"{point}:{step}" and os.environ.get("RANK", "0") == "0":
-        os.kill(os.getpid(), signal.SIGTERM)
-    slow = os.environ.get("ANYGPU_TEST_SLOW_SAVE", "")
-    if point == "save" and slow.startswith(f"{step}:"):
-        time.sleep(float(slow.split(":")[1]))

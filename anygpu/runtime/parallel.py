@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from anygpu.modeling import decoder_layer_classes
+from anygpu.runtime.blocks import decoder_layer_classes
 
 
 def needs_sharding(world_size: int, bf16: bool) -> bool:

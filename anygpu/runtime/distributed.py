@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from anygpu import hardware
+from anygpu.runtime import hardware
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ per-device micro-batch and A the gradient accumulation steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from anygpu.errors import UsageError
 
 

@@ -4,7 +4,7 @@ Candidates are the divisors of the per-rank share G / W, largest first. On a GPU
 probed: one forward + backward on random tokens of the run's block size, its peak
 (`torch.cuda.max_memory_allocated`) plus the optimizer state still to come checked against the
 budget with a safety margin. Elsewhere (CPU, or before the model exists) the plan's estimate
-(anygpu/memory_plan.py) is checked against `--max_memory_per_device_gb`. Every rank must agree, so
+(anygpu/planning/memory_plan.py) is checked against `--max_memory_per_device_gb`. Every rank must agree, so
 after each candidate the ranks take the minimum of their verdicts: the smallest fitting wins. The
 accumulation steps follow: A = G / (m · W).
 """
@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from anygpu import memory_plan
-from anygpu.batch import BatchPlan, plan_batch
+from anygpu.config.batch import BatchPlan, plan_batch
 from anygpu.errors import UsageError
+from anygpu.planning import memory_plan
 
 GIB = 2**30
 
@@ -128,7 +128,7 @@ def resolve(plan: BatchPlan, shapes: memory_plan.Shapes, strategy: str, precisio
 def apply(prep, model_args, train_args, device: torch.device, strategy: str,
           model: torch.nn.Module | None = None) -> Probe:
     """Choose the micro-batch for a prepared run and put it into ``prep.plan``; return the probe."""
-    from anygpu import modeling
+    from anygpu.model import modeling
 
     shapes = memory_plan.shapes_from_model(modeling.build_meta_model(prep.config, model_args), prep.config)
     precision = "bf16" if (train_args.bf16 or train_args.fp16) else "fp32"

@@ -2,7 +2,7 @@
 version, every file with its size and, where affordable, its sha256), checked before a resume.
 
 Also the start-up repair of a checkpoint replaced half-way (`.checkpoint-N.old` left by a crash between
-the two renames of `checkpoint.replace_dir`).
+the two renames of `fs.replace_dir`).
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any
+
+from anygpu.runtime import fs
 
 logger = logging.getLogger(__name__)
 
@@ -29,29 +31,20 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def fsync_path(path: Path) -> None:
-    """Flush a file's or a folder's entries to the disk (a folder: the names in it, e.g. after a rename)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write(folder: Path, step: int, world_size: int, engine: str) -> None:
     """fsync every file of `folder` and its sub-folders, then write the manifest (the last file)."""
     from anygpu import __version__
 
     files: dict[str, dict[str, Any]] = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
-        fsync_path(path)  # Trainer's and torch.save's files are not synced by their writers
+        fs.fsync_path(path)  # Trainer's and torch.save's files are not synced by their writers
         size = path.stat().st_size
         entry: dict[str, Any] = {"size": size}
         if size <= HASH_LIMIT_BYTES:
             entry["sha256"] = sha256(path)
         files[path.relative_to(folder).as_posix()] = entry
     for sub in sorted({p.parent for p in folder.rglob("*")} | {folder}):
-        fsync_path(sub)
+        fs.fsync_path(sub)
     data = {"step": step, "world_size": world_size, "engine": engine, "anygpu_version": __version__, "files": files}
     with (folder / MANIFEST).open("w") as f:
         json.dump(data, f, indent=1)

@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from anygpu import checkpoint
+from anygpu.checkpoint import store
 from anygpu.errors import UsageError
 
 LOCK = ".anygpu.lock"
@@ -56,7 +56,7 @@ def claim_output_dir(train_args: Any, rank: int) -> None:
     resume = train_args.resume_from_checkpoint
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if resume or restarted:
-        target = checkpoint.resolve_resume(resume, str(root), warn=True)
+        target = store.resolve_resume(resume, str(root), warn=True)
         if target is not None:
             # latest/auto resolved to the newest intact checkpoint: whatever is newer is damaged
             set_aside_newer(root, target, train_args.allow_rewind or resume in ("latest", "auto") or not resume)
@@ -73,7 +73,7 @@ def claim_output_dir(train_args: Any, rank: int) -> None:
 
 
 def checkpoint_repairs(root: Path) -> list[str]:
-    from anygpu import manifest
+    from anygpu.checkpoint import manifest
 
     return manifest.recover_half_replaced(root)
 
@@ -81,7 +81,7 @@ def checkpoint_repairs(root: Path) -> list[str]:
 def used(root: Path) -> list[str]:
     """What another run left in `root` (its metrics, curves, export and checkpoints)."""
     found = [name for name in RUN_FILES if (root / name).exists()]
-    return found + [c.name for c in checkpoint.checkpoints(root)]
+    return found + [c.name for c in store.checkpoints(root)]
 
 
 def clear(root: Path) -> None:
@@ -91,17 +91,17 @@ def clear(root: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
         elif path.exists():
             path.unlink()
-    for ckpt in checkpoint.checkpoints(root):
+    for ckpt in store.checkpoints(root):
         shutil.rmtree(ckpt, ignore_errors=True)
 
 
 def set_aside_newer(root: Path, target: Path, allow_rewind: bool) -> None:
     """Checkpoints newer than the resumed one are moved to <output_dir>/abandoned/<time>/: damaged ones
     always, intact ones only with --allow_rewind (without it they refuse the rewind)."""
-    from anygpu import manifest
+    from anygpu.checkpoint import manifest
 
-    step = checkpoint.step_of(target)
-    newer = [c for c in checkpoint.checkpoints(root) if checkpoint.step_of(c) > step]
+    step = store.step_of(target)
+    newer = [c for c in store.checkpoints(root) if store.step_of(c) > step]
     intact = [c for c in newer if manifest.problem(c, checksums=False) is None]
     if intact and not allow_rewind:
         raise UsageError(
@@ -234,7 +234,7 @@ def check_ranks(info: Any, resolved: dict[str, Any], output_dir: str) -> None:
     probe = Path(output_dir) / f".probe-{uuid.uuid4().hex[:12]}"
     if info.rank == 0:
         probe.write_text(host)
-    from anygpu import distributed
+    from anygpu.runtime import distributed
 
     probe = Path(distributed.broadcast_object(str(probe)))
     seen = _gather({"rank": info.rank, "host": host, "sees": probe.exists()})

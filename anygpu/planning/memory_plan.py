@@ -79,7 +79,7 @@ def shapes_from_model(model, config, lora_r: int = 0, lora_targets: tuple[str, .
     if lora_r:
         from types import SimpleNamespace
 
-        from anygpu import lora
+        from anygpu.model import lora
 
         model = lora.wrap(model, SimpleNamespace(
             use_peft=True, lora_r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0,
@@ -91,7 +91,7 @@ def shapes_from_model(model, config, lora_r: int = 0, lora_targets: tuple[str, .
             continue
         seen.add(id(p))
         params.append(Param(name, tuple(p.shape), trainable=p.requires_grad))
-    from anygpu.modeling import decoder_layer_classes
+    from anygpu.runtime.blocks import decoder_layer_classes
 
     layers = [m for m in model.modules() if isinstance(m, decoder_layer_classes(model))]
     heads = config.num_attention_heads

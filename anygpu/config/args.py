@@ -15,7 +15,8 @@ from typing import Any
 
 import yaml
 from transformers import HfArgumentParser
-from anygpu.arg_checks import check_ranges
+
+from anygpu.config.ranges import check_ranges
 from anygpu.errors import UsageError
 
 PRESETS_DIR = Path(__file__).parent / "presets"
@@ -55,7 +56,7 @@ class ModelArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Run model/tokenizer code from the model's folder. Off unless you trust it."}
     )
-    # LoRA (anygpu.lora), named as TRL's ModelConfig names them
+    # LoRA (anygpu.model.lora), named as TRL's ModelConfig names them
     use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter (peft) over the frozen --model_name_or_path."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})

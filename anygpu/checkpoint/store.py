@@ -20,8 +20,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from anygpu import distributed, manifest, preempt
+from anygpu.checkpoint import manifest
 from anygpu.errors import SaveError, UsageError
+from anygpu.runtime import distributed, faults, fs, progress
 
 logger = logging.getLogger(__name__)
 
@@ -93,17 +94,6 @@ def rotate(root: Path, keep: int | None, just_written: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def replace_dir(tmp: Path, final: Path) -> None:
-    if final.exists():
-        old = final.with_name(f".{final.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-
-
 def save(
     output_dir: str,
     step: int,
@@ -123,7 +113,7 @@ def save(
     root = Path(output_dir)
     final = root / f"checkpoint-{step}"
     tmp = start(root, step, rank)
-    with preempt.protected(), _disk_errors(root, tmp, final, rank):
+    with progress.protected(), _disk_errors(root, tmp, final, rank):
         write_shards(tmp, model, optimizer, rank)
         distributed.barrier()
         if rank == 0:
@@ -150,7 +140,7 @@ def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, 
     msd, osd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
     save_rng(tmp, rank)
-    preempt.test_fault("save", int(tmp.name.split("-")[1].split(".")[0]))
+    faults.test_fault("save", int(tmp.name.split("-")[1].split(".")[0]))
 
 
 def save_rng(tmp: Path, rank: int) -> None:
@@ -164,11 +154,11 @@ def finalize(root: Path, tmp: Path, final: Path, step: int, world_size: int, eng
     """Rank 0, once every rank's files are in `tmp`: state files, manifest (last; fsyncs every file),
     atomic rename to `final`, rotation. Also the end of an asynchronous save."""
     for name, data in json_files.items():
-        write_json(tmp / name, data)
+        fs.write_json(tmp / name, data)
     manifest.write(tmp, step, world_size, engine)
-    fsync_dir(tmp)
-    replace_dir(tmp, final)
-    fsync_dir(root)
+    fs.fsync_path(tmp)
+    fs.replace_dir(tmp, final)
+    fs.fsync_path(root)
     rotate(root, save_total_limit, final)
 
 
@@ -218,83 +208,3 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    with path.open("w") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-fsync_dir = manifest.fsync_path
-
-
-def export_safetensors(
-    model: nn.Module, config: Any, tokenizer: Any, out_dir: str | Path, rank: int, max_shard_bytes: int = 4 * 2**30
-) -> Path:
-    """<out_dir> as Hugging Face safetensors + config + tokenizer.
-
-    Each sharded parameter is all-gathered alone and written by rank 0 into shards of at most
-    `max_shard_bytes`, so no process ever holds the whole model.
-    """
-    from safetensors.torch import save_file
-    from torch.distributed.tensor import DTensor
-
-    out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    shard: dict[str, torch.Tensor] = {}
-    files: list[list[str]] = []
-    total = 0
-
-    def flush() -> None:
-        nonlocal shard
-        if shard and rank == 0:
-            save_file(shard, str(tmp / f"part-{len(files):05d}.safetensors"), metadata={"format": "pt"})
-            files.append(list(shard))
-        shard = {}
-
-    # named_parameters() lists a tied weight once, under its first name (the input embedding), as
-    # HF stores it; state_dict() also lists the alias (lm_head.weight), which is skipped here.
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    for name in model.state_dict().keys():
-        tensor = params.get(name, buffers.get(name))
-        if tensor is None:
-            continue
-        with torch.no_grad():
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        if rank == 0:
-            t = full.detach().to("cpu").contiguous()
-            if sum(v.numel() * v.element_size() for v in shard.values()) + t.numel() * t.element_size() > max_shard_bytes:
-                flush()
-            shard[name] = t
-            total += t.numel() * t.element_size()
-        del full
-    flush()
-    if rank == 0:
-        _name_shards(tmp, files, total)
-        config.save_pretrained(str(tmp))
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-        replace_dir(tmp, out)
-    distributed.barrier()
-    return out
-
-
-def _name_shards(folder: Path, files: list[list[str]], total_bytes: int) -> None:
-    """HF names: model.safetensors, or model-0000i-of-0000n.safetensors plus an index."""
-    n = len(files)
-    if n == 1:
-        os.replace(folder / "part-00000.safetensors", folder / "model.safetensors")
-        return
-    weight_map = {}
-    for i, keys in enumerate(files):
-        name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        os.replace(folder / f"part-{i:05d}.safetensors", folder / name)
-        weight_map.update({k: name for k in keys})
-    write_json(folder / "model.safetensors.index.json", {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})

@@ -3,7 +3,7 @@
 Parameters are created on the meta device (buffers stay real), so a model is sharded
 before any memory is spent on it; `init_parameters` then fills them with the family's own
 `_init_weights` scheme, one decoder layer at a time from CPU generators seeded by name
-(`anygpu.init_weights`), which gives the same weights whatever the sharding, the device, and
+(`anygpu.model.init_weights`), which gives the same weights whatever the sharding, the device, and
 the same as the unsharded model the HF engine builds.
 """
 from __future__ import annotations
@@ -18,9 +18,10 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from anygpu import init_weights, lora
-from anygpu.args import PRESETS_DIR, ModelArguments, preset_names
+from anygpu.config.args import PRESETS_DIR, ModelArguments, preset_names
 from anygpu.errors import UsageError
+from anygpu.model import init_weights, lora
+from anygpu.runtime.blocks import decoder_layer_classes
 
 logger = logging.getLogger(__name__)
 
@@ -162,15 +163,6 @@ def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
         emb = model.get_input_embeddings()
         total -= emb.weight.numel()
     return total
-
-
-def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
-    """The transformer block classes to shard and checkpoint one by one (HF's `_no_split_modules`)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
-    if not classes:
-        raise UsageError(f"{type(model).__name__} names no decoder layer class (_no_split_modules={sorted(names)}): cannot shard it per layer.")
-    return tuple(classes)
 
 
 def check_loss_kwargs(model: nn.Module) -> None:

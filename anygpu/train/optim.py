@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers import get_scheduler
 
-from anygpu.args import TrainArguments
+from anygpu.config.args import TrainArguments
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -4,7 +4,7 @@ background thread.
 
 Still atomic: the write goes to `.checkpoint-<step>.tmp`, and only once it has finished — seen at a
 later step boundary (`poll`), before the next save, or at exit (`wait`) — does rank 0 write the state
-file and manifest and rename the folder (`checkpoint.finalize`). A crash before then leaves an incomplete temporary
+file and manifest and rename the folder (`store.finalize`). A crash before then leaves an incomplete temporary
 folder that is never listed, so `--resume_from_checkpoint latest` takes the previous checkpoint.
 
 Rank 0's write finishes only after every rank's (DCP's coordinator gathers all write results before
@@ -27,7 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from anygpu import checkpoint, parallel, preempt
+from anygpu.checkpoint import store
+from anygpu.runtime import faults, parallel, progress
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +65,16 @@ class AsyncCheckpointer:
              trainer_state: dict[str, Any], extra_files: dict[str, dict[str, Any]] | None = None) -> None:
         start = time.perf_counter()
         self.wait()  # one write in flight at a time
-        tmp, final = checkpoint.start(self.root, step, self.rank), self.root / f"checkpoint-{step}"
-        checkpoint.save_rng(tmp, self.rank)  # before the write starts: rank 0's commit implies every rank's files
+        tmp, final = store.start(self.root, step, self.rank), self.root / f"checkpoint-{step}"
+        store.save_rng(tmp, self.rank)  # before the write starts: rank 0's commit implies every rank's files
         if self.group is None:
             self.group = dist.new_group(backend="gloo")
-        msd, osd = get_state_dict(model, optimizer, options=checkpoint.STATE_DICT_OPTIONS)
+        msd, osd = get_state_dict(model, optimizer, options=store.STATE_DICT_OPTIONS)
         future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), process_group=self.group,
                                 async_stager=self.stager)
         # a copy of the small state as of this step (the scheduler moves on while the write runs)
         state = json.loads(json.dumps({**trainer_state, "scheduler": scheduler.state_dict()}, default=str))
-        files = {checkpoint.STATE_FILE: state, **(extra_files or {})}
+        files = {store.STATE_FILE: state, **(extra_files or {})}
         self.pending = _Pending(step, future, tmp, final, files, trainer_state.get("world_size", 1))
         self.stalls.append(time.perf_counter() - start)
         logger.info("checkpoint-%d: training paused %.3f s; writing in the background", step, self.stalls[-1])
@@ -92,10 +93,10 @@ class AsyncCheckpointer:
     def _commit(self) -> None:
         p, self.pending = self.pending, None
         p.future.result()  # re-raises a failed write here, with its traceback
-        preempt.test_fault("save", p.step)
+        faults.test_fault("save", p.step)
         if self.rank == 0:
-            with preempt.protected():
-                checkpoint.finalize(self.root, p.tmp, p.final, p.step, p.world_size, "fsdp", self.save_total_limit,
+            with progress.protected():
+                store.finalize(self.root, p.tmp, p.final, p.step, p.world_size, "fsdp", self.save_total_limit,
                                     p.json_files)
             logger.info("checkpoint-%d complete: %s", p.step, p.final)
 

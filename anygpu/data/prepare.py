@@ -14,17 +14,18 @@ from typing import Any
 from datasets import DatasetDict
 from transformers import PretrainedConfig
 
-from anygpu import distributed, dropout, hardware, lora, modeling
+from anygpu.config.args import DataArguments, ModelArguments, TrainArguments
+from anygpu.config.batch import BatchPlan, plan_batch, resolve_global_batch
 from anygpu.data import tokenizer as tok_lib
-from anygpu.data.order import GlobalOrder
 from anygpu.data.collate import Collator, packing_supported
 from anygpu.data.formats import TEXT, training_texts
+from anygpu.data.order import GlobalOrder
 from anygpu.data.samples import make_rows
 from anygpu.data.sources import data_format, fingerprint, load_raw_text
-from anygpu.args import DataArguments, ModelArguments, TrainArguments
-from anygpu.batch import BatchPlan, plan_batch, resolve_global_batch
-from anygpu.distributed import DistInfo
 from anygpu.errors import UsageError
+from anygpu.model import dropout, lora, modeling
+from anygpu.runtime import distributed, hardware
+from anygpu.runtime.distributed import DistInfo
 
 logger = logging.getLogger(__name__)
 

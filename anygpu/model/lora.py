@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -60,7 +59,7 @@ def base_targets(model: nn.Module) -> dict[str, list[torch.Tensor]]:
 @torch.no_grad()
 def init_adapter(model: nn.Module, seed: int) -> None:
     """peft's initial A (Kaiming-uniform, a=√5) and B (zeros), from CPU generators seeded by name."""
-    from anygpu.init_weights import assign
+    from anygpu.model.init_weights import assign
 
     for name, param in model.named_parameters():
         if ".lora_" not in name:
@@ -78,63 +77,3 @@ def trainable_line(model: nn.Module) -> str:
     total = sum(p.numel() for p in model.parameters())
     return f"LoRA: {trainable / 1e6:.3f}M trainable / {total / 1e6:.1f}M parameters ({100 * trainable / total:.2f}%)"
 
-
-def export_adapter(model: nn.Module, tokenizer, base_path: str, out_dir: str | Path, rank: int, merge: bool,
-                   gathered: dict[str, torch.Tensor] | None = None) -> Path:
-    """<out_dir> as a PEFT adapter (adapter_model.safetensors + adapter_config.json + tokenizer), gathered
-    one tensor at a time; with `merge`, also <out_dir>-merged, the base with the adapter merged in.
-
-    `gathered`: full tensors already collected on rank 0 by the caller (the HF engine's ZeRO-3 gather);
-    by default trainable DTensors are all-gathered here."""
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-    from torch.distributed.tensor import DTensor
-
-    from anygpu import distributed
-    from anygpu.checkpoint import replace_dir
-
-    out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp")
-    trainable = {}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if gathered is not None:
-            if rank == 0:
-                trainable[name] = gathered[name].contiguous()
-            continue
-        full = param.full_tensor() if isinstance(param, DTensor) else param
-        trainable[name] = full.detach().to("cpu").contiguous()
-    if rank == 0:
-        state = get_peft_model_state_dict(model, state_dict=trainable)
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = model.peft_config["default"]
-        config.base_model_name_or_path = str(base_path)
-        config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        replace_dir(tmp, out)
-        if merge:
-            merge_adapter(base_path, out, tokenizer)
-    distributed.barrier()
-    return out
-
-
-def merge_adapter(base_path: str, adapter: Path, tokenizer) -> Path:
-    """<adapter>-merged: the base from its folder (never modified) with the adapter merged in (one process, CPU)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from anygpu.checkpoint import replace_dir
-
-    merged_dir = adapter.with_name(f"{adapter.name}-merged")
-    tmp = merged_dir.with_name(f".{merged_dir.name}.tmp")
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
-    merged.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    replace_dir(tmp, merged_dir)
-    return merged_dir

@@ -114,7 +114,7 @@ class MetricsWriter:
         """On resume, drop records (and TensorBoard events) of steps past the checkpoint (they will be redone)."""
         if not self.enabled:
             return
-        from anygpu.event_files import trim_after
+        from anygpu.train.event_files import trim_after
 
         trim_after(self.path.parent / "runs", step)
         if not self.path.exists():

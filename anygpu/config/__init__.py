@@ -1,0 +1,1 @@
+"""Arguments: the dataclasses both engines parse, their range checks, the shipped presets and the batch math."""

@@ -1,0 +1,1 @@
+"""Building the model: construction, initialisation, LoRA, keyed dropout, the MoE router loss."""

@@ -1,0 +1,1 @@
+"""Before the run: the per-GPU memory plan and the automatic micro-batch."""

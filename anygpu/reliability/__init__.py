@@ -1,0 +1,1 @@
+"""Staying alive and correct: preemption, start-up guards."""

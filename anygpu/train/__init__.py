@@ -1,0 +1,1 @@
+"""The training step around the model: optimizer and schedule, metrics and reporting."""
