@@ -6,18 +6,23 @@
 #   bash scripts/setup.sh            # runtime dependencies
 #   bash scripts/setup.sh --test     # plus the test tools (pytest, hypothesis, shellcheck)
 #
+# The versions are the exact ones the test suite passed with (constraints.txt, written by
+# scripts/freeze_constraints.py); requirements.txt keeps the package's own, wider ranges.
+#
 # Knobs: VENV (default .venv), PYTHON (default python3), TORCH_INDEX_URL (force a wheel
-# index for torch, e.g. https://download.pytorch.org/whl/rocm6.4).
+# index for torch, e.g. https://download.pytorch.org/whl/rocm6.4), CONSTRAINTS (default
+# constraints.txt; CONSTRAINTS= installs the newest versions the ranges allow).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
+CONSTRAINTS=${CONSTRAINTS-constraints.txt}
 WITH_TEST=0
 for arg in "$@"; do
   case "$arg" in
     --test) WITH_TEST=1 ;;
-    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     *) echo "setup.sh: unknown option '$arg' (valid: --test, --help)" >&2; exit 2 ;;
   esac
 done
@@ -70,6 +75,10 @@ fi
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$("$PY" -c 'import torch; print(torch.__version__)')" >"$constraints"
+if [ -n "$CONSTRAINTS" ]; then
+  log "versions from $CONSTRAINTS (the ones the test suite passed with)"
+  cat "$CONSTRAINTS" >>"$constraints"
+fi
 
 # setup.py of DeepSpeed imports torch: build it against the torch above, not a fresh
 # (CUDA) torch in an isolated build environment.
