@@ -63,7 +63,7 @@ def test_config_file_with_command_line_override(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("config_name: tiny\nlearning_rate: 0.01\nbf16: true\nreport_to: [none]\n")
     m, d, t = parse_args([str(cfg), "--learning_rate", "0.5"])
-    assert (m.config_name, t.learning_rate, t.bf16, t.report_to) == ("tiny", 0.5, True, [])
+    assert (m.config_name, t.learning_rate, t.bf16, t.report_to) == ("tiny", 0.5, True, ["none"])  # read by trackers.resolve
     js = tmp_path / "run.json"
     js.write_text(json.dumps({"block_size": 32, "nonsense": 1}))
     with pytest.raises(ValueError, match="unknown option.*--nonsense"):

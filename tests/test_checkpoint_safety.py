@@ -1,5 +1,5 @@
 """Nothing lost, without training: verified checkpoints, repairs, rotation, rewinds, a used output_dir,
-the output_dir lock, TensorBoard trimming and a full disk. Checkpoint folders here are real folders
+the output_dir lock, TensorBoard's purge on resume and a full disk. Checkpoint folders here are real folders
 with a real manifest; the engines' own runs are in test_faults.py."""
 from __future__ import annotations
 
@@ -155,15 +155,18 @@ def test_tensorboard_events_past_the_resumed_step_are_dropped(tmp_path):
 
     from anygpu.train.metrics import MetricsWriter
 
-    w = MetricsWriter(str(tmp_path), True, True)
+    w = MetricsWriter(str(tmp_path), True, ["tensorboard"])
     for step in range(1, 9):
         w.write({"step": step, "loss": 10.0 - step})
     w.close()
-    MetricsWriter(str(tmp_path), True, False).truncate_after(5)
+    w = MetricsWriter(str(tmp_path), True, ["tensorboard"], resume_step=5)  # resumed at 5: steps 6-8 are redone
+    for step in (6, 7):
+        w.write({"step": step, "loss": 100.0 + step})
+    w.close()
     acc = EventAccumulator(str(tmp_path / "runs"))
     acc.Reload()
-    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5]
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 9), (2, 8), (3, 7), (4, 6), (5, 5), (6, 106), (7, 107)]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6, 7]
 
 
 # ---------------------------------------------------------------------- a full disk

@@ -227,7 +227,11 @@ class TrainArguments:
                           "checkpoint folder (refused if damaged)."}
     )
     report_to: list[str] = field(
-        default_factory=lambda: ["tensorboard"], metadata={"help": "Where metrics go besides metrics.jsonl: tensorboard, none."}
+        default_factory=lambda: ["tensorboard"],
+        metadata={"help": "Trackers that get metrics.jsonl's scalars, comma-separated: tensorboard (<output_dir>/runs), "
+                          "mlflow (MLFLOW_TRACKING_URI, or else a local file store in <output_dir>/mlruns), wandb, "
+                          "trackio; all (every one installed) or none. mlflow, wandb and trackio are extras: "
+                          "pip install 'anygpu[mlflow]'."},
     )
     ddp_timeout: int = field(default=1800, metadata={"help": "Process-group timeout in seconds (collectives and rendezvous)."})
     disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
@@ -288,10 +292,6 @@ class TrainArguments:
             raise UsageError(f"--learning_rate {self.learning_rate} must be positive, e.g. 3e-4.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise UsageError(f"--save_total_limit {self.save_total_limit} must be at least 1 (or leave it out to keep all).")
-        self.report_to = [r for r in self.report_to if r != "none"]
-        for r in self.report_to:
-            if r not in ("tensorboard", "all"):
-                raise UsageError(f"--report_to {r!r} is not supported: use tensorboard or none.")
         if self.auto_micro_batch and self.gradient_accumulation_steps is not None:
             raise UsageError("--per_device_train_batch_size auto with --gradient_accumulation_steps "
                              f"{self.gradient_accumulation_steps}: leave the accumulation out (it follows from the choice).")

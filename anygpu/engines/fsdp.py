@@ -32,7 +32,7 @@ from anygpu.reliability.preempt import Preemption
 from anygpu.runtime import distributed, hardware, parallel
 from anygpu.runtime.faults import test_fault
 from anygpu.runtime.progress import protected
-from anygpu.train import metrics, optim
+from anygpu.train import metrics, optim, trackers
 
 logger = logging.getLogger("anygpu")
 
@@ -120,7 +120,8 @@ class FSDPTrainer:
     """One training run: set-up (checks, data, sharded model, optimizer, resume), then `train()`."""
 
     def __init__(self, model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
-        checked = check_run(model_args, data_args, train_args, distributed.world_size_from_env())  # refuse bad input first
+        train_args.report_to = trackers.resolve(train_args.report_to)  # refuse bad input first
+        checked = check_run(model_args, data_args, train_args, distributed.world_size_from_env())
         run_guard.claim_output_dir(train_args, errors.rank())  # lock, repairs, used output_dir, rewinds
         self.args, self.model_args = train_args, model_args
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
@@ -147,8 +148,9 @@ class FSDPTrainer:
             print(f"rank {info.rank}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
         self.scheduler = optim.build_scheduler(self.optimizer, train_args, prep.total_steps)
-        self.writer = metrics.MetricsWriter(train_args.output_dir, info.is_main, bool({"tensorboard", "all"} & set(train_args.report_to)))
         self.start_step = self._resume(resume) if resume is not None else 0
+        self.writer = metrics.MetricsWriter(train_args.output_dir, info.is_main, train_args.report_to,
+                                            self.start_step if resume is not None else None)
         self.async_saver = self._async_saver()
         self.end_step = min(prep.total_steps, train_args.stop_at_step or prep.total_steps)
         precision = hardware.matmul_precision(train_args.bf16, train_args.fp16, tf32)
@@ -176,7 +178,6 @@ class FSDPTrainer:
                 f"resuming with {G} would change the data order: pass --global_batch_size {state['global_batch_size']}."
             )
         self.resumed_world_size = state["world_size"]
-        self.writer.truncate_after(state["global_step"])
         return state["global_step"]
 
     def _async_saver(self) -> async_store.AsyncCheckpointer | None:
@@ -315,7 +316,12 @@ class FSDPTrainer:
 
 
 def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> dict[str, Any]:
-    return FSDPTrainer(model_args, data_args, train_args).train()
+    trainer = FSDPTrainer(model_args, data_args, train_args)
+    try:
+        return trainer.train()
+    except BaseException:
+        trainer.writer.close(failed=True)  # an MLflow or W&B run ends as failed, not left running (no-op once closed)
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,7 +36,7 @@ from anygpu.errors import UsageError
 
 LOCK = ".anygpu.lock"
 PER_NODE = ("data_cache_dir", "preprocessing_num_workers")  # may differ between nodes
-RUN_FILES = ("metrics.jsonl", "runs", "loss.png", "final")  # what a run leaves besides its checkpoints
+RUN_FILES = ("metrics.jsonl", "runs", "mlruns", "loss.png", "final")  # what a run leaves besides its checkpoints
 
 
 def warn(message: str) -> None:

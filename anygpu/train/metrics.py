@@ -1,4 +1,4 @@
-"""Loss, tokens/s, MFU and memory → console, metrics.jsonl, TensorBoard, loss.png.
+"""Loss, tokens/s, MFU and memory → console, metrics.jsonl, the --report_to trackers, loss.png.
 
 Only the main rank writes; both engines log through `MetricsWriter` so the files have
 the same keys whichever engine made them.
@@ -12,10 +12,12 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import PretrainedConfig
+
+from anygpu.train import trackers
 
 logger = logging.getLogger(__name__)
 
@@ -99,24 +101,18 @@ def perplexity(loss: float) -> float:
 
 
 class MetricsWriter:
-    """Appends one JSON object per record to <output_dir>/metrics.jsonl and mirrors it to TensorBoard."""
+    """Appends one JSON object per record to <output_dir>/metrics.jsonl and sends its scalars to the --report_to trackers."""
 
-    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool) -> None:
+    def __init__(self, output_dir: str, enabled: bool, report_to: Sequence[str] = (), resume_step: int | None = None) -> None:
+        """`report_to`: names from `trackers.resolve`; `resume_step`: the step resumed from, whose later records are dropped."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self.tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        if enabled and resume_step is not None:
+            self._truncate_after(resume_step)
+        self.trackers = trackers.Trackers(list(report_to), output_dir, resume_step) if enabled and report_to else None
 
-            self.tb = SummaryWriter(log_dir=str(Path(output_dir) / "runs"))
-
-    def truncate_after(self, step: int) -> None:
-        """On resume, drop records (and TensorBoard events) of steps past the checkpoint (they will be redone)."""
-        if not self.enabled:
-            return
-        from anygpu.train.event_files import trim_after
-
-        trim_after(self.path.parent / "runs", step)
+    def _truncate_after(self, step: int) -> None:
+        """Drop records of steps past the resumed one (they will be redone); TensorBoard's purge_step does the same there."""
         if not self.path.exists():
             return
         keep = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
@@ -127,16 +123,14 @@ class MetricsWriter:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self.tb.add_scalar(("eval/" if key in ("eval_loss", "perplexity") else "train/") + key, value, record["step"])
-            self.tb.flush()
+        if self.trackers is not None:
+            self.trackers.log(record)
 
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+    def close(self, failed: bool = False) -> None:
+        """Finish the trackers (`failed`: the run ends with an error); a second call does nothing."""
+        if self.trackers is not None:
+            self.trackers.close(failed)
+            self.trackers = None
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

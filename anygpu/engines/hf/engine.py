@@ -25,6 +25,7 @@ from anygpu.engines.hf.gpu_count import check_processes_per_node
 from anygpu.errors import UsageError
 from anygpu.reliability import run_guard
 from anygpu.runtime import blocks, distributed, hardware
+from anygpu.train import trackers
 
 if TYPE_CHECKING:
     from anygpu.data.prepare import Prepared
@@ -76,7 +77,10 @@ def training_arguments(train_args: TrainArguments, plan: hf_strategy.Plan):
         eval_strategy="no",  # FlowCallback decides when to evaluate and save
         save_strategy="no",
         save_total_limit=None,  # checkpoints are rotated after their atomic rename
-        report_to="none",  # MetricsWriter owns metrics.jsonl and TensorBoard
+        # MetricsWriter sends metrics.jsonl's records to the --report_to trackers, as in the FSDP2 engine.
+        # Trainer's own integrations would log its keys, not ours, and its TensorBoardCallback opens
+        # SummaryWriter without purge_step, so a resumed run would show the redone steps twice.
+        report_to="none",
         disable_tqdm=True,  # MetricsCallback owns the bar
         ddp_timeout=train_args.ddp_timeout,
         ddp_backend=plan.ddp_backend,
@@ -155,6 +159,7 @@ def plan_strategy(plan: hf_strategy.Plan, ds_plugin) -> str:
 def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments,
         engine_args: HFEngineArguments) -> dict[str, Any]:
     """Train; return the last logged record (rank 0)."""
+    train_args.report_to = trackers.resolve(train_args.report_to)  # the FSDP2 engine's check and messages
     check_processes_per_node()  # e.g. a config's num_processes: 8 on a 2-GPU node: stop before any work
     on_cpu = hardware.vendor() == "cpu"
     if train_args.fp16 and on_cpu:
@@ -234,10 +239,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     peak = hardware.peak_flops(hardware.devices()[0].name, precision) if targs.device.type == "cuda" else None
     banner_text = banner(prep, model, train_args, plan, tf32)
 
-    writer = metrics.MetricsWriter(train_args.output_dir, is_main,
-                                   "tensorboard" in train_args.report_to or "all" in train_args.report_to)
-    if resume is not None:
-        writer.truncate_after(start_step)
+    writer = metrics.MetricsWriter(train_args.output_dir, is_main, train_args.report_to,
+                                   start_step if resume is not None else None)
     metrics_cb = MetricsCallback(writer, prep, train_args, dp_devices, targs.device, fpt, peak, start_step, end_step, is_main)
     flow_cb = FlowCallback(train_args, prep.total_steps, end_step, targs.device)
     flow_cb.preemption.watch(model)
@@ -273,7 +276,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         prep.tokenizer.save_pretrained(str(Path(train_args.output_dir) / "tokenizer"))
 
     if end_step > start_step:
-        trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+        try:
+            trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+        except BaseException:
+            writer.close(failed=True)  # an MLflow or W&B run ends as failed, not left running
+            raise
     elif is_main:
         print(f"nothing to train: the run is at step {start_step} and ends at {end_step}", flush=True)
     if flow_cb.terminated:

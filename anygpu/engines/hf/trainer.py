@@ -222,7 +222,7 @@ class AnygpuTrainer(Trainer):
 
 
 class MetricsCallback(TrainerCallback):
-    """metrics.jsonl / TensorBoard records with the FSDP2 engine's keys, console lines and the tqdm bar.
+    """metrics.jsonl / --report_to tracker records with the FSDP2 engine's keys, console lines and the tqdm bar.
 
     Trainer logs every --logging_steps steps and at the last step, as the FSDP2 engine does, with the
     logging step's own global-batch mean loss (`AnygpuTrainer.log`): no host sync on other steps.
