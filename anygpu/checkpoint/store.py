@@ -1,7 +1,7 @@
 """Checkpoints: `checkpoint-<step>/` written under a temporary name and renamed when
 complete; sharded model + optimizer through torch.distributed.checkpoint (reloadable on
-any world size), plus scheduler, RNG, data position and arguments. Final export to
-safetensors, gathering one tensor at a time."""
+any world size), plus scheduler, RNG, data position and arguments. The final export is
+`anygpu.checkpoint.export`."""
 from __future__ import annotations
 
 import contextlib

@@ -176,8 +176,9 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
 
     from anygpu.checkpoint import store
     from anygpu.data.prepare import prepare
-    from anygpu.engines.hf.trainer import AnygpuTrainer, FlowCallback, MetricsCallback, export_final, full_state_dict, plain_model_construction, read_anygpu_state
+    from anygpu.engines.hf.trainer import AnygpuTrainer, FlowCallback, MetricsCallback, plain_model_construction, read_anygpu_state, zero3_state_dict
     from anygpu.model import dropout, lora, modeling
+    from anygpu.runtime.progress import protected
     from anygpu.train import metrics
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars between our lines
@@ -290,15 +291,19 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         writer.close()
         distributed.destroy()
         sys.exit(errors.EXIT_PREEMPTED)
-    if end_step == prep.total_steps and end_step > start_step and train_args.export_final and lora.is_peft(model):
-        gathered = full_state_dict(trainer.model, is_main)  # whole tensors on rank 0, whatever the strategy (ZeRO-3 too)
-        out = export.export_adapter(trainer.model, prep.tokenizer, model_args.model_name_or_path, Path(train_args.output_dir) / "final",
-                                  targs.process_index, model_args.merge_lora, gathered)
-        if is_main:
+    if end_step == prep.total_steps and end_step > start_step and train_args.export_final:
+        final = Path(train_args.output_dir) / "final"
+        with protected():  # the preemption watchdog waits for the export, however long
+            gathered = zero3_state_dict(trainer.model, is_main)  # None unless ZeRO-3: export gathers the rest
+            if lora.is_peft(model):
+                out = export.export_adapter(trainer.model, prep.tokenizer, model_args.model_name_or_path, final,
+                                            targs.process_index, model_args.merge_lora, gathered)
+            else:
+                out = export.export_safetensors(trainer.model, prep.config, prep.tokenizer, final, targs.process_index,
+                                                state_dict=gathered)
+        if is_main and lora.is_peft(model):
             print(f"final adapter: {out} (PeftModel.from_pretrained loads it over the base)", flush=True)
-    elif end_step == prep.total_steps and end_step > start_step and train_args.export_final:
-        out = export_final(trainer.model, prep.config, prep.tokenizer, Path(train_args.output_dir) / "final", is_main)
-        if is_main:
+        elif is_main:
             print(f"final model: {out} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
     writer.close()
     if is_main:

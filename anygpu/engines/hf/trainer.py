@@ -36,7 +36,7 @@ from anygpu.data.order import MicroBatchSampler, eval_shards
 from anygpu.data.prepare import Prepared
 from anygpu.model import dropout, moe
 from anygpu.reliability.preempt import Preemption
-from anygpu.runtime import distributed, fs
+from anygpu.runtime import distributed
 from anygpu.runtime.faults import test_fault
 from anygpu.runtime.progress import protected
 from anygpu.train import metrics, optim
@@ -368,49 +368,28 @@ def plain_model_construction(deepspeed_plugin: Any) -> Iterator[None]:
         deepspeed_plugin.set_deepspeed_weakref()
 
 
-def full_state_dict(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
-    """The whole model's tensors on rank 0's CPU (empty elsewhere), gathered one tensor at a time.
+def zero3_state_dict(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor] | None:
+    """ZeRO-3's partitioned model as whole tensors on rank 0's CPU (empty elsewhere); None for any other
+    strategy (DDP, ZeRO-1/2, FSDP2), which `export.gather_full` gathers. Every rank calls it (collective).
 
-    Handles plain modules (DDP, DataParallel, ZeRO-1/2: every rank has every parameter), FSDP2's
-    DTensors and ZeRO-3's partitioned parameters. Every rank must call it (the gathers are collective).
+    Ours, not accelerate's `get_state_dict`: that one needs `zero3_save_16bit_model: true`, which the
+    shipped ZeRO-3 configs leave off (checkpoints hold partitions). One tensor is gathered at a time.
     """
-    from torch.distributed.tensor import DTensor
+    tensors = model.state_dict(keep_vars=True)
+    if not any(hasattr(t, "ds_id") for t in tensors.values()):
+        return None
+    import deepspeed
 
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if hasattr(tensor, "ds_id"):  # a ZeRO-3 partitioned parameter
-            import deepspeed
-
+    for name, tensor in tensors.items():
+        if hasattr(tensor, "ds_id"):  # a partitioned parameter: empty until gathered
             with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
                 full = tensor.data.detach().to("cpu", copy=True) if is_main else None
-        elif isinstance(tensor, DTensor):
-            full = tensor.full_tensor().detach().to("cpu")
-        else:
+        else:  # a buffer: whole on every rank
             full = tensor.detach().to("cpu")
         if is_main and full is not None:
             out[name] = full
     return out
-
-
-def export_final(model: torch.nn.Module, config: Any, tokenizer: Any, out_dir: str | Path, is_main: bool) -> Path:
-    """<out_dir> as Hugging Face safetensors + config + tokenizer, written under a temporary name."""
-    out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp")
-    with protected():  # the preemption watchdog waits for the export, however long
-        _export(model, config, tokenizer, out, tmp, is_main)
-    return out
-
-
-def _export(model: torch.nn.Module, config: Any, tokenizer: Any, out: Path, tmp: Path, is_main: bool) -> None:
-    state = full_state_dict(model, is_main)
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        # save_pretrained handles tied weights (stored once) and shards large models.
-        model.save_pretrained(str(tmp), state_dict=state, is_main_process=True)
-        config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        fs.replace_dir(tmp, out)
-    distributed.barrier()
 
 
 def read_resume_step(path: Path) -> int:
