@@ -22,7 +22,7 @@ from anygpu.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
-SAMPLES_VERSION = "1"
+SAMPLES_VERSION = "2"  # 2: packed rows break ties as TRL's bfd does (oldest row first)
 STATS_FILE = "anygpu_stats.json"
 
 
