@@ -21,7 +21,6 @@ from _common import setup
 from datasets import Dataset, load_from_disk
 
 from anygpu.data.order import GlobalOrder
-from anygpu.data.prefetch import Prefetcher
 from anygpu.engines import fsdp as fsdp_engine
 from anygpu.runtime import distributed
 from anygpu.train import optim
@@ -70,13 +69,13 @@ def main() -> None:
 
     def timed(pr) -> float:
         start = time.perf_counter()
-        prefetcher = Prefetcher(lambda k: fsdp_engine.load_step(pr, k, info), info.device, a.steps)
+        batches = iter(fsdp_engine.steps(pr, info, 0, a.steps))
         for s in range(a.steps):
-            fsdp_engine.train_step(model, pr, s, info, prefetcher)
+            fsdp_engine.train_step(model, pr, s, info, next(batches))
             fsdp_engine.clip_gradients(model, train_args.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        prefetcher.close()
+        del batches  # workers, if any, stop
         if info.device.type == "cuda":
             torch.cuda.synchronize()
         return a.steps / (time.perf_counter() - start)

@@ -2,12 +2,12 @@
 
 One process. The plain loop is what you would write by hand: the unsharded model, AdamW,
 forward/backward per micro-batch, clip, step. Both read the same micro-batches from the packed dataset each step; the engine runs them as
-its loop does: `fsdp_engine.train_step` with the prefetcher (a background thread on a GPU or a spare core; token-normalised loss; FSDP2 wrapping
+its loop does: `fsdp_engine.train_step` on the step DataLoader's items (a worker process on a GPU or a spare core; token-normalised loss; FSDP2 wrapping
 where it shards, i.e. not on one fp32 process), clipping, and the loss and gradient norm read on logging
 steps only (every 10, the default --logging_steps; the plain loop reads them as often).
 Rounds alternate between the two so machine noise hits both alike.
 
-    .venv/bin/python benchmarks/engine_vs_plain.py [--config_name tiny] [--steps 20] [--rounds 3] [--block_size 128]
+    .venv/bin/python benchmarks/engine_vs_plain.py [--config_name tiny] [--steps 20] [--rounds 3] [--block_size 128] [--loader_workers N]
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ anygpu.set_offline_defaults()
 import torch  # noqa: E402
 
 from anygpu.config.args import parse_args  # noqa: E402
-from anygpu.data.prefetch import Prefetcher  # noqa: E402
 from anygpu.data.prepare import prepare  # noqa: E402
 from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
 from anygpu.model import modeling
@@ -49,8 +48,8 @@ def plain_step(model, opt, prep, micro_batches, device, max_norm: float, step: i
         loss.item(), norm.item()
 
 
-def engine_step(model, opt, prep, step, info, max_norm: float, prefetcher) -> None:
-    loss = fsdp_engine.train_step(model, prep, step, info, prefetcher)
+def engine_step(model, opt, prep, step, info, max_norm: float, cpu) -> None:
+    loss = fsdp_engine.train_step(model, prep, step, info, cpu)
     norm = fsdp_engine.clip_gradients(model, max_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -65,6 +64,7 @@ def main() -> None:
     p.add_argument("--global_batch_size", default="8")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--loader_workers", type=int, default=None, help="DataLoader workers (default: the engine's choice)")
     a = p.parse_args()
     model_args, data_args, train_args = parse_args([
         "--config_name", a.config_name, "--block_size", a.block_size, "--global_batch_size", a.global_batch_size,
@@ -88,15 +88,13 @@ def main() -> None:
         return a.steps / (time.perf_counter() - start)
 
     run_plain = lambda s: plain_step(plain, plain_opt, prep, micro[s], info.device, train_args.max_grad_norm, s)  # noqa: E731
-    # each round replays steps 0..steps-1: a fresh prefetcher per round, as a resumed run would start one
-    prefetchers = {}
+    # each round replays steps 0..steps-1: a fresh loader iterator per round, as a resumed run would start one
+    batches = {}
 
     def run_engine(s: int) -> None:
         if s == 0:
-            if prefetchers:
-                prefetchers.pop(0).close()
-            prefetchers[0] = Prefetcher(lambda k: fsdp_engine.load_step(prep, k, info), info.device, a.steps)
-        engine_step(engine, engine_opt, prep, s, info, train_args.max_grad_norm, prefetchers[0])
+            batches[0] = iter(fsdp_engine.steps(prep, info, 0, a.steps, a.loader_workers))
+        engine_step(engine, engine_opt, prep, s, info, train_args.max_grad_norm, next(batches[0]))
 
     run_plain(0), run_engine(0)  # warm-up (allocator, lazy init)
     ratios, plain_rates, engine_rates = [], [], []
@@ -106,8 +104,7 @@ def main() -> None:
         print(f"round {r + 1}: plain {pr:.2f} steps/s, engine {er:.2f} steps/s, ratio {er / pr:.3f}", flush=True)
     print(f"{a.config_name} preset, block {prep.block_size}, {prep.plan.banner()}, {info.device}: "
           f"{'FSDP2-sharded' if parallel.is_sharded(engine) else 'unsharded'} engine: engine/plain steps/s = {statistics.median(ratios):.3f} (median of {a.rounds} rounds of {a.steps} steps; target ≥ 0.97)")
-    for p in prefetchers.values():
-        p.close()
+    batches.clear()  # workers, if any, stop
     distributed.destroy()
 
 

@@ -1,6 +1,6 @@
 """The fast paths change no result: one process trains unsharded with FSDP2's losses, checkpoints
-cross between plain tensors (1 rank) and DTensors (2 ranks), resume stays exact with the background
-prefetch and with asynchronous saves, and a run killed mid-save resumes from the previous checkpoint."""
+cross between plain tensors (1 rank) and DTensors (2 ranks), resume stays exact with the step
+DataLoader and with asynchronous saves, and a run killed mid-save resumes from the previous checkpoint."""
 import json
 
 import pytest
@@ -25,7 +25,7 @@ def test_one_rank_unsharded_has_fsdp2_losses(tmp_path):
 def async_runs(tmp_path_factory) -> dict:
     """2 ranks with background saves at steps 3, 6, 9; 1 rank resumed from that async checkpoint-6
     (DTensors → plain tensors); 1 rank killed during checkpoint-6's background write, resumed on 2
-    (plain tensors → DTensors). The 1-rank runs read their batches on the prefetch thread (a spare core)."""
+    (plain tensors → DTensors). The 1-rank runs read their batches in a DataLoader worker where a core is spare."""
     base, resumed, crashed = (tmp_path_factory.mktemp(n) for n in ("async2", "from6", "crash"))
     saves = ["--save_steps", "3", "--save_total_limit", "10", "--async_save", "true"]
     torchrun(2, SCRIPT, [*TEN, *saves, "--output_dir", str(base)])

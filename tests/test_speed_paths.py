@@ -152,24 +152,6 @@ def test_gpu_matrix_without_a_gpu_prints_its_plan_and_exits_0():
     assert proc.stdout.count("--bf16 true") == 7
 
 
-def test_background_prefetch_gives_the_batches_and_counts_of_inline_reads():
-    from anygpu.data.prefetch import Prefetcher, read_now
-
-    g = torch.Generator().manual_seed(0)
-    data = {s: [{"input_ids": torch.randint(0, 50, (2, 9), generator=g)} for _ in range(3)] for s in range(12)}
-    for step_batches in data.values():
-        for b in step_batches:
-            b["labels"] = b["input_ids"].masked_fill(b["input_ids"] < 10, -100)  # masked targets are not counted
-    load = lambda s: [dict(b) for b in data[s]]  # noqa: E731
-    pf = Prefetcher(load, torch.device("cpu"), end_step=12, background=True)
-    for step in [0, 1, 2, 3, 7, 8, 11]:  # in order, and a jump (a resume) that the pending read does not match
-        got, want = pf.get(step), read_now(load(step), torch.device("cpu"))
-        assert got.num_targets.item() == want.num_targets.item() == sum(int((b["labels"][:, 1:] != -100).sum()) for b in data[step])
-        assert all(torch.equal(a[k], b[k]) for a, b in zip(got.micro_batches, want.micro_batches) for k in a)
-    assert pf.pending is None  # nothing read past the last step
-    pf.close()
-
-
 def test_cpu_adamw_is_the_fused_kernel_with_the_loops_updates():
     """On CPU the optimizer is AdamW's fused kernel (torch's CPU default loops over the parameters in
     Python, 4-6x slower); its updates are the loop's to float rounding, decay groups included."""

@@ -1,5 +1,5 @@
 """Training data: sources (raw files, hub, stdlib), tokenizer (load or train a BPE), formats (text,
 prompt-completion, messages: detection, masks, truncation), chat_template (rendering, assistant tokens,
 the default template), packing (raw text into blocks), collate (samples packed or padded into batches),
-samples (the cached encoded rows), order (the seeded global order). Tokenising and packing run once per
+samples (the cached encoded rows), order (the seeded global order), loader (its steps through a DataLoader). Tokenising and packing run once per
 corpus × tokenizer × options."""

@@ -34,7 +34,7 @@ class GlobalOrder:
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """The order of epoch `epoch`; the current epoch's is kept, so a step costs a slice, whatever the corpus."""
-        cached = self._cached[0] if self._cached else None  # one read: the prefetch thread also calls this
+        cached = self._cached[0] if self._cached else None  # one read: safe if another thread calls this too
         if cached is not None and cached[0] == epoch:
             return cached[1]
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -53,6 +53,21 @@ class GlobalOrder:
         share = self.global_batch(step)[rank * plan.sequences_per_rank : (rank + 1) * plan.sequences_per_rank]
         m = plan.per_device_train_batch_size
         return [share[j * m : (j + 1) * m] for j in range(plan.gradient_accumulation_steps)]
+
+
+class StepSampler(torch.utils.data.Sampler):
+    """Yields (step, this rank's micro-batches of it) for steps [start_step, end_step): one DataLoader item per step."""
+
+    def __init__(self, order: GlobalOrder, plan: BatchPlan, rank: int, start_step: int, end_step: int) -> None:
+        self.order, self.plan, self.rank = order, plan, rank
+        self.start_step, self.end_step = start_step, end_step
+
+    def __iter__(self) -> Iterator[tuple[int, list[list[int]]]]:
+        for step in range(self.start_step, self.end_step):
+            yield step, self.order.micro_batches(step, self.plan, self.rank)
+
+    def __len__(self) -> int:
+        return max(0, self.end_step - self.start_step)
 
 
 class MicroBatchSampler(torch.utils.data.Sampler):

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -21,8 +21,8 @@ from anygpu import errors
 from anygpu.checkpoint import async_store, export, resume_guard, store
 from anygpu.config.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.data.collate import Collator, count_targets
+from anygpu.data.loader import StepBatches, read_step, step_loader
 from anygpu.data.order import eval_shards
-from anygpu.data.prefetch import Prefetcher, read_now
 from anygpu.data.prepare import Prepared, check_run, prepare, summary_lines
 from anygpu.errors import UsageError
 from anygpu.model import dropout, lora, modeling, moe
@@ -75,21 +75,26 @@ def evaluate(model, dataset, collator: Collator, batch_size: int, info: distribu
     return (totals[0] / totals[1]).item()
 
 
-def load_step(prep: Prepared, step: int, info: distributed.DistInfo) -> list[dict[str, torch.Tensor]]:
-    """This rank's micro-batches of optimizer step `step` (0-based), read on the CPU."""
-    return [prep.collator.read(prep.datasets["train"], idx) for idx in prep.order.micro_batches(step, prep.plan, info.rank)]
+def steps(prep: Prepared, info: distributed.DistInfo, start_step: int, end_step: int,
+          num_workers: int | None = None) -> torch.utils.data.DataLoader:
+    """This rank's optimizer steps [start_step, end_step) (0-based), read ahead by a DataLoader."""
+    return step_loader(prep.datasets["train"], prep.collator, prep.order, prep.plan, info.rank, start_step, end_step,
+                       info.device, num_workers)
 
 
-def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo, prefetcher: Prefetcher | None = None) -> torch.Tensor:
-    """Forward/backward of one optimizer step's micro-batches; returns this rank's part of the global-batch
-    mean loss, on the device (no host sync here: `global_loss` sums it over the ranks at logging steps)."""
-    micro = prep.order.micro_batches(step, prep.plan, info.rank)  # data set indices of each micro-batch
-    got = prefetcher.get(step) if prefetcher is not None else read_now(load_step(prep, step, info), info.device)
+def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo, cpu: StepBatches | None = None) -> torch.Tensor:
+    """Forward/backward of one optimizer step's micro-batches (`cpu`: the loader's item for `step`, else read
+    now); returns this rank's part of the global-batch mean loss, on the device (no host sync here:
+    `global_loss` sums it over the ranks at logging steps)."""
+    if cpu is None:
+        cpu = read_step(prep.datasets["train"], prep.collator, prep.order, prep.plan, info.rank, step)
+    assert cpu.step == step, f"the loader gave step {cpu.step} for step {step}"
+    got = cpu.to(info.device)
     # The target tokens of the whole global batch (ranks and micro-batches hold different counts with
     # padded or masked data); labels are shifted inside the model, so position 0 is never a target.
     num_targets = distributed.all_reduce_sum(got.num_targets)
     loss_sum = torch.zeros((), device=info.device)
-    for j, (batch, idx) in enumerate(zip(got.micro_batches, micro)):
+    for j, (batch, idx) in enumerate(zip(got.micro_batches, got.indices)):
         if parallel.is_sharded(model):
             model.set_requires_gradient_sync(j == len(got.micro_batches) - 1)  # reduce-scatter once per step
         with dropout.keys(model, step, idx):  # masks keyed by sample, also in checkpointing's recomputation
@@ -157,6 +162,7 @@ class FSDPTrainer:
         self.peak_flops = hardware.peak_flops(hardware.devices()[0].name, precision) if info.device.type == "cuda" else None
         self.flops_per_token = metrics.flops_per_token(prep.config, modeling.count_parameters(self.model, exclude_embeddings=True), prep.block_size)
         self.last: dict[str, Any] = {}
+        self.batches: Iterator[StepBatches] | None = None  # train()'s iterator over the step loader
         if info.is_main:
             print(banner(prep, self.model, train_args, tf32), flush=True)
             if self.auto_probe is not None:
@@ -225,10 +231,10 @@ class FSDPTrainer:
             rec["max_memory_allocated_gb"] = mem
         self._log(rec)
 
-    def optimizer_step(self, step: int) -> tuple[torch.Tensor, float, torch.Tensor]:
-        """Step `step` (1-based): forward/backward, clip, AdamW, schedule. Returns this rank's loss part, lr,
-        grad norm (tensors: read them on logging steps only, so the host runs ahead of the device)."""
-        loss = train_step(self.model, self.prep, step - 1, self.info, self.prefetcher)
+    def optimizer_step(self, step: int, cpu: StepBatches) -> tuple[torch.Tensor, float, torch.Tensor]:
+        """Step `step` (1-based) on its loader item: forward/backward, clip, AdamW, schedule. Returns this rank's
+        loss part, lr, grad norm (tensors: read them on logging steps only, so the host runs ahead of the device)."""
+        loss = train_step(self.model, self.prep, step - 1, self.info, cpu)
         grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -246,10 +252,10 @@ class FSDPTrainer:
         bar = tqdm(total=self.end_step, initial=self.start_step, disable=args.disable_tqdm or not info.is_main,
                    desc="train", unit="step", dynamic_ncols=True)
         self.model.train()
-        self.prefetcher = Prefetcher(lambda s: load_step(self.prep, s, info), info.device, self.end_step)
+        self.batches = iter(steps(self.prep, info, self.start_step, self.end_step))  # 0-based steps
         window = metrics.ThroughputWindow()
         for step in range(self.start_step + 1, self.end_step + 1):
-            loss, lr, grad_norm = self.optimizer_step(step)
+            loss, lr, grad_norm = self.optimizer_step(step, next(self.batches))
             if step == self.start_step + 1 and info.is_main:
                 if info.device.type == "cuda":
                     torch.cuda.synchronize()  # once: the first step's time must count its finished work
@@ -307,8 +313,7 @@ class FSDPTrainer:
     def close(self, bar: tqdm | None = None) -> None:
         if bar is not None:
             bar.close()
-        if getattr(self, "prefetcher", None) is not None:
-            self.prefetcher.close()
+        self.batches = None  # the DataLoader iterator's workers stop when it is dropped
         if self.async_saver is not None:
             self.async_saver.close()  # a write still in flight completes and commits before exit
         self.writer.close()
