@@ -170,7 +170,7 @@ def test_a_model_change_and_the_other_engines_checkpoint_get_a_message(reference
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     cfg = tmp_path / "wider.json"
-    cfg.write_text((ROOT / "anygpu" / "presets" / "tiny.json").read_text().replace('"intermediate_size": ', '"intermediate_size": 1'))
+    cfg.write_text((ROOT / "anygpu" / "config" / "presets" / "tiny.json").read_text().replace('"intermediate_size": ', '"intermediate_size": 1'))
     with pytest.raises(SystemExit):
         main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest", "--config_name", str(cfg)])
     assert "model config intermediate_size" in capsys.readouterr().err
