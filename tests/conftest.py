@@ -65,3 +65,11 @@ def assert_close(a: dict[int, float], b: dict[int, float], rel: float, steps=Non
     assert steps and all(s in a and s in b for s in steps), f"missing steps: {steps} vs {sorted(a)} / {sorted(b)}"
     worst = max(abs(a[s] - b[s]) / abs(a[s]) for s in steps)
     assert worst <= rel, "losses differ: " + ", ".join(f"{s}: {a[s]:.7f} vs {b[s]:.7f}" for s in steps)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Files that start training processes first, the quick ones last: xdist hands out whole files
+    (--dist loadfile) in this order, so the last minute of the run is quick files filling both workers
+    rather than one long file keeping one worker busy while the other idles."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: file and test order kept within each group
