@@ -9,7 +9,7 @@ import math
 
 import pytest
 from conftest import TINY, assert_close, losses
-from test_hf_engine import accelerate, records
+from test_hf_engine import accelerate, one_process_run, records, stopped_copy
 
 pytestmark = pytest.mark.slow  # starts training processes
 
@@ -18,12 +18,13 @@ TEN = [*TINY, "--max_steps", "10", "--max_eval_samples", "24"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    out = {name: tmp_path_factory.mktemp(name) for name in ("ddp1", "zero2", "zero3")}
-    accelerate("ddp", 1, [*TEN, "--output_dir", str(out["ddp1"]), "--export_final", "false"])
-    # ZeRO-2 with accumulation (2 per device × 2 devices × 2 steps), ZeRO-3 without (4 × 2 × 1)
+    out = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3")}
+    out["ddp1"], _ = one_process_run(tmp_path_factory)  # the same run as test_hf_engine.py's 1-process one
+    # ZeRO-2 with accumulation (2 per device × 2 devices × 2 steps), ZeRO-3 without (4 × 2 × 1), ZeRO-3 also
+    # saving checkpoint-5 for the resume test
     out["zero2_proc"] = accelerate("deepspeed_zero2", 2, [*TEN, "--output_dir", str(out["zero2"]),
                                                          "--per_device_train_batch_size", "2", "--export_final", "false"])
-    out["zero3_proc"] = accelerate("deepspeed_zero3", 2, [*TEN, "--output_dir", str(out["zero3"])])
+    out["zero3_proc"] = accelerate("deepspeed_zero3", 2, [*TEN, "--output_dir", str(out["zero3"]), "--save_steps", "5"])
     return out
 
 
@@ -65,8 +66,11 @@ def test_zero3_checkpoint_holds_partitions_and_export_holds_the_model(runs):
 
 
 def test_zero3_resume_at_the_exact_position(runs, tmp_path):
+    """checkpoint-5 of the ZeRO-3 run (its partitions, and its metrics up to step 5), resumed up to 10."""
     args = [*TEN, "--output_dir", str(tmp_path), "--export_final", "false"]
-    accelerate("deepspeed_zero3", 2, [*args, "--stop_at_step", "5"])
+    assert sorted(p.name for p in runs["zero3"].glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-5"]
+    assert (runs["zero3"] / "checkpoint-5" / "latest").read_text().strip() == "global_step5"
+    stopped_copy(runs["zero3"], 5, tmp_path)
     assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-5"]
     # by path this time (the DDP tests resume with "latest")
     proc = accelerate("deepspeed_zero3", 2, [*args, "--resume_from_checkpoint", str(tmp_path / "checkpoint-5")])

@@ -3,12 +3,16 @@
 Face loads with the trained weights, atomic checkpoints, the FSDP2 engine's outputs, SIGTERM saves."""
 from __future__ import annotations
 
+import fcntl
 import json
 import math
+import os
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import BIN, ROOT, TINY, assert_close, env, losses, python, run
@@ -31,14 +35,45 @@ def records(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def shared_run(tmp_path_factory, name: str, launch) -> tuple[Path, SimpleNamespace]:
+    """`launch(output_dir)` once per pytest session, read by every test file that needs it, also across
+    pytest-xdist workers (a lock in the session's temporary folder): (output_dir, its stdout)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: <session>/popen-gwN
+    out, stdout = root / f"shared-{name}", root / f"shared-{name}.stdout"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stdout.exists():
+            shutil.rmtree(out, ignore_errors=True)  # what a failed attempt left
+            out.mkdir()
+            stdout.write_text(launch(out).stdout)
+    return out, SimpleNamespace(stdout=stdout.read_text())
+
+
+def one_process_run(tmp_path_factory) -> tuple[Path, SimpleNamespace]:
+    """10 steps on 1 process (8 per device × 1 accumulation step): the reference of this file and of
+    test_hf_deepspeed.py, one run for both."""
+    return shared_run(tmp_path_factory, "ddp1", lambda out: accelerate(
+        "ddp", 1, [*TEN, "--output_dir", str(out), "--export_final", "false"]))
+
+
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory) -> dict[str, Path]:
-    """10 steps on 1 process (8 per device × 1 accumulation step) and on 2 processes (2 × 2 × 2)."""
-    out = {"ws1": tmp_path_factory.mktemp("ddp1"), "ws2": tmp_path_factory.mktemp("ddp2")}
-    out["proc1"] = accelerate("ddp", 1, [*TEN, "--output_dir", str(out["ws1"]), "--export_final", "false"])
+    """10 steps on 1 process (8 per device × 1 accumulation step) and on 2 processes (2 × 2 × 2), the
+    latter also saving checkpoint-5, which the resume test resumes from."""
+    out = {"ws2": tmp_path_factory.mktemp("ddp2")}
+    out["ws1"], out["proc1"] = one_process_run(tmp_path_factory)
     out["proc2"] = accelerate("ddp", 2, [*TEN, "--output_dir", str(out["ws2"]), "--per_device_train_batch_size", "2",
-                                         "--report_to", "tensorboard", "--eval_on_start", "true"])
+                                         "--report_to", "tensorboard", "--eval_on_start", "true", "--save_steps", "5"])
     return out
+
+
+def stopped_copy(run_dir: Path, step: int, dest: Path) -> None:
+    """`dest` as a run that stopped after `step` leaves it: checkpoint-<step> and the metrics up to it."""
+    dest.mkdir(exist_ok=True)
+    shutil.copytree(run_dir / f"checkpoint-{step}", dest / f"checkpoint-{step}")
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (dest / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= step))
 
 
 def test_world_size_invariance(ddp):
@@ -73,14 +108,15 @@ def test_outputs_match_the_fsdp2_engines(ddp):
 
 def test_checkpoints_are_complete_and_atomic(ddp):
     out = ddp["ws2"]
-    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-10"]
-    ckpt = out / "checkpoint-10"
-    for name in ("trainer_state.json", "anygpu_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
-                 "rng_state_0.pth", "rng_state_1.pth"):
-        assert (ckpt / name).exists(), name
-    state = json.loads((ckpt / "anygpu_state.json").read_text())
-    assert state == {"global_step": 10, "global_batch_size": 8, "world_size": 2, "seed": 42,
-                     "num_train_samples": state["num_train_samples"], "total_steps": 10, "strategy": "ddp"}
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-5"]  # --save_steps 5
+    for step in (5, 10):
+        ckpt = out / f"checkpoint-{step}"
+        for name in ("trainer_state.json", "anygpu_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
+                     "rng_state_0.pth", "rng_state_1.pth"):
+            assert (ckpt / name).exists(), name
+        state = json.loads((ckpt / "anygpu_state.json").read_text())
+        assert state == {"global_step": step, "global_batch_size": 8, "world_size": 2, "seed": 42,
+                         "num_train_samples": state["num_train_samples"], "total_steps": 10, "strategy": "ddp"}
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging folder left behind
 
 
@@ -110,12 +146,12 @@ def test_final_export_round_trip(ddp):
 
 
 def test_resume_at_the_exact_position_on_another_world_size(ddp, tmp_path):
-    """5 steps on 2 processes, then --resume_from_checkpoint latest on 1 process up to 10: steps 6-10
-    are those of the straight run."""
+    """checkpoint-5 of the 2-process run (and its metrics up to step 5), then --resume_from_checkpoint
+    latest on 1 process up to 10: steps 6-10 are those of the straight run. (--stop_at_step's own
+    output, one checkpoint and no export, is asserted in test_lora.py's HF engine run.)"""
     args = [*TEN, "--output_dir", str(tmp_path), "--export_final", "false"]
-    accelerate("ddp", 2, [*args, "--stop_at_step", "5"])
-    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-5"]
-    assert not (tmp_path / "final").exists() and sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
+    stopped_copy(ddp["ws2"], 5, tmp_path)
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
     proc = accelerate("ddp", 1, [*args, "--resume_from_checkpoint", "latest"])
     assert "at step 5 (was 2 devices, now 1)" in proc.stdout
     resumed = losses(tmp_path)

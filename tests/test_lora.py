@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY, losses, torchrun
+from conftest import TINY, losses, python, torchrun
 
 SCRIPT = "run_fsdp_standalone.py"
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
@@ -51,9 +51,10 @@ def lora(tmp_path_factory) -> dict:
     before = digest(base)
     one, two = tmp_path_factory.mktemp("lora-ws1"), tmp_path_factory.mktemp("lora-ws2")
     args = [*ARGS, "--model_name_or_path", str(base)]
-    proc = torchrun(1, SCRIPT, [*args, "--output_dir", str(one), "--merge_lora", "true"])
+    # one rank: plain python (a 1-rank group of its own), no torchrun agent process
+    proc = python(SCRIPT, [*args, "--output_dir", str(one), "--merge_lora", "true"])
     torchrun(2, SCRIPT, [*args, "--output_dir", str(two), "--stop_at_step", "2"])
-    resumed = torchrun(1, SCRIPT, [*args, "--output_dir", str(two), "--resume_from_checkpoint", "latest"])
+    resumed = python(SCRIPT, [*args, "--output_dir", str(two), "--resume_from_checkpoint", "latest"])
     return {"base": base, "before": before, "one": one, "two": two, "stdout": proc.stdout, "resumed": resumed.stdout}
 
 
@@ -111,12 +112,14 @@ def test_tokenizer_and_chat_template_carried(lora):
 
 @pytest.mark.slow
 def test_hf_engine_trains_the_same_adapter(lora, tmp_path):
-    """The HF engine (one process, DDP config) from the same folder, stopped after step 2 and resumed:
-    the FSDP2 engine's losses, and a PEFT adapter at the end."""
+    """The HF engine (one process, DDP config) from the same folder, stopped after step 2 (its checkpoint
+    only, no export) and resumed: the FSDP2 engine's losses, and a PEFT adapter at the end."""
     from test_hf_engine import accelerate
 
     args = [*ARGS, "--model_name_or_path", str(lora["base"]), "--output_dir", str(tmp_path)]
     accelerate("ddp", 1, [*args, "--stop_at_step", "2"])
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-2"]  # --stop_at_step: one checkpoint,
+    assert not (tmp_path / "final").exists() and sorted(losses(tmp_path)) == [1, 2]  # no export, its steps only
     accelerate("ddp", 1, [*args, "--resume_from_checkpoint", "latest"])
     hf, fsdp = losses(tmp_path), losses(lora["one"])
     assert sorted(hf) == [1, 2, 3, 4]
