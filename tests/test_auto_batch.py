@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import TINY, assert_close, losses, torchrun
+from conftest import TINY, assert_close, losses
 
 from anygpu.config.args import parse_args
 from anygpu.planning import auto_batch, memory_plan
@@ -47,13 +47,15 @@ def budget_gb_between(m_fit: int, m_too_big: int, world: int) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """2 ranks, G = 8 (4 sequences per rank): auto under a budget that fits 2 but not 4, and m = 2 by hand."""
+    """2 ranks, G = 8 (4 sequences per rank): auto under a budget that fits 2 but not 4, and m = 2 by hand,
+    one after the other in one torchrun launch (each run's own stdout)."""
+    from test_sft import fsdp_runs
+
     common = [*TINY, "--max_steps", "4", "--export_final", "false"]
     auto_dir, hand_dir = tmp_path_factory.mktemp("auto"), tmp_path_factory.mktemp("hand")
-    auto = torchrun(2, "run_fsdp_standalone.py", [*common, "--output_dir", str(auto_dir),
-                    "--per_device_train_batch_size", "auto", "--max_memory_per_device_gb", str(budget_gb_between(2, 4, 2))])
-    hand = torchrun(2, "run_fsdp_standalone.py", [*common, "--output_dir", str(hand_dir),
-                    "--per_device_train_batch_size", "2"])
+    auto, _ = fsdp_runs(2, [[*common, "--output_dir", str(auto_dir), "--per_device_train_batch_size", "auto",
+                             "--max_memory_per_device_gb", str(budget_gb_between(2, 4, 2))],
+                            [*common, "--output_dir", str(hand_dir), "--per_device_train_batch_size", "2"]])
     return auto, auto_dir, hand_dir
 
 
@@ -61,9 +63,9 @@ def runs(tmp_path_factory):
 def test_auto_picks_the_largest_fitting_divisor_on_every_rank(runs):
     auto, _, _ = runs
     # ranks print at once (lines may interleave): find each rank's choice
-    assert sorted(re.findall(r"rank (\d): micro-batch auto → (\d+)", auto.stdout)) == [("0", "2"), ("1", "2")]
-    assert "global batch 8 = 2 per device × 2 devices × 2 accumulation steps" in auto.stdout
-    assert "micro-batch auto (estimated" in auto.stdout and "4 → " in auto.stdout and "too big" in auto.stdout
+    assert sorted(re.findall(r"rank (\d): micro-batch auto → (\d+)", auto)) == [("0", "2"), ("1", "2")]
+    assert "global batch 8 = 2 per device × 2 devices × 2 accumulation steps" in auto
+    assert "micro-batch auto (estimated" in auto and "4 → " in auto and "too big" in auto
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY, losses, torchrun
+from conftest import TINY, losses, python, torchrun
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
@@ -31,7 +31,7 @@ ARGS = [*TINY, "--max_steps", "3", "--max_eval_samples", "2", "--save_total_limi
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, Path]:
-    """Every family on 1 and 2 ranks: one torchrun launch per world size."""
+    """Every family on 1 and 2 ranks: one launch per world size (plain python for one rank, torchrun for two)."""
     cfg = tmp_path_factory.mktemp("configs")
     paths = []
     for name, data in FAMILIES.items():
@@ -41,7 +41,11 @@ def runs(tmp_path_factory) -> dict[int, Path]:
     for n in (1, 2):
         out[n] = tmp_path_factory.mktemp(f"families-ws{n}")
         export = ["--export_final", str(n == 2).lower()]  # the 2-rank run's export is the one loaded
-        torchrun(n, "tests/scripts/families.py", [str(out[n]), *paths, "--", *ARGS, *export], timeout=600)
+        args = [str(out[n]), *paths, "--", *ARGS, *export]
+        if n == 1:
+            python("tests/scripts/families.py", args, timeout=600)
+        else:
+            torchrun(n, "tests/scripts/families.py", args, timeout=600)
     return out
 
 
@@ -123,12 +127,13 @@ def test_engines_and_world_sizes_start_equal(runs, name):
 def test_hf_engine_matches_with_dropout(runs, tmp_path):
     """OPT as shipped (dropout 0.1): the HF engine on one process follows the FSDP2 engine's 2-rank curve,
     so both engines start from the same weights and draw the same masks. (GPT-2 would do too, but Trainer
-    counts its target tokens including position 0 until the HF engine counts them itself.)"""
-    from test_hf_engine import accelerate
+    counts its target tokens including position 0 until the HF engine counts them itself.) One process:
+    plain python, as `accelerate launch --num_processes 1` would exec it, without the launcher's start-up."""
 
     config = runs[2].parent / "hf-opt.json"
     config.write_text(json.dumps(FAMILIES["opt"]))
-    proc = accelerate("ddp", 1, [*ARGS, "--config_name", str(config), "--output_dir", str(tmp_path), "--export_final", "false"])
+    proc = python("run_hf_standalone.py", [*ARGS, "--config_name", str(config), "--output_dir", str(tmp_path),
+                                           "--export_final", "false"])
     assert "masks keyed by (seed, step, sample, call site)" in proc.stdout
     hf, fsdp = losses(tmp_path), losses(runs[2] / "opt" / "run")
     assert sorted(hf) == [1, 2, 3]

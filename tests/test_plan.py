@@ -9,7 +9,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import TINY, torchrun
+from conftest import TINY, python, torchrun
 
 from anygpu.planning import memory_plan
 from anygpu.tools import cli
@@ -19,13 +19,29 @@ STATES = ("parameters", "gradients", "optimizer")
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    """Per-rank bytes of parameters, gradients and optimizer state of real FSDP2 runs (fp32, full)."""
+def lora_base(tmp_path_factory):
+    """A small pretrained model folder for the LoRA runs, and its shapes with r = 4 adapters on every linear."""
+    from test_lora import build_base
+
+    base = tmp_path_factory.mktemp("lora-base")
+    build_base(base)
+    shapes, _, _ = plan_tool.load_shapes(str(base), None, 4, ("all-linear",))
+    return base, shapes
+
+
+@pytest.fixture(scope="module")
+def measured(lora_base, tmp_path_factory):
+    """Per-rank bytes of parameters, gradients and optimizer state of real FSDP2 runs (fp32, full): the tiny and
+    default presets, and LoRA over the base, all in one launch per world size (plain python for one rank)."""
     out = {}
+    args = [a for a in TINY if a not in ("--config_name", "tiny")]
+    lora = [*args, "--model_name_or_path", str(lora_base[0]), "--use_peft", "true", "--lora_r", "4",
+            "--lora_target_modules", "all-linear"]
     for nproc in (1, 2):
-        args = [a for a in TINY if a not in ("--config_name", "tiny")]
-        proc = torchrun(nproc, "tests/scripts/state_bytes.py",
-                        ["tiny,default", *args, "--output_dir", str(tmp_path_factory.mktemp(f"states{nproc}"))])
+        groups = ["tiny,default", *args, "--output_dir", str(tmp_path_factory.mktemp(f"states{nproc}")), ":::",
+                  "pretrained", *lora, "--output_dir", str(tmp_path_factory.mktemp(f"lora-states{nproc}"))]
+        proc = (python("tests/scripts/state_bytes.py", groups) if nproc == 1
+                else torchrun(nproc, "tests/scripts/state_bytes.py", groups))
         for line in proc.stdout.splitlines():
             if line.startswith("BYTES "):
                 _, preset, data = line.split(" ", 2)
@@ -47,24 +63,16 @@ def test_planned_model_states_equal_the_sharded_tensors(measured, preset, nproc)
 
 
 @pytest.mark.slow
-def test_planned_lora_states_equal_the_sharded_tensors(tmp_path_factory):
+def test_planned_lora_states_equal_the_sharded_tensors(measured, lora_base):
     """LoRA: the frozen base's parameters, and gradients and AdamW state of the adapter only, as planned."""
-    from test_lora import build_base
-
-    base = tmp_path_factory.mktemp("lora-base")
-    build_base(base)
-    args = [a for a in TINY if a not in ("--config_name", "tiny")] + [
-        "--model_name_or_path", str(base), "--use_peft", "true", "--lora_r", "4", "--lora_target_modules", "all-linear"]
-    shapes, _, _ = plan_tool.load_shapes(str(base), None, 4, ("all-linear",))
+    shapes = lora_base[1]
     assert 0 < shapes.num_trainable < sum(p.numel for p in shapes.params) / 10
     for nproc in (1, 2):
-        proc = torchrun(nproc, "tests/scripts/state_bytes.py",
-                        ["pretrained", *args, "--output_dir", str(tmp_path_factory.mktemp(f"lora-states{nproc}"))])
-        real = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("BYTES ")).split(" ", 2)[2])
-        for rank, measured in enumerate(real):
+        real = measured["pretrained", nproc]
+        for rank, m in enumerate(real):
             planned, _ = memory_plan.model_state_bytes(shapes, "fsdp2", "fp32", nproc, rank)
             for key in STATES:
-                assert abs(planned[key] - measured[key]) <= 0.01 * measured[key], (nproc, rank, key, planned, measured)
+                assert abs(planned[key] - m[key]) <= 0.01 * m[key], (nproc, rank, key, planned, m)
 
 
 def test_states_shard_by_n_and_sum_to_16_bytes_per_parameter():

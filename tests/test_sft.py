@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
-from conftest import TINY, assert_close, losses, python, torchrun
-from test_hf_engine import accelerate
+from conftest import BIN, TINY, assert_close, losses, python, run, torchrun
 
 from anygpu.config.args import parse_args
 from anygpu.data.prepare import prepare
@@ -19,6 +19,7 @@ from anygpu.runtime.distributed import DistInfo
 pytestmark = pytest.mark.slow
 
 WORDS = "the sky is blue and green red cat dog runs fast slow why how".split()
+RUNS, SEP = "tests/scripts/fsdp_runs.py", ":::"
 COMMON = [*TINY, "--vocab_size", "400", "--block_size", "128", "--export_final", "false", "--max_eval_samples", "8"]
 
 
@@ -43,15 +44,71 @@ def chat_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def chat_runs(chat_file, tmp_path_factory):
-    """FSDP2 engine on 1, 2 and 3 ranks, HF engine on 2 processes: 6 conversations-rows per step, 5 steps."""
+def pc_file(tmp_path_factory):
+    """Random prompts (1 to 30 words) that end with '=>', one fixed completion."""
+    rng = random.Random(1)
+    path = tmp_path_factory.mktemp("completion") / "pc.jsonl"
+    path.write_text("".join(json.dumps({"prompt": sentence(rng, 1, 30) + " =>", "completion": " the cat runs fast"}) + "\n"
+                            for _ in range(300)))
+    return path
+
+
+def fsdp_runs(nproc: int, runs: list[list[str]], **kw) -> list[str]:
+    """Several FSDP2-engine runs in one launch (tests/scripts/fsdp_runs.py: plain python for one rank,
+    torchrun for more): one process start-up for all of them. Returns each run's part of stdout."""
+    args = [a for r in runs for a in (SEP, *r)][1:]
+    proc = python(RUNS, args, **kw) if nproc == 1 else torchrun(nproc, RUNS, args, **kw)
+    parts = re.split(r"^=== run \d+ ===$", proc.stdout, flags=re.MULTILINE)[1:]
+    assert len(parts) == len(runs), proc.stdout[-3000:]
+    return parts
+
+
+def hf_runs(nproc: int, runs: list[list[str]], **kw) -> list[str]:
+    """Several HF-engine runs in one `accelerate launch` (DDP config) of tests/scripts/hf_runs.py."""
+    args = [a for r in runs for a in (SEP, *r)][1:]
+    proc = run([str(BIN / "accelerate"), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes",
+                str(nproc), "tests/scripts/hf_runs.py", *args], **kw)
+    parts = re.split(r"^=== run \d+ ===$", proc.stdout, flags=re.MULTILINE)[1:]
+    assert len(parts) == len(runs), proc.stdout[-3000:]
+    return parts
+
+
+@pytest.fixture(scope="module")
+def sft_runs(chat_file, pc_file, tmp_path_factory):
+    """Every run of this module: one launch per world size (1, 2, 3 ranks) of the FSDP2 engine, one of the
+    HF engine (2 processes). Chat: 6 conversations-rows per step, 5 steps on 1, 2, 3 ranks and the HF engine on 2 processes.
+    Prompt-completion: the loss on the completion only (the default) and on every token, 30 steps; 5 steps
+    of the first on 2 ranks; and 4 steps of a global batch of 6 on 1 and 3 ranks and on the HF engine."""
     out = tmp_path_factory.mktemp("chat-runs")
-    args = [*COMMON, "--train_file", str(chat_file), "--global_batch_size", "6", "--max_steps", "5"]
-    torchrun(1, "run_fsdp_standalone.py", [*args, "--per_device_train_batch_size", "3", "--output_dir", str(out / "f1")])
-    torchrun(2, "run_fsdp_standalone.py", [*args, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f2")])
-    torchrun(3, "run_fsdp_standalone.py", [*args, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f3")])
-    accelerate("ddp", 2, [*args, "--per_device_train_batch_size", "1", "--output_dir", str(out / "hf2")])
+    root = pc_file.parent
+    chat = [*COMMON, "--train_file", str(chat_file), "--global_batch_size", "6", "--max_steps", "5"]
+    base = [*COMMON, "--train_file", str(pc_file), "--learning_rate", "1e-2"]
+    pc = [*base, "--global_batch_size", "8", "--max_steps", "30", "--per_device_train_batch_size", "2"]
+    # a global batch of 6 splits over 1, 3 ranks and 2 HF-engine processes: 4 steps each
+    six = [*base, "--global_batch_size", "6", "--max_steps", "4", "--per_device_train_batch_size", "1"]
+    fsdp_runs(1, [[*chat, "--per_device_train_batch_size", "3", "--output_dir", str(out / "f1")],
+                  [*pc, "--output_dir", str(root / "only")],
+                  [*pc, "--completion_only_loss", "false", "--output_dir", str(root / "all")],
+                  [*six, "--output_dir", str(root / "six1")]])
+    fsdp_runs(2, [[*chat, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f2")],
+                  [*pc, "--stop_at_step", "5", "--output_dir", str(root / "two")]])
+    fsdp_runs(3, [[*chat, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f3")],
+                  [*six, "--output_dir", str(root / "six3")]])
+    hf_runs(2, [[*chat, "--per_device_train_batch_size", "1", "--output_dir", str(out / "hf2")],
+                [*six, "--output_dir", str(root / "sixhf")]])
+    return chat, out, root
+
+
+@pytest.fixture(scope="module")
+def chat_runs(sft_runs):
+    args, out, _ = sft_runs
     return {k: losses(out / k) for k in ("f1", "f2", "f3", "hf2")}, args, out
+
+
+@pytest.fixture(scope="module")
+def completion_runs(sft_runs):
+    root = sft_runs[2]
+    return {k: losses(root / k) for k in ("only", "all", "two", "six1", "six3", "sixhf")}
 
 
 def test_chat_ranks_hold_very_different_target_counts(chat_runs, tmp_path):
@@ -82,29 +139,6 @@ def test_chat_loss_is_the_same_on_the_hf_engine(chat_runs):
     # the export carries the default chat template the run gave the tokenizer
     assert "<|im_start|>" in json.loads((out / "f1" / "tokenizer" / "tokenizer_config.json").read_text()).get("chat_template", "") \
         or (out / "f1" / "tokenizer" / "chat_template.jinja").exists()
-
-
-@pytest.fixture(scope="module")
-def completion_runs(tmp_path_factory):
-    """Random prompts (1 to 30 words) that end with '=>', one fixed completion. The loss on the
-    completion only (the default) and on every token, 30 steps; 5 steps of the first on 2 ranks; and
-    4 steps of a global batch of 6 on 1 and 3 ranks and on the HF engine."""
-    rng = random.Random(1)
-    root = tmp_path_factory.mktemp("completion")
-    path = root / "pc.jsonl"
-    path.write_text("".join(json.dumps({"prompt": sentence(rng, 1, 30) + " =>", "completion": " the cat runs fast"}) + "\n"
-                            for _ in range(300)))
-    base = [*COMMON, "--train_file", str(path), "--learning_rate", "1e-2"]
-    args = [*base, "--global_batch_size", "8", "--max_steps", "30", "--per_device_train_batch_size", "2"]
-    python("run_fsdp_standalone.py", [*args, "--output_dir", str(root / "only")])
-    python("run_fsdp_standalone.py", [*args, "--completion_only_loss", "false", "--output_dir", str(root / "all")])
-    torchrun(2, "run_fsdp_standalone.py", [*args, "--stop_at_step", "5", "--output_dir", str(root / "two")])
-    # a global batch of 6 splits over 1, 3 ranks and 2 HF-engine processes: 4 steps each
-    six = [*base, "--global_batch_size", "6", "--max_steps", "4", "--per_device_train_batch_size", "1"]
-    torchrun(1, "run_fsdp_standalone.py", [*six, "--output_dir", str(root / "six1")])
-    torchrun(3, "run_fsdp_standalone.py", [*six, "--output_dir", str(root / "six3")])
-    accelerate("ddp", 2, [*six, "--output_dir", str(root / "sixhf")])
-    return {k: losses(root / k) for k in ("only", "all", "two", "six1", "six3", "sixhf")}
 
 
 def test_completion_only_loss_learns_the_fixed_completion(completion_runs):

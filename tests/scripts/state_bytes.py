@@ -2,7 +2,8 @@
 parameters, gradients and optimizer state, measured from the sharded tensors themselves.
 
     torchrun … state_bytes.py tiny,default [engine args]   one BYTES line per preset (one start-up for all)
-    torchrun … state_bytes.py pretrained --model_name_or_path DIR [--use_peft true …]   the model of DIR"""
+    torchrun … state_bytes.py pretrained --model_name_or_path DIR [--use_peft true …]   the model of DIR
+    torchrun … state_bytes.py GROUP ::: GROUP …   several of the above in one launch (also plain python: 1 rank)"""
 import json
 import sys
 
@@ -27,23 +28,32 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 info = distributed.init_distributed()
-for preset in sys.argv[1].split(","):
-    model_args, data_args, train_args = parse_args([*(["--config_name", preset] if preset != "pretrained" else []),
-                                                    *sys.argv[2:]])
-    prep = prepare(model_args, data_args, train_args, info)
-    model = fsdp_engine.build_model(prep, model_args, train_args, info)
-    opt = optim.build_optimizer(model, train_args, info.device)
-    fsdp_engine.train_step(model, prep, 0, info)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    mine = {"parameters": sum(nbytes(p) for p in model.parameters()),
-            "gradients": sum(nbytes(p.grad) for p in trainable if p.grad is not None)}
-    opt.step()  # creates the (sharded) AdamW state; the 0-dim step counters are not state memory
-    mine["optimizer"] = sum(nbytes(v) for s in opt.state.values() for v in s.values()
-                            if isinstance(v, torch.Tensor) and v.dim() > 0)
-    mine["vocab_size"] = prep.config.vocab_size
-    every = [None] * info.world_size
-    dist.all_gather_object(every, mine)
-    if info.is_main:
-        print(f"BYTES {preset} " + json.dumps(every), flush=True)
-    del model, opt
+groups, cur = [], []
+for a in sys.argv[1:]:
+    if a == ":::":
+        groups.append(cur)
+        cur = []
+    else:
+        cur.append(a)
+groups.append(cur)
+for presets, *args in groups:
+    for preset in presets.split(","):
+        model_args, data_args, train_args = parse_args([*(["--config_name", preset] if preset != "pretrained" else []),
+                                                        *args])
+        prep = prepare(model_args, data_args, train_args, info)
+        model = fsdp_engine.build_model(prep, model_args, train_args, info)
+        opt = optim.build_optimizer(model, train_args, info.device)
+        fsdp_engine.train_step(model, prep, 0, info)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        mine = {"parameters": sum(nbytes(p) for p in model.parameters()),
+                "gradients": sum(nbytes(p.grad) for p in trainable if p.grad is not None)}
+        opt.step()  # creates the (sharded) AdamW state; the 0-dim step counters are not state memory
+        mine["optimizer"] = sum(nbytes(v) for s in opt.state.values() for v in s.values()
+                                if isinstance(v, torch.Tensor) and v.dim() > 0)
+        mine["vocab_size"] = prep.config.vocab_size
+        every = [None] * info.world_size
+        dist.all_gather_object(every, mine)
+        if info.is_main:
+            print(f"BYTES {preset} " + json.dumps(every), flush=True)
+        del model, opt
 distributed.destroy()

@@ -1,0 +1,47 @@
+"""Several FSDP2-engine runs in one launch (start-up costs more than a tiny run): plain python or torchrun.
+
+    fsdp_runs.py ARGS [::: ARGS ...]
+
+Each ARGS is a full argument list of run_fsdp_standalone.py (its own --output_dir). The runs share one
+process group and run one after another; before each, rank 0 prints `=== run I ===` on a line of its own
+(between barriers, so every rank's lines of a run come after its marker): split_runs() cuts the output.
+"""
+import sys
+
+import anygpu
+
+anygpu.set_offline_defaults()
+
+from anygpu.config.args import parse_args
+from anygpu.engines import fsdp as fsdp_engine
+from anygpu.reliability import run_guard
+from anygpu.runtime import distributed
+
+SEP = ":::"
+
+
+def split_args(argv: list[str]) -> list[list[str]]:
+    runs, cur = [], []
+    for a in argv:
+        if a == SEP:
+            runs.append(cur)
+            cur = []
+        else:
+            cur.append(a)
+    return [*runs, cur]
+
+
+if __name__ == "__main__":
+    destroy = distributed.destroy
+    distributed.destroy = lambda sync=True: distributed.barrier()  # keep one process group for all runs
+    for i, args in enumerate(split_args(sys.argv[1:])):
+        info = distributed.init_distributed()
+        distributed.barrier()
+        if info.rank == 0:
+            print(f"=== run {i} ===", flush=True)
+        distributed.barrier()
+        try:
+            fsdp_engine.run(*parse_args(args))
+        finally:
+            run_guard.release_locks()
+    destroy()

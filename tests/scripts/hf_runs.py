@@ -1,0 +1,40 @@
+"""Several HF-engine runs in one launch (start-up costs more than a tiny run): `accelerate launch … hf_runs.py
+ARGS [::: ARGS ...]`, each ARGS a full argument list of run_hf_standalone.py (its own --output_dir). The runs
+share the launch's process group and run one after another; before each, rank 0 prints `=== run I ===`."""
+import os
+import sys
+
+import anygpu
+
+anygpu.set_offline_defaults()
+
+import torch.distributed as dist
+
+from anygpu.config.args import parse_args
+from anygpu.engines.hf import engine
+from anygpu.engines.hf.engine import HFEngineArguments
+from anygpu.reliability import run_guard
+from anygpu.runtime import distributed
+
+if __name__ == "__main__":
+    runs, cur = [], []
+    for a in sys.argv[1:]:
+        if a == ":::":
+            runs.append(cur)
+            cur = []
+        else:
+            cur.append(a)
+    runs.append(cur)
+    destroy = distributed.destroy
+    distributed.destroy = lambda sync=True: distributed.barrier()  # keep one process group for all runs
+    for i, args in enumerate(runs):
+        distributed.barrier()
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"=== run {i} ===", flush=True)
+        distributed.barrier()
+        try:
+            engine.run(*parse_args(args, extra=(HFEngineArguments,)))
+        finally:
+            run_guard.release_locks()
+    if dist.is_initialized():
+        destroy()
