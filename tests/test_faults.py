@@ -52,9 +52,12 @@ def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run: one plain process (the global batch makes losses independent of the ranks)."""
+    """The uninterrupted run: one process, this one (the global batch makes losses independent of the ranks;
+    the engine makes a one-rank group as under plain python), so no second start-up of torch is paid."""
+    from anygpu.engines.fsdp import main
+
     out = tmp_path_factory.mktemp("reference")
-    python(SCRIPT, [*RUN, "--output_dir", str(out)])
+    main([*RUN, "--output_dir", str(out)])
     assert sorted(losses(out)) == list(range(1, 16)) and sorted(evals(out)) == [4, 8, 12, 15]
     return out
 
@@ -89,9 +92,10 @@ def test_sigterm_during_an_evaluation_then_a_worker_killed_under_max_restarts(re
     assert evals(tmp_path) == pytest.approx(evals(reference), rel=1e-5)
 
 
-def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(reference, tmp_path):
+def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(reference, tmp_path, tmp_path_factory, capsys):
     """SIGKILL while checkpoint-10 is being written: latest resumes checkpoint-5. Then SIGTERM at a random
-    step: a checkpoint of that step. auto finishes the run: the losses are the uninterrupted ones."""
+    step: a checkpoint of that step. auto finishes the run: the losses are the uninterrupted ones.
+    The SIGTERM checkpoint also loads with a changed --max_steps under --allow_changed_args (in a copy)."""
     args = [*RUN, "--output_dir", str(tmp_path)]
     proc = start(torchrun_cmd(2, args), ANYGPU_TEST_SLOW_SAVE="10:120")
     wait_until(lambda: len(list(tmp_path.glob(".checkpoint-10.tmp/rng/*.pt"))) == 2 or proc.poll() is not None,
@@ -114,6 +118,22 @@ def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(referen
     saved = [c.name for c in tmp_path.glob("checkpoint-*")]
     step = max(int(n.split("-")[1]) for n in saved)
     assert f"SIGTERM: saving checkpoint-{step}" in out and step >= stop_after, (saved, stop_after, out[-2000:])
+    # the SIGTERM (to torchrun alone: it forwards it to both ranks) adds one complete checkpoint, nothing half-written
+    periodic = {int(n.split("-")[1]) for n in saved} - {step}  # --save_steps 5's, the newest two kept
+    assert periodic and all(s % 5 == 0 and s < step for s in periodic), saved
+    assert not list(tmp_path.glob(".checkpoint-*"))  # the SIGKILLed write's leftovers are gone too
+
+    # it loads and goes on from exactly there, with a shorter --max_steps: another schedule (in a copy of the run)
+    from anygpu.engines.fsdp import main
+
+    changed = tmp_path_factory.mktemp("changed") / "run"
+    shutil.copytree(tmp_path, changed)
+    capsys.readouterr()
+    main([*args[:-2], "--output_dir", str(changed), "--max_steps", str(step + 2), "--resume_from_checkpoint", "latest",
+          "--allow_changed_args", "true"])
+    said = "".join(capsys.readouterr())
+    assert f"at step {step}" in said and "resuming with changed training math: --max_steps" in said, said[-3000:]
+    assert max(losses(changed)) == step + 2
 
     python(SCRIPT, [*args, "--resume_from_checkpoint", "auto"])
     assert sorted(losses(tmp_path)) == list(range(1, 16))

@@ -69,17 +69,25 @@ def float32(pairs: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return [(s, float(np.float32(v))) for s, v in pairs]
 
 
+def have_mlflow() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mlflow") is not None
+
+
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> dict:
-    """6 steps, eval every 3, to TensorBoard and an MLflow file store: stopped after step 5 with checkpoint-5 lost
-    (as if killed before saving it), then resumed from checkpoint-4, so step 5 is logged twice."""
-    pytest.importorskip("mlflow")
+    """6 steps in plain python, eval every 3, a checkpoint every 2 (the newest 2 kept), to TensorBoard and an
+    MLflow file store: stopped after step 5 with checkpoint-5 lost (as if killed before saving it), then
+    resumed from checkpoint-4, so step 5 is logged twice. Without mlflow installed: TensorBoard only."""
     out, store = tmp_path_factory.mktemp("trackers"), tmp_path_factory.mktemp("mlflow")
     uri = store.resolve().as_uri()
-    args = [*TINY, "--max_steps", "6", "--eval_steps", "3", "--save_steps", "2", "--report_to", "tensorboard,mlflow",
+    args = [*TINY, "--max_steps", "6", "--eval_steps", "3", "--save_steps", "2", "--save_total_limit", "2",
+            "--report_to", "tensorboard,mlflow" if have_mlflow() else "tensorboard",
             "--output_dir", str(out), "--export_final", "false"]
     python(SCRIPT, [*args, "--stop_at_step", "5"], extra_env={"MLFLOW_TRACKING_URI": uri})
-    first = {"records": records(out), "tb_loss": tensorboard(out, "train/loss"), "tb_eval": tensorboard(out, "eval/eval_loss")}
+    first = {"records": records(out), "tb_loss": tensorboard(out, "train/loss"), "tb_eval": tensorboard(out, "eval/eval_loss"),
+             "checkpoints": sorted(p.name for p in out.glob("checkpoint-*"))}
     shutil.rmtree(out / "checkpoint-5")
     python(SCRIPT, [*args, "--resume_from_checkpoint", "latest"], extra_env={"MLFLOW_TRACKING_URI": uri})
     return {"out": out, "uri": uri, "first": first}
@@ -99,6 +107,7 @@ def mlflow_runs(uri: str, monkeypatch) -> list:
 
 @pytest.mark.slow
 def test_tensorboard_and_mlflow_get_the_losses_of_metrics_jsonl(resumed, monkeypatch):
+    pytest.importorskip("mlflow")
     first = resumed["first"]
     assert [s for s, _ in per_step(first["records"], "loss")] == [1, 2, 3, 4, 5]
     assert first["tb_loss"] == float32(per_step(first["records"], "loss"))
@@ -118,3 +127,17 @@ def test_a_resumed_run_has_one_tensorboard_value_per_step(resumed):
     assert tensorboard(out, "train/loss") == float32(per_step(recs, "loss"))  # step 5 of the first launch purged
     assert tensorboard(out, "eval/eval_loss") == float32(per_step(recs, "eval_loss"))
     assert [s for s, _ in tensorboard(out, "train/grad_norm")] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow
+def test_plain_python_and_checkpoint_limit(resumed):
+    """The fixture's plain-python run: --save_total_limit 2 keeps the newest two across the resume, metrics.jsonl
+    records carry the documented keys, and TensorBoard events and loss.png are written."""
+    out = resumed["out"]
+    assert resumed["first"]["checkpoints"] == ["checkpoint-4", "checkpoint-5"]  # checkpoint-2 rotated away
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+    rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[-2])
+    for key in ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "world_size", "global_batch_size"):
+        assert key in rec, rec
+    assert list((out / "runs").glob("events.out.tfevents.*"))
+    assert (out / "loss.png").stat().st_size > 1000
