@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 from datasets import Dataset
 from datasets.table import InMemoryTable
