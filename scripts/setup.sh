@@ -83,9 +83,8 @@ fi
 # setup.py of DeepSpeed imports torch: build it against the torch above, not a fresh
 # (CUDA) torch in an isolated build environment.
 "${PIP[@]}" -c "$constraints" setuptools wheel packaging ninja
-"${PIP[@]}" -c "$constraints" -r requirements.txt --no-build-isolation
+requirements=(-r requirements.txt)
+if [ "$WITH_TEST" = 1 ]; then requirements+=(-r requirements-test.txt); fi
+"${PIP[@]}" -c "$constraints" "${requirements[@]}" --no-build-isolation   # one resolve for both lists
 "${PIP[@]}" -c "$constraints" --no-deps --no-build-isolation -e .
-if [ "$WITH_TEST" = 1 ]; then
-  "${PIP[@]}" -c "$constraints" -r requirements-test.txt
-fi
 log "ready: $VENV ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
