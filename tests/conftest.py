@@ -67,19 +67,9 @@ def assert_close(a: dict[int, float], b: dict[int, float], rel: float, steps=Non
     assert worst <= rel, "losses differ: " + ", ".join(f"{s}: {a[s]:.7f} vs {b[s]:.7f}" for s in steps)
 
 
-# The files that take longest (CPU seconds of their training processes, measured on 2 cores), longest first.
-LONGEST_FIRST = ["test_hf_deepspeed.py", "test_sft.py", "test_faults.py", "test_fsdp_engine.py", "test_launch.py",
-                 "test_hf_engine.py", "test_hf_parity.py", "test_model_families.py", "test_lora.py", "test_fast_paths.py"]
-
-
 def pytest_collection_modifyitems(config, items) -> None:
-    """The longest files first, then the other files that start training processes, the quick ones last:
-    xdist hands out whole files (--dist loadfile) in this order, so the run ends with short files filling
-    both workers rather than one long file keeping one worker busy while the other idles."""
+    """Files that start training processes first, the quick ones last: xdist hands out whole files
+    (--dist loadfile) in this order, so the last minute of the run is quick files filling both workers
+    rather than one long file keeping one worker busy while the other idles."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-
-    def rank(item) -> tuple[int, int]:
-        name = item.path.name
-        return (0, LONGEST_FIRST.index(name)) if name in LONGEST_FIRST else (1 if item.path in slow_files else 2, 0)
-
-    items.sort(key=rank)  # stable: test order kept within each file
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: file and test order kept within each group
