@@ -12,24 +12,12 @@ import anygpu
 
 anygpu.set_offline_defaults()
 
+from argv_groups import split_args
+
 from anygpu.config.args import parse_args
 from anygpu.engines import fsdp as fsdp_engine
 from anygpu.reliability import run_guard
 from anygpu.runtime import distributed
-
-SEP = ":::"
-
-
-def split_args(argv: list[str]) -> list[list[str]]:
-    runs, cur = [], []
-    for a in argv:
-        if a == SEP:
-            runs.append(cur)
-            cur = []
-        else:
-            cur.append(a)
-    return [*runs, cur]
-
 
 if __name__ == "__main__":
     destroy = distributed.destroy

@@ -9,6 +9,7 @@ import anygpu
 anygpu.set_offline_defaults()
 
 import torch.distributed as dist
+from argv_groups import split_args
 
 from anygpu.config.args import parse_args
 from anygpu.engines.hf import engine
@@ -17,14 +18,7 @@ from anygpu.reliability import run_guard
 from anygpu.runtime import distributed
 
 if __name__ == "__main__":
-    runs, cur = [], []
-    for a in sys.argv[1:]:
-        if a == ":::":
-            runs.append(cur)
-            cur = []
-        else:
-            cur.append(a)
-    runs.append(cur)
+    runs = split_args(sys.argv[1:])
     destroy = distributed.destroy
     distributed.destroy = lambda sync=True: distributed.barrier()  # keep one process group for all runs
     for i, args in enumerate(runs):

@@ -20,6 +20,7 @@ from anygpu.data.prepare import prepare  # noqa: E402
 from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
 from anygpu.runtime import distributed  # noqa: E402
 from anygpu.train import optim
+from argv_groups import split_args  # noqa: E402
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -28,14 +29,7 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 info = distributed.init_distributed()
-groups, cur = [], []
-for a in sys.argv[1:]:
-    if a == ":::":
-        groups.append(cur)
-        cur = []
-    else:
-        cur.append(a)
-groups.append(cur)
+groups = split_args(sys.argv[1:])
 for presets, *args in groups:
     for preset in presets.split(","):
         model_args, data_args, train_args = parse_args([*(["--config_name", preset] if preset != "pretrained" else []),
