@@ -34,7 +34,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv --system-site-packages "$VENV"
 fi
 PY="$VENV/bin/python"
-PIP=("$PY" -m pip install --disable-pip-version-check -q)
+# --no-compile: pip byte-compiles one file at a time; compileall below uses every core.
+PIP=("$PY" -m pip install --disable-pip-version-check -q --no-compile)
 
 gpu_vendor() {
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then echo nvidia
@@ -87,4 +88,7 @@ requirements=(-r requirements.txt)
 if [ "$WITH_TEST" = 1 ]; then requirements+=(-r requirements-test.txt); fi
 "${PIP[@]}" -c "$constraints" "${requirements[@]}" --no-build-isolation   # one resolve for both lists
 "${PIP[@]}" -c "$constraints" --no-deps --no-build-isolation -e .
+# Byte-compile what was installed on all cores (about 15 s of the set-up on 2 cores, against 27 s
+# serially in pip): the tests start ~200 interpreters, and an uncompiled torch would cost each one seconds.
+"$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
 log "ready: $VENV ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"

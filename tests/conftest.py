@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,26 @@ def torchrun(nproc: int, script: str, args: list[str], **kw) -> subprocess.Compl
 
 def python(script: str, args: list[str], **kw) -> subprocess.CompletedProcess:
     return run([sys.executable, script, *args], **kw)
+
+
+def fsdp_runs(nproc: int, runs: list[list[str]], **kw) -> list[str]:
+    """Several FSDP2-engine runs in one launch (tests/scripts/fsdp_runs.py: plain python for one rank,
+    torchrun for more): one process start-up for all of them. Returns each run's part of stdout."""
+    args = [a for r in runs for a in (":::", *r)][1:]
+    proc = python("tests/scripts/fsdp_runs.py", args, **kw) if nproc == 1 else torchrun(nproc, "tests/scripts/fsdp_runs.py", args, **kw)
+    parts = re.split(r"^=== run \d+ ===$", proc.stdout, flags=re.MULTILINE)[1:]
+    assert len(parts) == len(runs), proc.stdout[-3000:]
+    return parts
+
+
+def hf_runs(nproc: int, runs: list[list[str]], **kw) -> list[str]:
+    """Several HF-engine runs in one `accelerate launch` (DDP config) of tests/scripts/hf_runs.py."""
+    args = [a for r in runs for a in (":::", *r)][1:]
+    proc = run([str(BIN / "accelerate"), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes",
+                str(nproc), "tests/scripts/hf_runs.py", *args], **kw)
+    parts = re.split(r"^=== run \d+ ===$", proc.stdout, flags=re.MULTILINE)[1:]
+    assert len(parts) == len(runs), proc.stdout[-3000:]
+    return parts
 
 
 def losses(output_dir: Path) -> dict[int, float]:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import TINY, assert_close, losses
+from conftest import TINY, assert_close, fsdp_runs, losses
 
 from anygpu.config.args import parse_args
 from anygpu.planning import auto_batch, memory_plan
@@ -49,8 +49,6 @@ def budget_gb_between(m_fit: int, m_too_big: int, world: int) -> float:
 def runs(tmp_path_factory):
     """2 ranks, G = 8 (4 sequences per rank): auto under a budget that fits 2 but not 4, and m = 2 by hand,
     one after the other in one torchrun launch (each run's own stdout)."""
-    from test_sft import fsdp_runs
-
     common = [*TINY, "--max_steps", "4", "--export_final", "false"]
     auto_dir, hand_dir = tmp_path_factory.mktemp("auto"), tmp_path_factory.mktemp("hand")
     auto, _ = fsdp_runs(2, [[*common, "--output_dir", str(auto_dir), "--per_device_train_batch_size", "auto",

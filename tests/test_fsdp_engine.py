@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, TINY, assert_close, env, losses, python, torchrun
+from conftest import BIN, ROOT, TINY, assert_close, env, fsdp_runs, losses, python, torchrun
 
 pytestmark = pytest.mark.slow  # starts training processes
 
@@ -22,17 +22,40 @@ TEN = [*TINY, "--max_steps", "10"]
 EVAL24 = ["--max_eval_samples", "24"]  # the evaluation set the export round trip recomputes
 
 
+def two_rank_state_at_step_5(run_dir: Path, dest: Path) -> None:
+    """The 2-rank run as it stood after step 5: checkpoint-5, metrics up to step 5 (what --stop_at_step 5 leaves)."""
+    shutil.copytree(run_dir, dest, dirs_exist_ok=True, ignore=lambda d, names: [n for n in names if n in ("checkpoint-10", "final")])
+    metrics = dest / "metrics.jsonl"
+    metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= 5))
+
+
 @pytest.fixture(scope="module")
-def baseline_dirs(tmp_path_factory) -> dict[int, Path]:
-    """10 steps of the tiny preset on 1, 2 and 4 ranks. The 2-rank run also saves checkpoint-5 (the elastic
-    resume starts from it) and exports final/ after its last evaluation (the export round trip reads it)."""
+def runs(tmp_path_factory) -> dict:
+    """10 steps of the tiny preset on 1, 2 and 4 ranks, and the runs that start from them, in three launches
+    (start-up costs more than a tiny run): 2 ranks: the baseline (saving checkpoint-5, exporting final/ after
+    its last evaluation), 1 step fine-tuned from that export, 4 bf16 steps; 4 ranks: the baseline, and the
+    2-rank run's checkpoint-5 resumed on 4 ranks."""
+    d = {name: tmp_path_factory.mktemp(name) for name in ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic")}
+    python(SCRIPT, [*TEN, *EVAL24, "--output_dir", str(d["ws1"]), "--export_final", "false"])  # a one-rank group
     out = {}
-    for n in (1, 2, 4):
-        d = tmp_path_factory.mktemp(f"ws{n}")
-        extra = ["--save_steps", "5"] if n == 2 else ["--export_final", "false"]
-        torchrun(n, SCRIPT, [*TEN, *EVAL24, "--output_dir", str(d), *extra])
-        out[n] = d
-    return out
+    out["ws2"], out["finetune"], out["bf16"] = fsdp_runs(2, [
+        [*TEN, *EVAL24, "--output_dir", str(d["ws2"]), "--save_steps", "5"],
+        [*TINY, "--model_name_or_path", str(d["ws2"] / "final"), "--max_steps", "1", "--eval_on_start", "true",
+         "--output_dir", str(d["finetune"]), *EVAL24, "--export_final", "false"],
+        [*TINY, "--max_steps", "4", "--bf16", "true", "--output_dir", str(d["bf16"]), "--export_final", "false"]])
+    two_rank_state_at_step_5(d["ws2"], d["elastic"])
+    assert (d["elastic"] / "checkpoint-5" / "trainer_state.json").exists() and not (d["elastic"] / "final").exists()
+    assert sorted(losses(d["elastic"])) == list(range(1, 6))
+    out["ws4"], out["elastic"] = fsdp_runs(4, [
+        [*TEN, *EVAL24, "--output_dir", str(d["ws4"]), "--export_final", "false"],
+        [*TEN, *EVAL24, "--output_dir", str(d["elastic"]), "--save_steps", "5", "--resume_from_checkpoint", "latest",
+         "--export_final", "false"]])
+    return {"dirs": d, "stdout": out}
+
+
+@pytest.fixture(scope="module")
+def baseline_dirs(runs) -> dict[int, Path]:
+    return {n: runs["dirs"][f"ws{n}"] for n in (1, 2, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +70,9 @@ def test_world_size_invariance(baseline):
         assert_close(baseline[1], baseline[n], rel=1e-5)
 
 
-def test_elastic_resume_2_to_4_ranks(baseline, baseline_dirs, tmp_path):
-    # the 2-rank run as it stood after step 5: checkpoint-5, metrics up to step 5 (what --stop_at_step 5 leaves)
-    shutil.copytree(baseline_dirs[2], tmp_path, dirs_exist_ok=True,
-                    ignore=lambda d, names: [n for n in names if n in ("checkpoint-10", "final")])
-    metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= 5))
-    assert (tmp_path / "checkpoint-5" / "trainer_state.json").exists()
-    assert not (tmp_path / "final").exists()
-    assert sorted(losses(tmp_path)) == list(range(1, 6))
-    proc = torchrun(4, SCRIPT, [*TEN, *EVAL24, "--output_dir", str(tmp_path), "--save_steps", "5",
-                                "--resume_from_checkpoint", "latest", "--export_final", "false"])
-    assert "resumed from" in proc.stdout and "was 2 ranks, now 4" in proc.stdout
-    resumed = losses(tmp_path)
+def test_elastic_resume_2_to_4_ranks(baseline, runs):
+    assert "resumed from" in runs["stdout"]["elastic"] and "was 2 ranks, now 4" in runs["stdout"]["elastic"]
+    resumed = losses(runs["dirs"]["elastic"])
     assert sorted(resumed) == list(range(1, 11))  # steps 1-5 kept, 6-10 appended once
     assert_close(baseline[2], resumed, rel=1e-5, steps=range(6, 11))
 
@@ -75,7 +88,7 @@ def test_sharding_halves_per_rank_state():
         assert abs(b - full / 2) <= 0.05 * full / 2, (per_rank, full)
 
 
-def test_final_export_round_trip(baseline_dirs, tmp_path):
+def test_final_export_round_trip(baseline_dirs, runs):
     """The 2-rank baseline run's final/ (10 steps, evaluated on 24 samples at the end)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -103,10 +116,7 @@ def test_final_export_round_trip(baseline_dirs, tmp_path):
     assert math.isclose(loss, engine_eval["eval_loss"], rel_tol=1e-4), (loss, engine_eval)
 
     # fine-tuning from the export starts from exactly those weights (streamed into the shards)
-    out2 = tmp_path / "finetune"
-    torchrun(2, SCRIPT, [*TINY, "--model_name_or_path", str(final), "--max_steps", "1", "--eval_on_start", "true",
-                         "--output_dir", str(out2), *EVAL24, "--export_final", "false"])
-    start = json.loads((out2 / "metrics.jsonl").read_text().splitlines()[0])
+    start = json.loads((runs["dirs"]["finetune"] / "metrics.jsonl").read_text().splitlines()[0])
     assert start["step"] == 0 and math.isclose(start["eval_loss"], engine_eval["eval_loss"], rel_tol=1e-5)
 
 
@@ -140,10 +150,9 @@ def test_other_architecture_and_corpus_on_an_odd_world_size(tmp_path):
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
 
 
-def test_bf16_mixed_precision_path(tmp_path, baseline):
+def test_bf16_mixed_precision_path(runs, baseline):
     """bf16 compute with fp32 master weights and reduction: close to the fp32 curve, not equal."""
-    torchrun(2, SCRIPT, [*TINY, "--max_steps", "4", "--bf16", "true", "--output_dir", str(tmp_path), "--export_final", "false"])
-    got = losses(tmp_path)
+    got = losses(runs["dirs"]["bf16"])
     assert got.keys() == {1, 2, 3, 4}
     for s in got:
         assert abs(got[s] - baseline[2][s]) / baseline[2][s] < 2e-2

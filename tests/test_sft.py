@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import random
-import re
 
 import pytest
 import torch
-from conftest import BIN, TINY, assert_close, losses, python, run, torchrun
+from conftest import TINY, assert_close, fsdp_runs, hf_runs, losses
 
 from anygpu.config.args import parse_args
 from anygpu.data.prepare import prepare
@@ -19,7 +18,6 @@ from anygpu.runtime.distributed import DistInfo
 pytestmark = pytest.mark.slow
 
 WORDS = "the sky is blue and green red cat dog runs fast slow why how".split()
-RUNS, SEP = "tests/scripts/fsdp_runs.py", ":::"
 COMMON = [*TINY, "--vocab_size", "400", "--block_size", "128", "--export_final", "false", "--max_eval_samples", "8"]
 
 
@@ -51,26 +49,6 @@ def pc_file(tmp_path_factory):
     path.write_text("".join(json.dumps({"prompt": sentence(rng, 1, 30) + " =>", "completion": " the cat runs fast"}) + "\n"
                             for _ in range(300)))
     return path
-
-
-def fsdp_runs(nproc: int, runs: list[list[str]], **kw) -> list[str]:
-    """Several FSDP2-engine runs in one launch (tests/scripts/fsdp_runs.py: plain python for one rank,
-    torchrun for more): one process start-up for all of them. Returns each run's part of stdout."""
-    args = [a for r in runs for a in (SEP, *r)][1:]
-    proc = python(RUNS, args, **kw) if nproc == 1 else torchrun(nproc, RUNS, args, **kw)
-    parts = re.split(r"^=== run \d+ ===$", proc.stdout, flags=re.MULTILINE)[1:]
-    assert len(parts) == len(runs), proc.stdout[-3000:]
-    return parts
-
-
-def hf_runs(nproc: int, runs: list[list[str]], **kw) -> list[str]:
-    """Several HF-engine runs in one `accelerate launch` (DDP config) of tests/scripts/hf_runs.py."""
-    args = [a for r in runs for a in (SEP, *r)][1:]
-    proc = run([str(BIN / "accelerate"), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes",
-                str(nproc), "tests/scripts/hf_runs.py", *args], **kw)
-    parts = re.split(r"^=== run \d+ ===$", proc.stdout, flags=re.MULTILINE)[1:]
-    assert len(parts) == len(runs), proc.stdout[-3000:]
-    return parts
 
 
 @pytest.fixture(scope="module")
