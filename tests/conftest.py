@@ -1,12 +1,15 @@
 """Shared test helpers: real multi-process runs on CPU (gloo), tiny model, small corpus."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -61,14 +64,30 @@ def fsdp_runs(nproc: int, runs: list[list[str]], **kw) -> list[str]:
     return parts
 
 
-def hf_runs(nproc: int, runs: list[list[str]], **kw) -> list[str]:
-    """Several HF-engine runs in one `accelerate launch` (DDP config) of tests/scripts/hf_runs.py."""
+def hf_runs(nproc: int, runs: list[list[str]], config: str = "ddp", **kw) -> list[str]:
+    """Several HF-engine runs in one `accelerate launch` (accelerate_configs/<config>.yaml) of tests/scripts/hf_runs.py."""
     args = [a for r in runs for a in (":::", *r)][1:]
-    proc = run([str(BIN / "accelerate"), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes",
+    proc = run([str(BIN / "accelerate"), "launch", "--config_file", f"accelerate_configs/{config}.yaml", "--num_processes",
                 str(nproc), "tests/scripts/hf_runs.py", *args], **kw)
     parts = re.split(r"^=== run \d+ ===$", proc.stdout, flags=re.MULTILINE)[1:]
     assert len(parts) == len(runs), proc.stdout[-3000:]
     return parts
+
+
+def shared_runs(tmp_path_factory, name: str, launch: Callable[[Path], dict[str, str]]) -> tuple[Path, dict[str, str]]:
+    """`launch(root)` once per pytest session, read by every test file that needs it, also across pytest-xdist
+    workers (a lock in the session's temporary folder): (root, each run's stdout by the name launch gave it).
+    Start-up costs more than a tiny run: several test files read the runs of a few launches."""
+    base = tmp_path_factory.getbasetemp()
+    top = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: <session>/popen-gwN
+    root, stdouts = top / f"shared-{name}", top / f"shared-{name}.json"
+    with open(top / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stdouts.exists():
+            shutil.rmtree(root, ignore_errors=True)  # what a failed attempt left
+            root.mkdir()
+            stdouts.write_text(json.dumps(launch(root)))
+    return root, json.loads(stdouts.read_text())
 
 
 def losses(output_dir: Path) -> dict[int, float]:

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, TINY, assert_close, env, fsdp_runs, losses, python, torchrun
+from conftest import BIN, ROOT, TINY, assert_close, env, fsdp_runs, losses, python, shared_runs, torchrun
+from test_hf_engine import parity_args
 
 pytestmark = pytest.mark.slow  # starts training processes
 
@@ -29,28 +30,38 @@ def two_rank_state_at_step_5(run_dir: Path, dest: Path) -> None:
     metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= 5))
 
 
+def fsdp_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """10 steps of the tiny preset on 1, 2 and 4 ranks, the runs that start from them, and the engine-parity runs
+    (test_hf_parity.py), in three launches (once per session): 1 rank: `ws1`, `parity1`; 2 ranks: `ws2` (saving
+    checkpoint-5, exporting final/ after its last evaluation), `finetune` (1 step from that export), `bf16` (4
+    steps), `parity2`; 4 ranks: `ws4`, and `elastic`: ws2's checkpoint-5 resumed on 4 ranks."""
+    def launch(root: Path) -> dict[str, str]:
+        d = {name: root / name for name in ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic", "parity1", "parity2")}
+        out = {}
+        out["ws1"], out["parity1"] = fsdp_runs(1, [[*TEN, *EVAL24, "--output_dir", str(d["ws1"]), "--export_final", "false"],
+                                                   [*parity_args(1), "--output_dir", str(d["parity1"])]])
+        out["ws2"], out["finetune"], out["bf16"], out["parity2"] = fsdp_runs(2, [
+            [*TEN, *EVAL24, "--output_dir", str(d["ws2"]), "--save_steps", "5"],
+            [*TINY, "--model_name_or_path", str(d["ws2"] / "final"), "--max_steps", "1", "--eval_on_start", "true",
+             "--output_dir", str(d["finetune"]), *EVAL24, "--export_final", "false"],
+            [*TINY, "--max_steps", "4", "--bf16", "true", "--output_dir", str(d["bf16"]), "--export_final", "false"],
+            [*parity_args(2), "--output_dir", str(d["parity2"])]])
+        two_rank_state_at_step_5(d["ws2"], d["elastic"])
+        assert (d["elastic"] / "checkpoint-5" / "trainer_state.json").exists() and not (d["elastic"] / "final").exists()
+        assert sorted(losses(d["elastic"])) == list(range(1, 6))
+        out["ws4"], out["elastic"] = fsdp_runs(4, [
+            [*TEN, *EVAL24, "--output_dir", str(d["ws4"]), "--export_final", "false"],
+            [*TEN, *EVAL24, "--output_dir", str(d["elastic"]), "--save_steps", "5", "--resume_from_checkpoint", "latest",
+             "--export_final", "false"]])
+        return out
+    return shared_runs(tmp_path_factory, "fsdp", launch)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """10 steps of the tiny preset on 1, 2 and 4 ranks, and the runs that start from them, in three launches
-    (start-up costs more than a tiny run): 2 ranks: the baseline (saving checkpoint-5, exporting final/ after
-    its last evaluation), 1 step fine-tuned from that export, 4 bf16 steps; 4 ranks: the baseline, and the
-    2-rank run's checkpoint-5 resumed on 4 ranks."""
-    d = {name: tmp_path_factory.mktemp(name) for name in ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic")}
-    python(SCRIPT, [*TEN, *EVAL24, "--output_dir", str(d["ws1"]), "--export_final", "false"])  # a one-rank group
-    out = {}
-    out["ws2"], out["finetune"], out["bf16"] = fsdp_runs(2, [
-        [*TEN, *EVAL24, "--output_dir", str(d["ws2"]), "--save_steps", "5"],
-        [*TINY, "--model_name_or_path", str(d["ws2"] / "final"), "--max_steps", "1", "--eval_on_start", "true",
-         "--output_dir", str(d["finetune"]), *EVAL24, "--export_final", "false"],
-        [*TINY, "--max_steps", "4", "--bf16", "true", "--output_dir", str(d["bf16"]), "--export_final", "false"]])
-    two_rank_state_at_step_5(d["ws2"], d["elastic"])
-    assert (d["elastic"] / "checkpoint-5" / "trainer_state.json").exists() and not (d["elastic"] / "final").exists()
-    assert sorted(losses(d["elastic"])) == list(range(1, 6))
-    out["ws4"], out["elastic"] = fsdp_runs(4, [
-        [*TEN, *EVAL24, "--output_dir", str(d["ws4"]), "--export_final", "false"],
-        [*TEN, *EVAL24, "--output_dir", str(d["elastic"]), "--save_steps", "5", "--resume_from_checkpoint", "latest",
-         "--export_final", "false"]])
-    return {"dirs": d, "stdout": out}
+    root, stdout = fsdp_reference(tmp_path_factory)
+    names = ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic")
+    return {"dirs": {name: root / name for name in names}, "stdout": stdout}
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
-from conftest import TINY, assert_close, losses
-from test_hf_engine import accelerate, one_process_run, records, stopped_copy
+from conftest import TINY, assert_close, hf_runs, losses
+from test_hf_engine import accelerate, hf_reference, records
 
 pytestmark = pytest.mark.slow  # starts training processes
 
@@ -18,13 +19,18 @@ TEN = [*TINY, "--max_steps", "10", "--max_eval_samples", "24"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    out = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3")}
-    out["ddp1"], _ = one_process_run(tmp_path_factory)  # the same run as test_hf_engine.py's 1-process one
-    # ZeRO-2 with accumulation (2 per device × 2 devices × 2 steps), ZeRO-3 without (4 × 2 × 1), ZeRO-3 also
-    # saving checkpoint-5 for the resume test
+    """ZeRO-2 with accumulation (2 per device × 2 devices × 2 steps); ZeRO-3 without (4 × 2 × 1), saving checkpoint-5,
+    then in the same launch the same run stopped at step 5 (`zero3r`) and resumed from its checkpoint-5 by path."""
+    out = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3", "zero3r")}
+    out["ddp1"] = hf_reference(tmp_path_factory)[0] / "ws1"  # the same run as test_hf_engine.py's 1-process one
     out["zero2_proc"] = accelerate("deepspeed_zero2", 2, [*TEN, "--output_dir", str(out["zero2"]),
                                                          "--per_device_train_batch_size", "2", "--export_final", "false"])
-    out["zero3_proc"] = accelerate("deepspeed_zero3", 2, [*TEN, "--output_dir", str(out["zero3"]), "--save_steps", "5"])
+    resumed = [*TEN, "--output_dir", str(out["zero3r"]), "--export_final", "false"]
+    zero3, _, out["resume_stdout"] = hf_runs(2, [
+        [*TEN, "--output_dir", str(out["zero3"]), "--save_steps", "5"],
+        [*resumed, "--save_steps", "5", "--stop_at_step", "5"],
+        [*resumed, "--resume_from_checkpoint", str(out["zero3r"] / "checkpoint-5")]], config="deepspeed_zero3")
+    out["zero3_proc"] = SimpleNamespace(stdout=zero3)
     return out
 
 
@@ -65,20 +71,16 @@ def test_zero3_checkpoint_holds_partitions_and_export_holds_the_model(runs):
     assert engine_eval["step"] == 10 and math.isclose(loss, engine_eval["eval_loss"], rel_tol=1e-5)
 
 
-def test_zero3_resume_at_the_exact_position(runs, tmp_path):
-    """checkpoint-5 of the ZeRO-3 run (its partitions, and its metrics up to step 5), resumed up to 10."""
-    args = [*TEN, "--output_dir", str(tmp_path), "--export_final", "false"]
+def test_zero3_resume_at_the_exact_position(runs):
+    """The ZeRO-3 run stopped at step 5 (its partitions, and its metrics up to step 5), resumed up to 10."""
     assert sorted(p.name for p in runs["zero3"].glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-5"]
     assert (runs["zero3"] / "checkpoint-5" / "latest").read_text().strip() == "global_step5"
-    stopped_copy(runs["zero3"], 5, tmp_path)
-    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-5"]
     # by path this time (the DDP tests resume with "latest")
-    proc = accelerate("deepspeed_zero3", 2, [*args, "--resume_from_checkpoint", str(tmp_path / "checkpoint-5")])
-    assert "at step 5 (was 2 devices, now 2)" in proc.stdout
-    resumed = losses(tmp_path)
+    assert "at step 5 (was 2 devices, now 2)" in runs["resume_stdout"]
+    resumed = losses(runs["zero3r"])
     assert sorted(resumed) == list(range(1, 11))
     assert_close(losses(runs["zero3"]), resumed, rel=1e-4, steps=range(6, 11))
-    state = json.loads((tmp_path / "checkpoint-10" / "anygpu_state.json").read_text())
+    state = json.loads((runs["zero3r"] / "checkpoint-10" / "anygpu_state.json").read_text())
     assert state["global_step"] == 10 and state["world_size"] == 2
 
 

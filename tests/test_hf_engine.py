@@ -3,10 +3,8 @@
 Face loads with the trained weights, atomic checkpoints, the FSDP2 engine's outputs, SIGTERM saves."""
 from __future__ import annotations
 
-import fcntl
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -15,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import BIN, ROOT, TINY, assert_close, env, losses, python, run
+from conftest import BIN, ROOT, TINY, assert_close, env, hf_runs, losses, python, run, shared_runs
 
 pytestmark = pytest.mark.slow  # starts training processes
 
@@ -35,37 +33,41 @@ def records(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def shared_run(tmp_path_factory, name: str, launch) -> tuple[Path, SimpleNamespace]:
-    """`launch(output_dir)` once per pytest session, read by every test file that needs it, also across
-    pytest-xdist workers (a lock in the session's temporary folder): (output_dir, its stdout)."""
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: <session>/popen-gwN
-    out, stdout = root / f"shared-{name}", root / f"shared-{name}.stdout"
-    with open(root / f"shared-{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not stdout.exists():
-            shutil.rmtree(out, ignore_errors=True)  # what a failed attempt left
-            out.mkdir()
-            stdout.write_text(launch(out).stdout)
-    return out, SimpleNamespace(stdout=stdout.read_text())
+PARITY = [*TINY, "--max_steps", "20", "--max_eval_samples", "24", "--export_final", "false"]
 
 
-def one_process_run(tmp_path_factory) -> tuple[Path, SimpleNamespace]:
-    """10 steps on 1 process (8 per device × 1 accumulation step): the reference of this file and of
-    test_hf_deepspeed.py, one run for both."""
-    return shared_run(tmp_path_factory, "ddp1", lambda out: accelerate(
-        "ddp", 1, [*TEN, "--output_dir", str(out), "--export_final", "false"]))
+def parity_args(nproc: int) -> list[str]:
+    """The engine-parity runs (test_hf_parity.py), the same arguments in both engines: 1 process: 4 per device
+    × 2 accumulation steps, logged every 3 steps; 2 processes: 2 × 2 × 2, logged every step."""
+    return [*PARITY, "--per_device_train_batch_size", "4" if nproc == 1 else "2", "--logging_steps", "3" if nproc == 1 else "1"]
+
+
+def hf_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The DDP-config runs this file, test_hf_deepspeed.py and test_hf_parity.py read, in two launches of the HF
+    engine (once per session): 2 processes: `ws2`, 10 steps (2 per device × 2 × 2 accumulation steps, TensorBoard,
+    an evaluation at step 0, checkpoint-5), and `parity2`; 1 process: `ws1`, 10 steps (8 × 1 × 1), `parity1`,
+    and `resumed`: ws2 as it stood after step 5, resumed with latest on 1 process up to 10."""
+    def launch(root: Path) -> dict[str, str]:
+        out = {}
+        out["ws2"], out["parity2"] = hf_runs(2, [
+            [*TEN, "--output_dir", str(root / "ws2"), "--per_device_train_batch_size", "2", "--report_to", "tensorboard",
+             "--eval_on_start", "true", "--save_steps", "5"],
+            [*parity_args(2), "--output_dir", str(root / "parity2")]])
+        stopped_copy(root / "ws2", 5, root / "resumed")
+        out["ws1"], out["parity1"], out["resumed"] = hf_runs(1, [
+            [*TEN, "--output_dir", str(root / "ws1"), "--export_final", "false"],
+            [*parity_args(1), "--output_dir", str(root / "parity1")],
+            [*TEN, "--output_dir", str(root / "resumed"), "--export_final", "false", "--resume_from_checkpoint", "latest"]])
+        return out
+    return shared_runs(tmp_path_factory, "hf", launch)
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory) -> dict[str, Path]:
-    """10 steps on 1 process (8 per device × 1 accumulation step) and on 2 processes (2 × 2 × 2), the
-    latter also saving checkpoint-5, which the resume test resumes from."""
-    out = {"ws2": tmp_path_factory.mktemp("ddp2")}
-    out["ws1"], out["proc1"] = one_process_run(tmp_path_factory)
-    out["proc2"] = accelerate("ddp", 2, [*TEN, "--output_dir", str(out["ws2"]), "--per_device_train_batch_size", "2",
-                                         "--report_to", "tensorboard", "--eval_on_start", "true", "--save_steps", "5"])
-    return out
+def ddp(tmp_path_factory) -> dict:
+    root, stdout = hf_reference(tmp_path_factory)
+    return {"ws1": root / "ws1", "ws2": root / "ws2", "resumed": root / "resumed",
+            "proc1": SimpleNamespace(stdout=stdout["ws1"]), "proc2": SimpleNamespace(stdout=stdout["ws2"]),
+            "resume_stdout": stdout["resumed"]}
 
 
 def stopped_copy(run_dir: Path, step: int, dest: Path) -> None:
@@ -145,19 +147,15 @@ def test_final_export_round_trip(ddp):
     assert not math.isclose(loss, records(ddp["ws2"])[0]["eval_loss"], rel_tol=1e-3)  # not the initial weights
 
 
-def test_resume_at_the_exact_position_on_another_world_size(ddp, tmp_path):
+def test_resume_at_the_exact_position_on_another_world_size(ddp):
     """checkpoint-5 of the 2-process run (and its metrics up to step 5), then --resume_from_checkpoint
     latest on 1 process up to 10: steps 6-10 are those of the straight run. (--stop_at_step's own
     output, one checkpoint and no export, is asserted in test_lora.py's HF engine run.)"""
-    args = [*TEN, "--output_dir", str(tmp_path), "--export_final", "false"]
-    stopped_copy(ddp["ws2"], 5, tmp_path)
-    assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5]
-    proc = accelerate("ddp", 1, [*args, "--resume_from_checkpoint", "latest"])
-    assert "at step 5 (was 2 devices, now 1)" in proc.stdout
-    resumed = losses(tmp_path)
+    assert "at step 5 (was 2 devices, now 1)" in ddp["resume_stdout"]
+    resumed = losses(ddp["resumed"])
     assert sorted(resumed) == list(range(1, 11))  # steps 1-5 kept, 6-10 appended once
     assert_close(losses(ddp["ws2"]), resumed, rel=1e-5, steps=range(6, 11))
-    lrs = {r["step"]: r["learning_rate"] for r in records(tmp_path) if "loss" in r}
+    lrs = {r["step"]: r["learning_rate"] for r in records(ddp["resumed"]) if "loss" in r}
     straight = {r["step"]: r["learning_rate"] for r in records(ddp["ws2"]) if "loss" in r}
     assert lrs == pytest.approx(straight)  # the schedule went on where it was
 

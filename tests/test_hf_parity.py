@@ -8,27 +8,25 @@ import json
 import textwrap
 
 import pytest
-from conftest import TINY, assert_close, losses, torchrun
-from test_hf_engine import accelerate, records
+from conftest import assert_close, losses, torchrun
+from test_fsdp_engine import fsdp_reference
+from test_hf_engine import hf_reference, records
 
 pytestmark = pytest.mark.slow  # starts training processes
 
-TWENTY = [*TINY, "--max_steps", "20", "--max_eval_samples", "24", "--export_final", "false"]
-
-
-@pytest.mark.parametrize("nproc, per_device, every", [(1, "4", 3), (2, "2", 1)])
-def test_same_losses_as_the_fsdp2_engine(nproc, per_device, every, tmp_path):
+@pytest.mark.parametrize("nproc, every", [(1, 3), (2, 1)])
+def test_same_losses_as_the_fsdp2_engine(nproc, every, tmp_path_factory):
     """1 process: 4 per device × 2 accumulation steps, logged every 3 steps (a logged loss is the
     logging step's own, not a mean since the last log); 2 processes: 2 × 2 × 2 (accumulation and
-    gradient sync both exercised). Same keys in both engines' metrics.jsonl."""
-    args = [*TWENTY, "--per_device_train_batch_size", per_device, "--logging_steps", str(every)]
-    accelerate("ddp", nproc, [*args, "--output_dir", str(tmp_path / "hf")])
-    torchrun(nproc, "run_fsdp_standalone.py", [*args, "--output_dir", str(tmp_path / "fsdp")])
-    hf, fsdp = losses(tmp_path / "hf"), losses(tmp_path / "fsdp")
+    gradient sync both exercised). Same keys in both engines' metrics.jsonl. (The runs: parity_args, in
+    the shared launches of test_hf_engine.py and test_fsdp_engine.py.)"""
+    hf_dir = hf_reference(tmp_path_factory)[0] / f"parity{nproc}"
+    fsdp_dir = fsdp_reference(tmp_path_factory)[0] / f"parity{nproc}"
+    hf, fsdp = losses(hf_dir), losses(fsdp_dir)
     assert sorted(hf) == sorted({*range(every, 21, every), 20})  # every `every` steps and the last
     assert hf[20] < hf[every] - 0.5  # it learns
     assert_close(fsdp, hf, rel=1e-4)
-    hf_recs, fsdp_recs = records(tmp_path / "hf"), records(tmp_path / "fsdp")
+    hf_recs, fsdp_recs = records(hf_dir), records(fsdp_dir)
     assert [set(r) for r in hf_recs] == [set(r) for r in fsdp_recs]  # same records, same keys
     for a, b in zip(hf_recs, fsdp_recs):
         for key in ("learning_rate", "grad_norm", "eval_loss"):
