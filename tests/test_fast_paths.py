@@ -29,8 +29,9 @@ def async_runs(tmp_path_factory) -> dict:
     base, resumed, crashed = (tmp_path_factory.mktemp(n) for n in ("async2", "from6", "crash"))
     saves = ["--save_steps", "3", "--save_total_limit", "10", "--async_save", "true"]
     torchrun(2, SCRIPT, [*TEN, *saves, "--output_dir", str(base)])
-    torchrun(1, SCRIPT, [*TEN, "--output_dir", str(resumed), "--resume_from_checkpoint", str(base / "checkpoint-6")])
-    crash = torchrun(1, "tests/scripts/crash_in_async_write.py", [*TEN, *saves, "--output_dir", str(crashed)], check=False)
+    # one rank: plain python (a one-rank group of its own), no torchrun agent process
+    python(SCRIPT, [*TEN, "--output_dir", str(resumed), "--resume_from_checkpoint", str(base / "checkpoint-6")])
+    crash = python("tests/scripts/crash_in_async_write.py", [*TEN, *saves, "--output_dir", str(crashed)], check=False)
     left = sorted(p.name for p in crashed.iterdir() if "checkpoint" in p.name)
     after = torchrun(2, SCRIPT, [*TEN, *saves, "--output_dir", str(crashed), "--resume_from_checkpoint", "latest"])
     return {"base": base, "resumed": resumed, "crashed": crashed, "crash": crash, "left": left, "after": after}

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY, losses, python, torchrun
+from conftest import TINY, hf_runs, losses, python, torchrun
 
 SCRIPT = "run_fsdp_standalone.py"
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
@@ -114,16 +114,16 @@ def test_tokenizer_and_chat_template_carried(lora):
 def test_hf_engine_trains_the_same_adapter(lora, tmp_path):
     """The HF engine (one process, DDP config) from the same folder, stopped after step 2 (its checkpoint
     only, no export) and resumed: the FSDP2 engine's losses, and a PEFT adapter at the end."""
-    from test_hf_engine import accelerate
-
-    args = [*ARGS, "--model_name_or_path", str(lora["base"]), "--output_dir", str(tmp_path)]
-    accelerate("ddp", 1, [*args, "--stop_at_step", "2"])
-    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-2"]  # --stop_at_step: one checkpoint,
-    assert not (tmp_path / "final").exists() and sorted(losses(tmp_path)) == [1, 2]  # no export, its steps only
-    accelerate("ddp", 1, [*args, "--resume_from_checkpoint", "latest"])
-    hf, fsdp = losses(tmp_path), losses(lora["one"])
+    args = [*ARGS, "--model_name_or_path", str(lora["base"])]
+    stopped, out = tmp_path / "stopped", tmp_path / "resumed"
+    # one launch: the run stopped after step 2, then its checkpoint-2 resumed by path into another folder
+    hf_runs(1, [[*args, "--output_dir", str(stopped), "--stop_at_step", "2"],
+                [*args, "--output_dir", str(out), "--resume_from_checkpoint", str(stopped / "checkpoint-2")]])
+    assert [p.name for p in stopped.glob("checkpoint-*")] == ["checkpoint-2"]  # --stop_at_step: one checkpoint,
+    assert not (stopped / "final").exists() and sorted(losses(stopped)) == [1, 2]  # no export, its steps only
+    hf, fsdp = {**losses(stopped), **losses(out)}, losses(lora["one"])
     assert sorted(hf) == [1, 2, 3, 4]
     for s in hf:
         assert abs(hf[s] - fsdp[s]) <= 1e-4 * abs(fsdp[s]), (hf, fsdp)
-    assert (tmp_path / "final" / "adapter_model.safetensors").exists()
+    assert (out / "final" / "adapter_model.safetensors").exists()
     assert digest(lora["base"]) == lora["before"]
