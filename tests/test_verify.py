@@ -4,11 +4,14 @@ follows the world size is caught; bad input is refused before anything starts.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 from conftest import ROOT, env
+
+from anygpu.errors import UsageError
 
 # The tiny job as a user would pass it (verify adds --output_dir <job>/verify/<run>, --max_steps, …).
 JOB = ["--config_name", "tiny", "--max_corpus_mb", "1", "--block_size", "64", "--eval_steps", "0",
@@ -88,6 +91,7 @@ def test_a_global_batch_that_follows_the_world_size_is_caught(tmp_path):
     (["--world_sizes", "0,2"], "--world_sizes '0,2': every count must be at least 1"),
     (["--engines", "fsdp,deepspeed"], "'deepspeed' is not an engine (valid: fsdp, hf or fsdp,hf)"),
     (["--resume_at", "3", "--max_steps", "3"], "--resume_at 3: must be a step before the last (valid: 1..2"),
+    (["--world_size", "2"], "unrecognized arguments: --world_size 2 (the job's own arguments go after --)"),
     (["--world_sizes", "2"], "one run has nothing to compare with"),
     (["--world_sizes", "1,3", "--", "--global_batch_size", "4"], "world size 3: "),
     (["--", "--learning_rate", "-1"], "--learning_rate -1.0 must be a finite number > 0"),
@@ -116,3 +120,21 @@ def test_weights_compare_by_tensor_norm():
     assert weights_diff(a, {"w": a["w"]})[0] == float("inf")
     assert weights_diff(a, {"w": torch.zeros(4), "b": a["b"]})[0] == float("inf")
     assert rel_diff(2.0, 2.0) == 0 and rel_diff(2.0, 2.5) == 0.25 and rel_diff(1.0, float("nan")) == float("inf")
+
+
+def test_world_sizes_are_capped_at_the_gpus_unless_cpu(monkeypatch, capsys):
+    """One process per GPU: with 2 GPUs (fake nvidia-smi, torch counting 2), world size 4 is skipped with a
+    message; --cpu runs every size as CPU processes; no size that fits is refused with exit 2."""
+    from anygpu.launch.detect import NVIDIA
+    from anygpu.tools.verify import usable_sizes
+
+    monkeypatch.setenv("PATH", f"{ROOT / 'tests' / 'fakes'}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_GPUS", "2")
+    monkeypatch.setenv("FAKE_NVIDIA", "ok")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    torch_sees_two = lambda env: {"torch": "2.9.0", "cuda": "12.8", "hip": None, "count": 2}  # noqa: E731
+    assert usable_sizes([1, 2, 4], False, NVIDIA, torch_sees_two) == ([1, 2], "NVIDIA GPUs")
+    assert "world size 4 skipped: 2 NVIDIA GPUs here (one process per GPU); pass --cpu" in capsys.readouterr().err
+    assert usable_sizes([1, 2, 4], True, NVIDIA, torch_sees_two) == ([1, 2, 4], "CPU processes (gloo)")
+    with pytest.raises(UsageError, match="--world_sizes 4,8: only 2 NVIDIA GPU"):
+        usable_sizes([4, 8], False, NVIDIA, torch_sees_two)

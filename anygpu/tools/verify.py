@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "1: beyond it (or a run failed); 2: bad input.",
         epilog="Everything after -- is your job's arguments, as you pass them to the engine (model, data, LoRA, "
                "batch, engine options; a YAML/JSON file first is read too). verify sets --output_dir "
-               "<output_dir>/verify/<run>, --max_steps, --logging_steps 1 and --report_to none itself. "
-               "See docs/verify.md.",
+               "<output_dir>/verify/<run>, --max_steps, --logging_steps 1, --report_to none, --export_final true, "
+               "--eval_on_start false and --disable_tqdm true itself. See docs/verify.md.",
+        allow_abbrev=False,
     )
     p.add_argument("--world_sizes", default="1,2", help="Comma-separated process counts to compare (default 1,2).")
     p.add_argument("--engines", default="fsdp", help="Comma-separated engines: fsdp, hf or fsdp,hf (default fsdp).")
@@ -246,6 +247,16 @@ def read_metrics(run: Run) -> None:
             run.global_batch_size = rec.get("global_batch_size")
 
 
+def earlier_seconds(root: Path, runs: list[Run]) -> None:
+    """--compare_only: each run's training time from the result.json that the earlier verify wrote."""
+    try:
+        earlier = {r["name"]: r.get("seconds") for r in json.loads((root / "result.json").read_text())["runs"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for run in runs:
+        run.seconds = earlier.get(run.name)
+
+
 def rel_diff(ref: float, other: float) -> float:
     """|other − ref| / |ref| (inf when one is NaN or only the reference is 0)."""
     if math.isnan(ref) or math.isnan(other):
@@ -371,12 +382,18 @@ def write_result(root: Path, opts: argparse.Namespace, job: list[str], runs: lis
     return path
 
 
+def refuse(message: str) -> None:
+    hint = "the job's own arguments go after --" if message.startswith("unrecognized") else "see anygpu verify --help"
+    raise UsageError(f"{message} ({hint})")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     mine, job = launcher.split_argv(argv)
     parser = build_parser()
-    opts = parser.parse_args(mine)
+    parser.error = refuse  # one line and exit 2, as for every other bad input
     try:
+        opts = parser.parse_args(mine)
         sizes, engines = check_options(opts)
         root = Path(check_job(job, engines, sizes)) / "verify"
         vendor = vendor_here()
@@ -402,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
                 launch(run, job, opts.max_steps, opts.cpu, vendor, probe)
                 print(f"{PREFIX} {i}/{len(runs)} {run.name}: done in {run.seconds:.1f} s", file=sys.stderr, flush=True)
+        if opts.compare_only:
+            earlier_seconds(root, runs)
         for run in runs:
             read_metrics(run)
         worst = compare(runs, opts.resume_at)
