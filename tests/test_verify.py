@@ -95,6 +95,7 @@ def test_a_global_batch_that_follows_the_world_size_is_caught(tmp_path):
     (["--world_sizes", "2"], "one run has nothing to compare with"),
     (["--world_sizes", "1,3", "--", "--global_batch_size", "4"], "world size 3: "),
     (["--", "--learning_rate", "-1"], "--learning_rate -1.0 must be a finite number > 0"),
+    (["--compare_only", "--"], "--compare_only: no earlier run fsdp-w1, fsdp-w2 in "),
     (["--", "--resume_from_checkpoint", "latest"], "job argument --resume_from_checkpoint latest: verify starts"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, says, tmp_path, capsys):

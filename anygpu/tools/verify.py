@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Everything after -- is your job's arguments, as you pass them to the engine (model, data, LoRA, "
                "batch, engine options; a YAML/JSON file first is read too). verify sets --output_dir "
                "<output_dir>/verify/<run>, --max_steps, --logging_steps 1, --report_to none, --export_final true, "
-               "--eval_on_start false and --disable_tqdm true itself. See docs/verify.md.",
+               "--eval_on_start false, --eval_steps 0 and --disable_tqdm true itself. See docs/verify.md.",
         allow_abbrev=False,
     )
     p.add_argument("--world_sizes", default="1,2", help="Comma-separated process counts to compare (default 1,2).")
@@ -163,7 +163,7 @@ def check_job(job: list[str], engines: list[str], sizes: list[int]) -> str:
 def job_overrides(out: Path, max_steps: int) -> list[str]:
     """What verify sets in every run (after the job's own arguments: the last value wins)."""
     return ["--output_dir", str(out), "--max_steps", str(max_steps), "--logging_steps", "1", "--report_to", "none",
-            "--disable_tqdm", "true", "--export_final", "true", "--eval_on_start", "false"]
+            "--disable_tqdm", "true", "--export_final", "true", "--eval_on_start", "false", "--eval_steps", "0"]
 
 
 def plan_runs(root: Path, sizes: list[int], engines: list[str], resume_at: int | None) -> list[Run]:
@@ -222,7 +222,10 @@ def launch(run: Run, job: list[str], max_steps: int, cpu: bool, vendor: str, pro
         args += ["--resume_from_checkpoint", run.resumed_from]
     flags = ["--vendor", vendor, "--engine", run.engine, "--nproc", str(run.world_size), "--dry-run",
              *(["--cpu"] if cpu else [])]
-    plan = launcher.make_plan([*flags, "--", *args], os.environ, probe_torch=probe)
+    try:
+        plan = launcher.make_plan([*flags, "--", *args], os.environ, probe_torch=probe)
+    except launcher.LaunchError as e:
+        raise UsageError(f"{run.name}: {e}") from None
     log = out.parent / f"{run.name}.log"
     start = time.monotonic()
     with open(log, "w") as f:
@@ -238,7 +241,7 @@ def read_metrics(run: Run) -> None:
     """Per-step loss and grad norm from the run's metrics.jsonl (the training entries, not the evaluations)."""
     path = Path(run.output_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise VerifyError(f"{run.name}: no {path} (did the run finish? run verify without --compare_only)")
+        raise VerifyError(f"{run.name}: no {path} (see {Path(run.output_dir).parent / run.name}.log)")
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         if "loss" in rec:
@@ -346,7 +349,7 @@ def table(runs: list[Run]) -> str:
         secs = f"{r.seconds:.1f}" if r.seconds is not None else "—"
         cells = ("reference", "", "") if i == 0 else (fmt(d.get("loss")), fmt(d.get("grad_norm")), fmt(d.get("weights")))
         lines.append(f"{r.name:<{width}}{r.world_size:>6}{r.engine:>7}{secs:>9}" + "".join(f"{c:>11}" for c in cells))
-    return "\n".join(lines) + "\n"
+    return "\n".join(ln.rstrip() for ln in lines) + "\n"
 
 
 def verdict(worst: Worst, tolerance: float) -> str:
@@ -404,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(runs) < 2:
             raise UsageError(f"--world_sizes {opts.world_sizes}: only world size {sizes[0]} can run here, which leaves "
                              "nothing to compare; pass --cpu to compare CPU processes, or add --engines fsdp,hf")
+        if opts.compare_only and (missing := [r.name for r in runs if not (Path(r.output_dir) / "metrics.jsonl").is_file()]):
+            raise UsageError(f"--compare_only: no earlier run {', '.join(missing)} in {root}: run verify without "
+                             "--compare_only first (with the same --world_sizes, --engines and --resume_at)")
     except UsageError as e:
         print(f"anygpu verify: error: {e}", file=sys.stderr)
         return EXIT_USAGE
