@@ -1,4 +1,4 @@
-"""`anygpu` console command: `info`, `train [args]`, `launch` (interactive, or `--vendor nvidia|amd` for the vendor launcher), `plan`, `doctor`, `bench`."""
+"""`anygpu` console command: `info`, `train [args]`, `launch` (interactive, or `--vendor nvidia|amd` for the vendor launcher), `plan`, `doctor`, `bench`, `verify`."""
 from __future__ import annotations
 
 import sys
@@ -15,6 +15,8 @@ commands:
                             with --interactive, the interactive launch for that vendor
   plan [...]                per-GPU memory of every strategy for a model, and the recommended one
   bench --nproc 1,2,4,8     tokens/s and scaling efficiency of a short job at several process counts
+  verify [...] -- <job>     train a few steps of your job at several world sizes / engines (and resumed on
+                            another), compare losses, grad norms and weights: exit 0 if they agree, 1 if not
   doctor [...]              what this machine can do, the launchers' commands, active checks (exit 1 on failure)
 """
 
@@ -55,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         from anygpu.tools.bench import main as bench_main
 
         return bench_main(rest)
+    if command == "verify":
+        from anygpu.tools.verify import main as verify_main
+
+        return verify_main(rest)
     if command == "doctor":
         from anygpu.tools.doctor import main as doctor_main
 

@@ -1,0 +1,448 @@
+"""`anygpu verify`: train a few steps of the user's own job at several world sizes and/or engines, and
+certify that they agree.
+
+    anygpu verify --world_sizes 1,2,4 --engines fsdp,hf --resume_at 2 -- --model_name_or_path gpt2 ...
+
+Every run is started as the vendor launcher would start it (one process per GPU, or CPU processes with
+gloo where there is no GPU or with --cpu), in its own folder <output_dir>/verify/<run>. The first run is
+the reference; every other run's per-step loss and grad norm (metrics.jsonl) and final exported weights
+are compared with it. The largest relative difference decides: exit 0 within --tolerance, 1 beyond it
+(or when a run failed), 2 for bad input. The result goes to <output_dir>/verify/result.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from anygpu.errors import EXIT_USAGE, UsageError
+from anygpu.launch import launcher
+from anygpu.tools.bench import vendor_here
+
+PREFIX = "[verify]"
+JOB_OWNED = ("resume_from_checkpoint", "stop_at_step")  # verify sets these itself
+
+
+@dataclass
+class Run:
+    """One training run of the comparison, and what it logged."""
+    name: str
+    engine: str
+    world_size: int
+    output_dir: str
+    resumed_from: str | None = None  # a checkpoint of another run (--resume_at)
+    save_at: int | None = None  # keep a checkpoint of this step for a resumed run
+    seconds: float | None = None
+    global_batch_size: int | None = None
+    loss: dict[int, float] = field(default_factory=dict)
+    grad_norm: dict[int, float] = field(default_factory=dict)
+    max_rel_diff: dict[str, float] = field(default_factory=dict)  # against the reference: loss, grad_norm, weights
+
+
+@dataclass
+class Worst:
+    """The largest relative difference of the comparison, and where it is."""
+    value: float = 0.0
+    quantity: str = ""  # loss, grad_norm or weights
+    where: str = ""  # the step, or the tensor's name
+    run: str = ""
+
+
+class VerifyError(Exception):
+    """A run failed or left nothing to compare: the message says which and where its log is."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="anygpu verify",
+        usage="anygpu verify [options] -- <job arguments>",
+        description="Train a few steps of your job at each world size and/or engine (and, with --resume_at, "
+                    "stop on the first world size and resume on the last), compare per-step loss, grad norm and "
+                    "the final weights with the first run, print a table and one verdict line, and write "
+                    "<output_dir>/verify/result.json. Exit 0: every relative difference within --tolerance; "
+                    "1: beyond it (or a run failed); 2: bad input.",
+        epilog="Everything after -- is your job's arguments, as you pass them to the engine (model, data, LoRA, "
+               "batch, engine options; a YAML/JSON file first is read too). verify sets --output_dir "
+               "<output_dir>/verify/<run>, --max_steps, --logging_steps 1, --report_to none, --export_final true, "
+               "--eval_on_start false, --eval_steps 0 and --disable_tqdm true itself. See docs/verify.md.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--world_sizes", default="1,2", help="Comma-separated process counts to compare (default 1,2).")
+    p.add_argument("--engines", default="fsdp", help="Comma-separated engines: fsdp, hf or fsdp,hf (default fsdp).")
+    p.add_argument("--resume_at", type=int, metavar="K",
+                   help="Also resume each engine's first-world-size run from its checkpoint at step K on the last "
+                        "world size, and compare the steps after K.")
+    p.add_argument("--tolerance", type=float, default=1e-5,
+                   help="Largest relative difference allowed (default 1e-5: fp32 reductions in another order).")
+    p.add_argument("--max_steps", type=int, default=3, help="Optimizer steps per run (default 3).")
+    p.add_argument("--cpu", action="store_true",
+                   help="CPU processes (gloo) even where GPUs are present, e.g. for world sizes beyond the GPUs.")
+    p.add_argument("--compare_only", action="store_true",
+                   help="Train nothing: compare the runs an earlier verify of this job left in "
+                        "<output_dir>/verify (e.g. with another --tolerance).")
+    return p
+
+
+def parse_list(flag: str, text: str, convert, valid: str) -> list:
+    """`1,2,4` → [1, 2, 4] in the given order, duplicates dropped; refuse anything else."""
+    try:
+        items = [convert(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        items = []
+    if not items:
+        raise UsageError(f"{flag} {text!r}: give {valid}")
+    return list(dict.fromkeys(items))
+
+
+def check_options(opts: argparse.Namespace) -> tuple[list[int], list[str]]:
+    """World sizes and engines from the options; UsageError for anything out of range."""
+    sizes = parse_list("--world_sizes", opts.world_sizes, int, "process counts such as 1,2,4")
+    if min(sizes) < 1:
+        raise UsageError(f"--world_sizes {opts.world_sizes!r}: every count must be at least 1, e.g. 1,2,4")
+    engines = parse_list("--engines", opts.engines, str, "fsdp, hf or fsdp,hf")
+    for engine in engines:
+        if engine not in launcher.ENGINES:
+            raise UsageError(f"--engines {opts.engines!r}: {engine!r} is not an engine (valid: fsdp, hf or fsdp,hf)")
+    if opts.max_steps < 1:
+        raise UsageError(f"--max_steps {opts.max_steps}: must be at least 1, e.g. 3")
+    if opts.resume_at is not None and not 1 <= opts.resume_at < opts.max_steps:
+        raise UsageError(f"--resume_at {opts.resume_at}: must be a step before the last (valid: 1..{opts.max_steps - 1}, "
+                         f"or a larger --max_steps)")
+    if not opts.tolerance > 0:
+        raise UsageError(f"--tolerance {opts.tolerance}: must be positive, e.g. 1e-5")
+    if len(sizes) * len(engines) < 2 and opts.resume_at is None:
+        raise UsageError(f"--world_sizes {opts.world_sizes} --engines {opts.engines}: one run has nothing to compare "
+                         "with; give two world sizes (e.g. 1,2), two engines (fsdp,hf) or --resume_at K")
+    return sizes, engines
+
+
+def check_job(job: list[str], engines: list[str], sizes: list[int]) -> str:
+    """Parse the job's arguments as the engines will (refusing bad ones now, before any process starts); return
+    its output folder."""
+    import anygpu
+
+    anygpu.set_offline_defaults()
+    from anygpu.config.args import parse_args
+    from anygpu.config.batch import plan_batch, resolve_global_batch
+
+    extra: tuple[type, ...] = ()
+    if "hf" in engines:
+        from anygpu.engines.hf.engine import HFEngineArguments
+
+        extra = (HFEngineArguments,)
+    if "fsdp" in engines and "hf" in engines and any(a.lstrip("-").split("=")[0] == "allow_strategy_fallback" for a in job):
+        raise UsageError("job argument --allow_strategy_fallback is an HF-engine option the fsdp engine refuses: "
+                         "drop it, or verify --engines hf alone")
+    parsed = parse_args(job, extra=extra)
+    train = parsed[2]
+    for name in JOB_OWNED:
+        if getattr(train, name) is not None:
+            raise UsageError(f"job argument --{name} {getattr(train, name)}: verify starts every run fresh and "
+                             f"sets it itself; drop it (see --resume_at)")
+    block = parsed[1].block_size
+    for w in sizes:  # the batch split every world size will ask for (refused here, not after a minute of runs)
+        if train.global_batch_tokens is not None and block is None:
+            break  # the block size comes from the model: the runs check it
+        g = resolve_global_batch(train.global_batch_size, train.global_batch_tokens, block or 1,
+                                 train.per_device_train_batch_size, train.gradient_accumulation_steps, w)
+        try:
+            plan_batch(g, w, train.per_device_train_batch_size, train.gradient_accumulation_steps)
+        except UsageError as e:
+            raise UsageError(f"world size {w}: {e}") from None
+    return train.output_dir
+
+
+def job_overrides(out: Path, max_steps: int) -> list[str]:
+    """What verify sets in every run (after the job's own arguments: the last value wins)."""
+    return ["--output_dir", str(out), "--max_steps", str(max_steps), "--logging_steps", "1", "--report_to", "none",
+            "--disable_tqdm", "true", "--export_final", "true", "--eval_on_start", "false", "--eval_steps", "0"]
+
+
+def plan_runs(root: Path, sizes: list[int], engines: list[str], resume_at: int | None) -> list[Run]:
+    """Every engine at every world size (the first is the reference), then each engine's resumed run."""
+    runs = [Run(f"{e}-w{w}", e, w, str(root / f"{e}-w{w}")) for e in engines for w in sizes]
+    if resume_at is not None:
+        first, last = sizes[0], sizes[-1]
+        for e in engines:
+            source = next(r for r in runs if r.name == f"{e}-w{first}")
+            source.save_at = resume_at
+            name = f"{e}-w{first}to{last}-at{resume_at}"
+            runs.append(Run(name, e, last, str(root / name), str(Path(source.output_dir) / f"checkpoint-{resume_at}")))
+    return runs
+
+
+def once(probe):
+    """torch's device count is the same for every run: probe it once (a torch import costs seconds)."""
+    cache: dict[str, Any] = {}
+
+    def probe_once(env: Mapping[str, str]):
+        if "result" not in cache:
+            cache["result"] = probe(env)
+        return cache["result"]
+
+    return probe_once
+
+
+def usable_sizes(sizes: list[int], cpu: bool, vendor: str, probe) -> tuple[list[int], str]:
+    """The world sizes this machine can run (at most one process per GPU), and what it runs them on."""
+    flags = ["--vendor", vendor, "--engine", "fsdp", "--dry-run", *(["--cpu"] if cpu else [])]
+    try:
+        plan = launcher.make_plan(flags, os.environ, probe_torch=probe)
+    except launcher.LaunchError as e:
+        raise UsageError(str(e)) from None
+    if not plan.use_gpus:
+        return sizes, "CPU processes (gloo)"
+    label = launcher.VENDOR_LABEL[vendor]
+    kept = [w for w in sizes if w <= plan.nproc]
+    if dropped := [w for w in sizes if w > plan.nproc]:
+        print(f"{PREFIX} world size {', '.join(map(str, dropped))} skipped: {launcher.plural(plan.nproc, label + ' GPU')} "
+              "here (one process per GPU); pass --cpu to compare CPU processes instead", file=sys.stderr, flush=True)
+    if not kept:
+        raise UsageError(f"--world_sizes {','.join(map(str, sizes))}: only {plan.nproc} {label} GPU(s) here: "
+                         f"give sizes up to {plan.nproc}, or --cpu")
+    return kept, f"{label} GPUs"
+
+
+def launch(run: Run, job: list[str], max_steps: int, cpu: bool, vendor: str, probe) -> None:
+    """Train one run in its own fresh folder, as the launcher would; its output goes to <run>.log."""
+    out = Path(run.output_dir)
+    shutil.rmtree(out, ignore_errors=True)
+    args = [*job, *job_overrides(out, max_steps)]
+    if run.save_at:  # the checkpoint a resumed run starts from, kept whatever the job's --save_total_limit
+        args += ["--save_steps", str(run.save_at), "--save_total_limit", str(max_steps)]
+    if run.resumed_from:
+        args += ["--resume_from_checkpoint", run.resumed_from]
+    flags = ["--vendor", vendor, "--engine", run.engine, "--nproc", str(run.world_size), "--dry-run",
+             *(["--cpu"] if cpu else [])]
+    try:
+        plan = launcher.make_plan([*flags, "--", *args], os.environ, probe_torch=probe)
+    except launcher.LaunchError as e:
+        raise UsageError(f"{run.name}: {e}") from None
+    log = out.parent / f"{run.name}.log"
+    start = time.monotonic()
+    with open(log, "w") as f:
+        proc = subprocess.run(plan.cmd, env=plan.env, stdout=f, stderr=subprocess.STDOUT)
+    run.seconds = time.monotonic() - start
+    if proc.returncode != 0:
+        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or ["no output"]
+        message = f"{run.name} failed (exit {proc.returncode}): {tail[0]} (full log: {log})"
+        raise (UsageError if proc.returncode == EXIT_USAGE else VerifyError)(message)
+
+
+def read_metrics(run: Run) -> None:
+    """Per-step loss and grad norm from the run's metrics.jsonl (the training entries, not the evaluations)."""
+    path = Path(run.output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise VerifyError(f"{run.name}: no {path} (see {Path(run.output_dir).parent / run.name}.log)")
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            run.loss[rec["step"]] = rec["loss"]
+            run.grad_norm[rec["step"]] = rec.get("grad_norm", math.nan)
+            run.global_batch_size = rec.get("global_batch_size")
+
+
+def earlier_seconds(root: Path, runs: list[Run]) -> None:
+    """--compare_only: each run's training time from the result.json that the earlier verify wrote."""
+    try:
+        earlier = {r["name"]: r.get("seconds") for r in json.loads((root / "result.json").read_text())["runs"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for run in runs:
+        run.seconds = earlier.get(run.name)
+
+
+def rel_diff(ref: float, other: float) -> float:
+    """|other − ref| / |ref| (inf when one is NaN or only the reference is 0)."""
+    if math.isnan(ref) or math.isnan(other):
+        return math.inf
+    diff = abs(other - ref)
+    return 0.0 if diff == 0 else diff / abs(ref) if ref else math.inf
+
+
+def final_weights(run: Run) -> dict[str, Any]:
+    """The exported final tensors (model or adapter safetensors in <run>/final)."""
+    from safetensors.torch import load_file
+
+    files = sorted((Path(run.output_dir) / "final").glob("*.safetensors"))
+    if not files:
+        raise VerifyError(f"{run.name}: no final/*.safetensors in {run.output_dir} (the run did not export)")
+    tensors: dict[str, Any] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def weights_diff(ref: dict[str, Any], other: dict[str, Any]) -> tuple[float, str]:
+    """The largest ‖other − ref‖ / ‖ref‖ over the tensors (a norm per tensor: elementwise ratios blow up near 0)."""
+    if set(ref) != set(other):
+        missing = sorted(set(ref) ^ set(other))
+        return math.inf, f"tensor names differ ({', '.join(missing[:3])}{', …' if len(missing) > 3 else ''})"
+    worst, where = 0.0, ""
+    for name, a in ref.items():
+        a, b = a.double(), other[name].double()
+        if a.shape != b.shape:
+            return math.inf, f"{name} shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        d = (b - a).norm().item()
+        r = 0.0 if d == 0 else d / a.norm().item() if a.norm().item() else math.inf
+        if r > worst or not where:
+            worst, where = r, name
+    return worst, where
+
+
+def compare(runs: list[Run], resume_at: int | None) -> Worst:
+    """Every run against the first: steps both logged, then the final weights; the worst difference overall."""
+    ref = runs[0]
+    ref_weights = final_weights(ref)
+    worst = Worst()
+    for run in runs[1:]:
+        expected = [s for s in ref.loss if s > resume_at] if run.resumed_from else list(ref.loss)
+        if missing := [s for s in expected if s not in run.loss]:
+            raise VerifyError(f"{run.name}: no loss logged for step(s) {missing} (see {run.output_dir}/metrics.jsonl)")
+        for quantity, ref_values, values in (("loss", ref.loss, run.loss), ("grad_norm", ref.grad_norm, run.grad_norm)):
+            diffs = {s: rel_diff(ref_values[s], values[s]) for s in expected}
+            step = max(diffs, key=diffs.get)
+            run.max_rel_diff[quantity] = diffs[step]
+            if diffs[step] > worst.value or not worst.run:
+                worst = Worst(diffs[step], quantity, f"step {step}", run.name)
+        value, tensor = weights_diff(ref_weights, final_weights(run))
+        run.max_rel_diff["weights"] = value
+        if value > worst.value:
+            worst = Worst(value, "weights", tensor, run.name)
+    return worst
+
+
+def hints(runs: list[Run]) -> list[str]:
+    """Why runs that should agree could not: a global batch that follows the world size."""
+    batches = {r.name: r.global_batch_size for r in runs}
+    if len(set(batches.values())) > 1:
+        shown = ", ".join(f"{g} ({n})" for n, g in batches.items())
+        return [f"the global batch differs between runs: {shown}; it follows the world size when only "
+                "--per_device_train_batch_size is given: pass --global_batch_size to fix it"]
+    return []
+
+
+def fmt(x: float | None) -> str:
+    return "—" if x is None else "inf" if math.isinf(x) else f"{x:.2e}"
+
+
+def table(runs: list[Run]) -> str:
+    """Per-step loss of every run, then each run's largest relative difference from the reference."""
+    width = max(12, *(len(r.name) for r in runs)) + 2
+    steps = sorted({s for r in runs for s in r.loss})
+    lines = [f"{'step':>5}" + "".join(f"{r.name:>{width}}" for r in runs) + "   (loss)"]
+    for s in steps:
+        lines.append(f"{s:>5}" + "".join(f"{r.loss[s]:>{width}.7f}" if s in r.loss else f"{'':>{width}}" for r in runs))
+    lines.append("")
+    lines.append(f"{'run':<{width}}{'world':>6}{'engine':>7}{'seconds':>9}{'loss':>11}{'grad norm':>11}{'weights':>11}"
+                 "   (largest relative difference from the first run)")
+    for i, r in enumerate(runs):
+        d = r.max_rel_diff
+        secs = f"{r.seconds:.1f}" if r.seconds is not None else "—"
+        cells = ("reference", "", "") if i == 0 else (fmt(d.get("loss")), fmt(d.get("grad_norm")), fmt(d.get("weights")))
+        lines.append(f"{r.name:<{width}}{r.world_size:>6}{r.engine:>7}{secs:>9}" + "".join(f"{c:>11}" for c in cells))
+    return "\n".join(ln.rstrip() for ln in lines) + "\n"
+
+
+def verdict(worst: Worst, tolerance: float) -> str:
+    what = "grad norm" if worst.quantity == "grad_norm" else worst.quantity
+    place = f"{what}, {worst.where}, {worst.run}"
+    if worst.value <= tolerance:
+        return f"verdict: PASS: largest relative difference {fmt(worst.value)} ({place}) is within the tolerance {tolerance:g}"
+    return f"verdict: FAIL: largest relative difference {fmt(worst.value)} ({place}) exceeds the tolerance {tolerance:g}"
+
+
+def finite(value: Any) -> Any:
+    """Strict JSON: an infinite or NaN difference (a NaN loss, a zero reference) becomes null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
+
+
+def write_result(root: Path, opts: argparse.Namespace, job: list[str], runs: list[Run], worst: Worst | None,
+                 passed: bool, error: str = "") -> Path:
+    """<output_dir>/verify/result.json, written whole under a temporary name, then renamed."""
+    result = {"passed": passed, "tolerance": opts.tolerance, "max_steps": opts.max_steps, "resume_at": opts.resume_at,
+              "job_args": job, "reference": runs[0].name if runs else None,
+              "largest_relative_difference": asdict(worst) if worst else None, "error": error or None,
+              "runs": [asdict(r) for r in runs]}
+    path = root / "result.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(finite(result), indent=2, allow_nan=False))
+    os.replace(tmp, path)
+    return path
+
+
+def refuse(message: str) -> None:
+    hint = "the job's own arguments go after --" if message.startswith("unrecognized") else "see anygpu verify --help"
+    raise UsageError(f"{message} ({hint})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    mine, job = launcher.split_argv(argv)
+    parser = build_parser()
+    parser.error = refuse  # one line and exit 2, as for every other bad input
+    try:
+        opts = parser.parse_args(mine)
+        sizes, engines = check_options(opts)
+        root = Path(check_job(job, engines, sizes)) / "verify"
+        vendor = vendor_here()
+        probe = once(launcher.torch_probe)
+        if not opts.compare_only:
+            sizes, where = usable_sizes(sizes, opts.cpu, vendor, probe)
+        runs = plan_runs(root, sizes, engines, opts.resume_at)
+        if len(runs) < 2:
+            raise UsageError(f"--world_sizes {opts.world_sizes}: only world size {sizes[0]} can run here, which leaves "
+                             "nothing to compare; pass --cpu to compare CPU processes, or add --engines fsdp,hf")
+        if opts.compare_only and (missing := [r.name for r in runs if not (Path(r.output_dir) / "metrics.jsonl").is_file()]):
+            raise UsageError(f"--compare_only: no earlier run {', '.join(missing)} in {root}: run verify without "
+                             "--compare_only first (with the same --world_sizes, --engines and --resume_at)")
+    except UsageError as e:
+        print(f"anygpu verify: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    root.mkdir(parents=True, exist_ok=True)
+    worst = None
+    try:
+        if not opts.compare_only:
+            print(f"{PREFIX} {len(runs)} runs of {opts.max_steps} steps on {where}, in {root}", file=sys.stderr, flush=True)
+            for i, run in enumerate(runs, 1):
+                processes = launcher.plural(run.world_size, "process")
+                print(f"{PREFIX} {i}/{len(runs)} {run.name}: {run.engine} engine, {processes}"
+                      + (f", resumed from {run.resumed_from}" if run.resumed_from else "") + " …",
+                      file=sys.stderr, flush=True)
+                launch(run, job, opts.max_steps, opts.cpu, vendor, probe)
+                print(f"{PREFIX} {i}/{len(runs)} {run.name}: done in {run.seconds:.1f} s", file=sys.stderr, flush=True)
+        if opts.compare_only:
+            earlier_seconds(root, runs)
+        for run in runs:
+            read_metrics(run)
+        worst = compare(runs, opts.resume_at)
+    except (UsageError, VerifyError) as e:
+        write_result(root, opts, job, runs, worst, False, str(e))
+        print(f"anygpu verify: error: {e}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(e, UsageError) else 1
+    passed = worst.value <= opts.tolerance
+    sys.stdout.write(table(runs))
+    for line in hints(runs) if not passed else []:
+        print(f"hint: {line}")
+    print(verdict(worst, opts.tolerance))
+    path = write_result(root, opts, job, runs, worst, passed)
+    print(f"result: {path}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

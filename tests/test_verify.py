@@ -1,0 +1,141 @@
+"""`anygpu verify`: real runs of a tiny job at 1 and 2 CPU processes on both engines (and resumed from 1 on 2)
+agree; the same runs judged below what reordered fp32 reductions can meet fail; a job whose global batch
+follows the world size is caught; bad input is refused before anything starts."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, env
+
+from anygpu.errors import UsageError
+
+# The tiny job as a user would pass it (verify adds --output_dir <job>/verify/<run>, --max_steps, …).
+JOB = ["--config_name", "tiny", "--max_corpus_mb", "1", "--block_size", "64", "--eval_steps", "0",
+       "--warmup_steps", "2", "--learning_rate", "3e-3"]
+# torch's fp32 CPU norm of a whole vs a sharded gradient differs by up to ~5e-5 (FSDP2 engine's grad norm):
+# losses and weights agree within 1e-6; see docs/verify.md.
+TOLERANCE = "1e-4"
+
+
+def verify(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "anygpu.tools.cli", "verify", *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="session")
+def verified(tmp_path_factory):
+    """One verify of the tiny job: fsdp and hf engines at 1 and 2 processes, and each resumed from 1 on 2 at step 1."""
+    out = tmp_path_factory.mktemp("verify-job")
+    proc = verify(["--world_sizes", "1,2", "--engines", "fsdp,hf", "--resume_at", "1", "--max_steps", "2",
+                   "--tolerance", TOLERANCE, "--", *JOB, "--global_batch_size", "4", "--output_dir", str(out)])
+    return out, proc
+
+
+@pytest.mark.slow
+def test_the_same_job_on_1_and_2_processes_and_both_engines_passes(verified):
+    out, proc = verified
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    verdict = [ln for ln in proc.stdout.splitlines() if ln.startswith("verdict:")]
+    assert len(verdict) == 1 and verdict[0].startswith("verdict: PASS: largest relative difference"), proc.stdout
+    names = ["fsdp-w1", "fsdp-w2", "hf-w1", "hf-w2", "fsdp-w1to2-at1", "hf-w1to2-at1"]
+    for i, name in enumerate(names, 1):  # progress: which run, then its time
+        assert f"[verify] {i}/6 {name}: done in " in proc.stderr
+    result = json.loads((out / "verify" / "result.json").read_text())
+    assert result["passed"] and result["reference"] == "fsdp-w1" and [r["name"] for r in result["runs"]] == names
+    worst = result["largest_relative_difference"]
+    assert 0 < worst["value"] <= float(TOLERANCE) and f"{worst['value']:.2e}" in verdict[0]
+    for run in result["runs"]:
+        assert run["global_batch_size"] == 4 and (out / "verify" / run["name"] / "final").is_dir()
+        resumed = run["resumed_from"] is not None
+        assert sorted(run["loss"]) == (["2"] if resumed else ["1", "2"])  # a resumed run logs the steps after K
+        if run["name"] != "fsdp-w1":
+            # losses and final weights agree far below the tolerance; every quantity was compared
+            assert run["max_rel_diff"]["loss"] < 1e-6 and run["max_rel_diff"]["weights"] < 1e-6, run
+            assert run["max_rel_diff"]["grad_norm"] <= float(TOLERANCE)
+    assert "fsdp-w1/checkpoint-1" in result["runs"][4]["resumed_from"]
+    # the table: a loss row per step, a difference row per run
+    assert [ln.split()[0] for ln in proc.stdout.splitlines()[1:3]] == ["1", "2"]
+    assert any(ln.split()[:3] == ["hf-w1to2-at1", "2", "hf"] for ln in proc.stdout.splitlines())
+
+
+@pytest.mark.slow
+def test_a_tolerance_below_reordered_reductions_fails(verified):
+    """The same 1- and 2-process runs judged at 1e-12: fp32 sums in another order cannot meet it → exit 1."""
+    out, _ = verified
+    proc = verify(["--world_sizes", "1,2", "--engines", "fsdp,hf", "--resume_at", "1", "--max_steps", "2",
+                   "--tolerance", "1e-12", "--compare_only", "--", *JOB, "--global_batch_size", "4", "--output_dir", str(out)])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "verdict: FAIL: largest relative difference" in proc.stdout and "exceeds the tolerance 1e-12" in proc.stdout
+    assert "[verify]" not in proc.stderr  # nothing trained again
+    assert json.loads((out / "verify" / "result.json").read_text())["passed"] is False
+
+
+@pytest.mark.slow
+def test_a_global_batch_that_follows_the_world_size_is_caught(tmp_path):
+    """--per_device_train_batch_size without --global_batch_size (the HF habit): 2 sequences a step on 1 process,
+    4 on 2 — another training. verify fails it and says why."""
+    proc = verify(["--world_sizes", "1,2", "--max_steps", "2", "--", *JOB, "--per_device_train_batch_size", "2",
+                   "--output_dir", str(tmp_path)])
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert "verdict: FAIL" in proc.stdout
+    assert "hint: the global batch differs between runs: 2 (fsdp-w1), 4 (fsdp-w2)" in proc.stdout
+    result = json.loads((tmp_path / "verify" / "result.json").read_text())
+    assert result["largest_relative_difference"]["value"] > 1e-3
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--world_sizes", "0,2"], "--world_sizes '0,2': every count must be at least 1"),
+    (["--engines", "fsdp,deepspeed"], "'deepspeed' is not an engine (valid: fsdp, hf or fsdp,hf)"),
+    (["--resume_at", "3", "--max_steps", "3"], "--resume_at 3: must be a step before the last (valid: 1..2"),
+    (["--world_size", "2"], "unrecognized arguments: --world_size 2 (the job's own arguments go after --)"),
+    (["--world_sizes", "2"], "one run has nothing to compare with"),
+    (["--world_sizes", "1,3", "--", "--global_batch_size", "4"], "world size 3: "),
+    (["--", "--learning_rate", "-1"], "--learning_rate -1.0 must be a finite number > 0"),
+    (["--compare_only", "--"], "--compare_only: no earlier run fsdp-w1, fsdp-w2 in "),
+    (["--", "--resume_from_checkpoint", "latest"], "job argument --resume_from_checkpoint latest: verify starts"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, says, tmp_path, capsys):
+    from anygpu.tools import verify as verify_tool
+
+    if "--" in args:
+        args = [*args, "--output_dir", str(tmp_path)]
+    assert verify_tool.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("anygpu verify: error: ") and says in err[0], err
+    assert not (tmp_path / "verify").exists()  # refused before any run
+
+
+def test_weights_compare_by_tensor_norm():
+    """A tensor's relative difference is ‖b − a‖ / ‖a‖ (elementwise ratios would blow up on values near 0);
+    different tensor names or shapes are an infinite difference."""
+    import torch
+
+    from anygpu.tools.verify import rel_diff, weights_diff
+
+    a = {"w": torch.tensor([3.0, 4.0, 0.0]), "b": torch.zeros(2)}
+    assert weights_diff(a, {"w": torch.tensor([3.0, 4.0, 1e-3]), "b": torch.zeros(2)}) == (pytest.approx(2e-4), "w")
+    assert weights_diff(a, {"w": a["w"]})[0] == float("inf")
+    assert weights_diff(a, {"w": torch.zeros(4), "b": a["b"]})[0] == float("inf")
+    assert rel_diff(2.0, 2.0) == 0 and rel_diff(2.0, 2.5) == 0.25 and rel_diff(1.0, float("nan")) == float("inf")
+
+
+def test_world_sizes_are_capped_at_the_gpus_unless_cpu(monkeypatch, capsys):
+    """One process per GPU: with 2 GPUs (fake nvidia-smi, torch counting 2), world size 4 is skipped with a
+    message; --cpu runs every size as CPU processes; no size that fits is refused with exit 2."""
+    from anygpu.launch.detect import NVIDIA
+    from anygpu.tools.verify import usable_sizes
+
+    monkeypatch.setenv("PATH", f"{ROOT / 'tests' / 'fakes'}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_GPUS", "2")
+    monkeypatch.setenv("FAKE_NVIDIA", "ok")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    torch_sees_two = lambda env: {"torch": "2.9.0", "cuda": "12.8", "hip": None, "count": 2}  # noqa: E731
+    assert usable_sizes([1, 2, 4], False, NVIDIA, torch_sees_two) == ([1, 2], "NVIDIA GPUs")
+    assert "world size 4 skipped: 2 NVIDIA GPUs here (one process per GPU); pass --cpu" in capsys.readouterr().err
+    assert usable_sizes([1, 2, 4], True, NVIDIA, torch_sees_two) == ([1, 2, 4], "CPU processes (gloo)")
+    with pytest.raises(UsageError, match="--world_sizes 4,8: only 2 NVIDIA GPU"):
+        usable_sizes([4, 8], False, NVIDIA, torch_sees_two)
