@@ -113,8 +113,7 @@ def global_loss(loss_part: torch.Tensor) -> float:
 
 def clip_gradients(model, max_norm: float) -> torch.Tensor:
     """Clip to `max_norm` (0: no clipping); returns the total norm on the device (`.item()` it when logging)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return optim.clip_grad_norm(model.parameters(), max_norm)
 
 
 def banner(prep: Prepared, model, train_args: TrainArguments, tf32: bool) -> str:

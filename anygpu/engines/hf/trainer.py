@@ -111,6 +111,24 @@ class AnygpuTrainer(Trainer):
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
+    def _own_clipping(self, model: torch.nn.Module) -> bool:
+        """Plain or FSDP2 gradients: the library's float64 norm (both engines log the same norm on any world
+        size); DeepSpeed and FSDP1 clip their own partitions, Trainer's mixed-mesh path stays Trainer's."""
+        return not (self.is_deepspeed_enabled or (self.is_fsdp_enabled and not getattr(self.accelerator, "is_fsdp2", False))
+                    or self._has_mixed_mesh_grads(model))
+
+    def _clip_grad_norm(self, model: torch.nn.Module):
+        if not self._own_clipping(model):
+            return super()._clip_grad_norm(model)
+        self.accelerator.unscale_gradients()  # fp16's loss scale, as accelerator.clip_grad_norm_ does first
+        return optim.clip_grad_norm(model.parameters(), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm=None):
+        if grad_norm is None and self._own_clipping(model):  # --max_grad_norm 0: the norm, no clipping
+            self.accelerator.unscale_gradients()
+            grad_norm = optim.clip_grad_norm(model.parameters(), 0.0)
+        return super()._get_grad_norm(model, grad_norm)
+
     def unwrapped(self, model: torch.nn.Module) -> torch.nn.Module:
         """`accelerator.unwrap_model(model)`, remembered per wrapper: it costs ~1 ms a call (1% of a
         tiny-preset step), and the training step needs it for every micro-batch."""
