@@ -140,7 +140,7 @@ class FSDPTrainer:
         torch.manual_seed(train_args.seed + info.rank)
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
         run_guard.check_data_agrees(info, prep.data_fingerprint)
-        resume = store.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, warn=False)
+        resume = run_guard.agreed_resume(train_args.resume_from_checkpoint, train_args.output_dir)  # verified once
         self.fingerprint = resume_guard.fingerprint(train_args, prep)
         changed = []
         if resume is not None:  # before loading: a changed model or the other engine's files get a message
