@@ -358,3 +358,21 @@ def torch_device(name: str):
     import torch
 
     return torch.device(name)
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "hf"])
+def test_both_engines_stop_on_auto_with_only_damaged_checkpoints(tmp_path, engine, capsys):
+    """The engines' own entry points, which stop at start-up (exit 2) before any process group or model."""
+    from conftest import TINY
+
+    if engine == "fsdp":
+        from anygpu.engines.fsdp import main
+    else:
+        from anygpu.engines.hf.engine import main
+    for step in (2, 4):
+        damage(fake_checkpoint(tmp_path, step))
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, "--max_steps", "4", "--output_dir", str(tmp_path), "--resume_from_checkpoint", "auto"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no intact checkpoint" in err and "checkpoint-2: " in err and "checkpoint-4: " in err, err
+    assert names(tmp_path) == ["checkpoint-2", "checkpoint-4"]

@@ -163,6 +163,7 @@ class FSDPTrainer:
         self.flops_per_token = metrics.flops_per_token(prep.config, modeling.count_parameters(self.model, exclude_embeddings=True), prep.block_size)
         self.last: dict[str, Any] = {}
         self.batches: Iterator[StepBatches] | None = None  # train()'s iterator over the step loader
+        self.preemption: Preemption | None = None  # train()'s SIGTERM handler
         if info.is_main:
             print(banner(prep, self.model, train_args, tf32), flush=True)
             if self.auto_probe is not None:
@@ -245,7 +246,7 @@ class FSDPTrainer:
     def train(self) -> dict[str, Any]:
         """Train from start_step to end_step; return the last logged record (rank 0)."""
         args, info, total = self.args, self.info, self.prep.total_steps
-        preemption = Preemption(args.save_on_preempt)
+        self.preemption = preemption = Preemption(args.save_on_preempt)
         preemption.watch(self.model)
         if args.eval_on_start and self.start_step == 0:
             self.log_eval(0)
@@ -316,6 +317,8 @@ class FSDPTrainer:
         self.batches = None  # the DataLoader iterator's workers stop when it is dropped
         if self.async_saver is not None:
             self.async_saver.close()  # a write still in flight completes and commits before exit
+        if self.preemption is not None:
+            self.preemption.close()
         self.writer.close()
         distributed.destroy()
 
