@@ -5,7 +5,9 @@ background thread.
 Still atomic: the write goes to `.checkpoint-<step>.tmp`, and only once it has finished — seen at a
 later step boundary (`poll`), before the next save, or at exit (`wait`) — does rank 0 write the state
 file and manifest and rename the folder (`store.finalize`). A crash before then leaves an incomplete temporary
-folder that is never listed, so `--resume_from_checkpoint latest` takes the previous checkpoint.
+folder that is never listed, so `--resume_from_checkpoint latest` takes the previous checkpoint. SIGTERM
+while a write is in flight: the preemption save first waits for it and commits it (the preemption watchdog
+counts the wait as a save in progress). A full disk: one SaveError (see `store.disk_errors`).
 
 Rank 0's write finishes only after every rank's (DCP's coordinator gathers all write results before
 it writes the metadata), so rank 0 commits alone, without a collective on the training path.
@@ -89,15 +91,14 @@ class AsyncCheckpointer:
             self._commit()
 
     def wait(self) -> None:
-        """Block until the pending write is done and committed (before another save, on SIGTERM, at exit).
-        A save in progress to the preemption watchdog: it makes no heartbeat, yet must not be cut short, or
-        both this checkpoint and the preemption one that follows would be lost."""
+        """Block until the pending write is done and committed (before another save, on SIGTERM, at exit)."""
         if self.pending is not None:
-            with progress.protected():
-                self._commit()
+            self._commit()
 
     def _commit(self) -> None:
         p, self.pending = self.pending, None
+        # The wait for the write is a save in progress to the preemption watchdog: it makes no heartbeat, yet
+        # cutting it short would lose both this checkpoint and the preemption one that follows it.
         with progress.protected(), store.disk_errors(self.root, p.tmp, p.final, self.rank, p.needed):
             p.future.result()  # waits; re-raises a failed write here (a full disk: one SaveError)
             faults.test_fault("save", p.step)

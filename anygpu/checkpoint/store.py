@@ -1,7 +1,8 @@
 """Checkpoints: `checkpoint-<step>/` written under a temporary name and renamed when
 complete; sharded model + optimizer through torch.distributed.checkpoint (reloadable on
 any world size), plus scheduler, RNG, data position and arguments. The final export is
-`anygpu.checkpoint.export`."""
+`anygpu.checkpoint.export`. A full disk is one error and leaves nothing half-written (`disk_errors`,
+`anygpu.checkpoint.disk_space`); a damaged checkpoint is moved aside, never deleted (`set_aside`)."""
 from __future__ import annotations
 
 import contextlib
