@@ -1,7 +1,8 @@
 """The project's error types and the one place that turns them into exit codes.
 
 `UsageError` is a refusal of user input: one line naming the argument, the value and a valid
-alternative, printed once (by rank 0), exit code 2. Every other exception keeps its traceback.
+alternative, printed once (by rank 0), exit code 2. `SaveError` (a full disk) is one line and exit code 1.
+Every other exception keeps its traceback.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import sys
 from typing import Callable
 
+EXIT_FAILURE = 1  # any other failure (a full disk while saving: one line, without a traceback)
 EXIT_USAGE = 2  # bad input, refused before any work
 EXIT_PREEMPTED = 143  # SIGTERM/SIGUSR1: every rank saved a checkpoint of the step it finished, then stopped
 EXIT_NO_CHECKPOINT = 75  # a second signal, or a collective stuck on a dead peer: stopped at once, no new checkpoint
@@ -24,7 +26,8 @@ def rank() -> int:
 
 
 def run_main(body: Callable[[], object], cleanup: Callable[[], None]) -> None:
-    """Run an engine's `main` body: a UsageError is one line and exit 2; anything else keeps its traceback."""
+    """Run an engine's `main` body: a UsageError is one line and exit 2, a SaveError one line and exit 1;
+    anything else keeps its traceback."""
     try:
         body()
     except UsageError as e:
@@ -32,7 +35,17 @@ def run_main(body: Callable[[], object], cleanup: Callable[[], None]) -> None:
             print(f"error: {e}", file=sys.stderr, flush=True)
         cleanup()
         sys.exit(EXIT_USAGE)
+    except SaveError as e:
+        if rank() == 0 or not e.on_every_rank:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        cleanup()
+        sys.exit(EXIT_FAILURE)
 
 
 class SaveError(RuntimeError):
-    """A checkpoint could not be written (full disk): says what is intact and what to do; keeps its traceback."""
+    """A checkpoint could not be written (full disk): one line saying which folder, how many bytes and what is
+    intact, printed by the rank that raised it (by rank 0 alone when every rank raised it: `on_every_rank`)."""
+
+    def __init__(self, message: str, on_every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.on_every_rank = on_every_rank

@@ -191,3 +191,188 @@ def test_a_full_disk_while_saving_is_a_clear_error_and_the_previous_checkpoint_s
         store.save(str(tmp_path), 2, model, opt, sched, {"global_step": 2}, 2, 0)
     assert names(tmp_path) == ["checkpoint-1"] and manifest.problem(first) is None
     assert not list(tmp_path.glob(".checkpoint-*"))
+
+
+# ---------------------------------------------------------------------- auto: intact, damaged and mixed checkpoints
+def damage(ckpt: Path) -> None:
+    shard = ckpt / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])
+
+
+def claim(root: Path, **kw) -> None:
+    try:
+        run_guard.claim_output_dir(args(root, **kw), rank=0)
+    finally:
+        run_guard.release_locks()
+
+
+def abandoned(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / "abandoned").glob("*/checkpoint-*"))
+
+
+def test_auto_resumes_the_newest_of_intact_checkpoints(tmp_path):
+    for step in (2, 4):
+        fake_checkpoint(tmp_path, step)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n')
+    claim(tmp_path, resume_from_checkpoint="auto")
+    assert names(tmp_path) == ["checkpoint-2", "checkpoint-4"] and (tmp_path / "metrics.jsonl").exists()
+    assert store.resolve_resume("auto", str(tmp_path)).name == "checkpoint-4"
+
+
+def test_auto_over_mixed_checkpoints_resumes_the_newest_intact_and_moves_the_damaged_aside(tmp_path, capsys):
+    for step in (2, 4, 6):
+        fake_checkpoint(tmp_path, step)
+    damage(tmp_path / "checkpoint-6")
+    claim(tmp_path, resume_from_checkpoint="auto")
+    err = capsys.readouterr().err
+    assert "skipping checkpoint-6" in err and "moved checkpoint-6 aside" in err
+    assert names(tmp_path) == ["checkpoint-2", "checkpoint-4"] and abandoned(tmp_path) == ["checkpoint-6"]
+    assert store.resolve_resume("auto", str(tmp_path)).name == "checkpoint-4"
+
+
+@pytest.mark.parametrize("how", ["auto", "torchelastic restart"])
+def test_auto_with_only_damaged_checkpoints_stops_naming_them_and_deletes_nothing(tmp_path, how, monkeypatch):
+    """The defect: auto (or a restarted worker) found no intact checkpoint, deleted every one and trained from 0."""
+    for step in (2, 4):
+        damage(fake_checkpoint(tmp_path, step))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 4, "loss": 1.0}\n')
+    resume = "auto"
+    if how != "auto":
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        resume = None
+    with pytest.raises(UsageError, match=r"no intact checkpoint.*checkpoint-2.*checkpoint-4.*--overwrite_output_dir true"):
+        claim(tmp_path, resume_from_checkpoint=resume)
+    assert names(tmp_path) == ["checkpoint-2", "checkpoint-4"] and (tmp_path / "metrics.jsonl").exists()
+
+
+def test_overwrite_moves_damaged_checkpoints_aside_never_deletes_them(tmp_path, capsys):
+    for step in (2, 4):
+        damage(fake_checkpoint(tmp_path, step))
+    claim(tmp_path, resume_from_checkpoint="auto", overwrite_output_dir=True)
+    assert names(tmp_path) == [] and abandoned(tmp_path) == ["checkpoint-2", "checkpoint-4"]
+    assert "moved checkpoint-2, checkpoint-4 aside" in capsys.readouterr().err
+    assert store.resolve_resume("auto", str(tmp_path)) is None  # a fresh start
+
+
+def test_rotation_moves_a_damaged_checkpoint_aside(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    damage(fake_checkpoint(tmp_path, 4))
+    for step in (6, 8):
+        fake_checkpoint(tmp_path, step)
+    store.rotate(tmp_path, 2, tmp_path / "checkpoint-8")
+    assert names(tmp_path) == ["checkpoint-6", "checkpoint-8"] and abandoned(tmp_path) == ["checkpoint-4"]
+
+
+# ---------------------------------------------------------------------- verified once
+def test_the_resume_checkpoint_is_hashed_once(tmp_path, monkeypatch):
+    """Rank 0 verifies at start-up; the engine takes that verdict instead of hashing again (other ranks get it
+    broadcast: tests/test_fast_paths.py counts on two ranks)."""
+    fake_checkpoint(tmp_path, 2)
+    hashed = []
+    real = manifest.sha256
+    monkeypatch.setattr(manifest, "sha256", lambda p: hashed.append(p.name) or real(p))
+    claim(tmp_path, resume_from_checkpoint="latest")
+    assert run_guard.agreed_resume("latest", str(tmp_path)).name == "checkpoint-2"
+    files = len(manifest.read(tmp_path / "checkpoint-2")["files"])
+    assert len(hashed) == files, hashed
+
+
+# ---------------------------------------------------------------------- a full disk, at write time
+def tiny_training_state():
+    import torch
+
+    from anygpu.config.args import TrainArguments
+    from anygpu.runtime import distributed
+    from anygpu.train import optim
+
+    distributed.init_distributed()  # a one-rank gloo group, as under plain python
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()  # AdamW's moments exist: the state a checkpoint holds
+    sched = optim.build_scheduler(opt, TrainArguments(report_to=[]), 10)
+    return model, opt, sched
+
+
+def fill_the_disk_after(monkeypatch, nbytes: int) -> None:
+    """DCP's writer puts `nbytes` of a shard on disk, then the device is full (as a real write fails)."""
+    from torch.distributed.checkpoint import filesystem
+
+    def write_item(transforms, stream, data, *a, **k):
+        stream.write(b"\0" * nbytes)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(filesystem, "_write_item", write_item)
+
+
+def needed_bytes(message: str) -> int:
+    import re
+
+    return int(re.search(r"needs about ([\d,]+) bytes", message).group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_full_disk_inside_the_checkpoint_writer_is_one_clear_error(tmp_path, monkeypatch, background):
+    """ENOSPC raised where DCP writes a shard (which wraps it in a CheckpointException, from a thread when
+    the save runs in the background): one SaveError naming the folder and the bytes needed; no partial
+    folder under any name; the earlier checkpoint intact."""
+    from anygpu.checkpoint import async_store
+    from anygpu.runtime import parallel
+
+    model, opt, sched = tiny_training_state()
+    first = store.save(str(tmp_path), 1, model, opt, sched, {"global_step": 1}, 2, 0)
+    fill_the_disk_after(monkeypatch, 100)
+    with pytest.raises(SaveError) as e:
+        if background:
+            saver = async_store.AsyncCheckpointer(str(tmp_path), 2, 0, torch_device("cpu"))
+            try:
+                saver.save(2, model, opt, sched, {"global_step": 2})
+                saver.wait()
+            finally:
+                saver.pending = None
+                saver.close()
+        else:
+            store.save(str(tmp_path), 2, model, opt, sched, {"global_step": 2}, 2, 0)
+    said = str(e.value)
+    assert f"no space left on the device of {tmp_path} while writing checkpoint-2" in said, said
+    assert needed_bytes(said) >= parallel.local_bytes(model, opt), said
+    assert "checkpoint-1 is intact" in said and "Traceback" not in said
+    assert names(tmp_path) == ["checkpoint-1"] and manifest.problem(first) is None
+    assert not list(tmp_path.glob(".checkpoint-*"))
+
+
+def test_free_space_is_checked_before_writing(tmp_path, monkeypatch):
+    from anygpu.runtime import fs
+
+    model, opt, sched = tiny_training_state()
+    first = store.save(str(tmp_path), 1, model, opt, sched, {"global_step": 1}, 2, 0)
+    size = sum(f["size"] for f in manifest.read(first)["files"].values())
+    monkeypatch.setattr(fs, "free_bytes", lambda path: size // 2)
+    with pytest.raises(SaveError, match=f"no space left on the device of {tmp_path}: checkpoint-2 needs about") as e:
+        store.save(str(tmp_path), 2, model, opt, sched, {"global_step": 2}, 2, 0)
+    assert needed_bytes(str(e.value)) >= size // 2 + 1
+    assert names(tmp_path) == ["checkpoint-1"] and not list(tmp_path.glob(".checkpoint-*"))
+
+
+def torch_device(name: str):
+    import torch
+
+    return torch.device(name)
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "hf"])
+def test_both_engines_stop_on_auto_with_only_damaged_checkpoints(tmp_path, engine, capsys):
+    """The engines' own entry points, which stop at start-up (exit 2) before any process group or model."""
+    from conftest import TINY
+
+    if engine == "fsdp":
+        from anygpu.engines.fsdp import main
+    else:
+        from anygpu.engines.hf.engine import main
+    for step in (2, 4):
+        damage(fake_checkpoint(tmp_path, step))
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, "--max_steps", "4", "--output_dir", str(tmp_path), "--resume_from_checkpoint", "auto"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "no intact checkpoint" in err and "checkpoint-2: " in err and "checkpoint-4: " in err, err
+    assert names(tmp_path) == ["checkpoint-2", "checkpoint-4"]

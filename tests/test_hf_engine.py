@@ -182,3 +182,34 @@ def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
                            "--allow_changed_args", "true"])  # a shorter --max_steps: another schedule
     assert f"at step {step}" in proc.stdout and "resuming with changed training math: --max_steps" in proc.stdout
     assert max(losses(tmp_path)) == step + 2
+
+
+def test_a_full_disk_while_saving_is_one_error_and_the_previous_checkpoint_stays(tmp_path, monkeypatch, capsys):
+    """Trainer's optimizer.pt of checkpoint-4 hits ENOSPC half-written (one process, in this one): one line
+    naming the folder and the bytes needed, exit 1; no partial folder; checkpoint-2 intact."""
+    import errno
+
+    import torch
+
+    from anygpu.checkpoint import manifest
+    from anygpu.engines.hf.engine import main
+
+    real_save = torch.save
+
+    def save(obj, f, *a, **k):
+        if str(f).endswith("optimizer.pt") and "checkpoint-4" in str(f):
+            Path(f).write_bytes(b"\0" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(SystemExit) as e:
+        main([*TINY, "--max_steps", "4", "--save_steps", "2", "--max_eval_samples", "8", "--output_dir", str(tmp_path),
+              "--export_final", "false"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "Traceback" not in err, err[-3000:]
+    line = next(l for l in err.splitlines() if l.startswith("error: "))
+    assert f"no space left on the device of {tmp_path} while writing checkpoint-4 (it needs about " in line, line
+    assert "checkpoint-2 is intact" in line
+    assert [p.name for p in tmp_path.glob("*checkpoint-*")] == ["checkpoint-2"]
+    assert manifest.problem(tmp_path / "checkpoint-2") is None

@@ -5,7 +5,9 @@ background thread.
 Still atomic: the write goes to `.checkpoint-<step>.tmp`, and only once it has finished — seen at a
 later step boundary (`poll`), before the next save, or at exit (`wait`) — does rank 0 write the state
 file and manifest and rename the folder (`store.finalize`). A crash before then leaves an incomplete temporary
-folder that is never listed, so `--resume_from_checkpoint latest` takes the previous checkpoint.
+folder that is never listed, so `--resume_from_checkpoint latest` takes the previous checkpoint. SIGTERM
+while a write is in flight: the preemption save first waits for it and commits it (the preemption watchdog
+counts the wait as a save in progress). A full disk: one SaveError (see `store.disk_errors`).
 
 Rank 0's write finishes only after every rank's (DCP's coordinator gathers all write results before
 it writes the metadata), so rank 0 commits alone, without a collective on the training path.
@@ -25,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from anygpu.checkpoint import store
 from anygpu.runtime import faults, parallel, progress
@@ -41,6 +42,7 @@ class _Pending:
     final: Path
     json_files: dict[str, dict[str, Any]]  # trainer state + scheduler (as of the save) and the fingerprint
     world_size: int
+    needed: int | None  # bytes, for the message of a full disk
 
 
 class AsyncCheckpointer:
@@ -65,17 +67,21 @@ class AsyncCheckpointer:
              trainer_state: dict[str, Any], extra_files: dict[str, dict[str, Any]] | None = None) -> None:
         start = time.perf_counter()
         self.wait()  # one write in flight at a time
-        tmp, final = store.start(self.root, step, self.rank), self.root / f"checkpoint-{step}"
-        store.save_rng(tmp, self.rank)  # before the write starts: rank 0's commit implies every rank's files
-        if self.group is None:
-            self.group = dist.new_group(backend="gloo")
-        msd, osd = get_state_dict(model, optimizer, options=store.STATE_DICT_OPTIONS)
-        future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(tmp), process_group=self.group,
-                                async_stager=self.stager)
+        final = self.root / f"checkpoint-{step}"
+        state_dict = store.sharded_state_dict(model, optimizer)
+        world_size = trainer_state.get("world_size", 1)
+        needed = store.needed_bytes(self.root, state_dict, world_size)
+        tmp = store.start(self.root, step, self.rank, needed)  # a SaveError here when the disk is short
+        with store.disk_errors(self.root, tmp, final, self.rank, needed):
+            store.save_rng(tmp, self.rank)  # before the write starts: rank 0's commit implies every rank's files
+            if self.group is None:
+                self.group = dist.new_group(backend="gloo")
+            future = dcp.async_save(state_dict, checkpoint_id=str(tmp), process_group=self.group,
+                                    async_stager=self.stager)
         # a copy of the small state as of this step (the scheduler moves on while the write runs)
         state = json.loads(json.dumps({**trainer_state, "scheduler": scheduler.state_dict()}, default=str))
         files = {store.STATE_FILE: state, **(extra_files or {})}
-        self.pending = _Pending(step, future, tmp, final, files, trainer_state.get("world_size", 1))
+        self.pending = _Pending(step, future, tmp, final, files, world_size, needed)
         self.stalls.append(time.perf_counter() - start)
         logger.info("checkpoint-%d: training paused %.3f s; writing in the background", step, self.stalls[-1])
 
@@ -85,20 +91,21 @@ class AsyncCheckpointer:
             self._commit()
 
     def wait(self) -> None:
-        """Block until the pending write is done and committed (before another save, and at exit)."""
+        """Block until the pending write is done and committed (before another save, on SIGTERM, at exit)."""
         if self.pending is not None:
-            self.pending.future.result()
             self._commit()
 
     def _commit(self) -> None:
         p, self.pending = self.pending, None
-        p.future.result()  # re-raises a failed write here, with its traceback
-        faults.test_fault("save", p.step)
-        if self.rank == 0:
-            with progress.protected():
+        # The wait for the write is a save in progress to the preemption watchdog: it makes no heartbeat, yet
+        # cutting it short would lose both this checkpoint and the preemption one that follows it.
+        with progress.protected(), store.disk_errors(self.root, p.tmp, p.final, self.rank, p.needed):
+            p.future.result()  # waits; re-raises a failed write here (a full disk: one SaveError)
+            faults.test_fault("save", p.step)
+            if self.rank == 0:
                 store.finalize(self.root, p.tmp, p.final, p.step, p.world_size, "fsdp", self.save_total_limit,
-                                    p.json_files)
-            logger.info("checkpoint-%d complete: %s", p.step, p.final)
+                               p.json_files)
+                logger.info("checkpoint-%d complete: %s", p.step, p.final)
 
     def close(self) -> None:
         """Finish the pending write, leave the write group together (a rank that tears a gloo group down

@@ -1,26 +1,28 @@
 """Checkpoints: `checkpoint-<step>/` written under a temporary name and renamed when
 complete; sharded model + optimizer through torch.distributed.checkpoint (reloadable on
 any world size), plus scheduler, RNG, data position and arguments. The final export is
-`anygpu.checkpoint.export`."""
+`anygpu.checkpoint.export`. A full disk is one error and leaves nothing half-written (`disk_errors`,
+`anygpu.checkpoint.disk_space`); a damaged checkpoint is moved aside, never deleted (`set_aside`)."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from anygpu.checkpoint import manifest
+from anygpu.checkpoint import disk_space, manifest
 from anygpu.errors import SaveError, UsageError
 from anygpu.runtime import distributed, faults, fs, progress
 
@@ -67,7 +69,8 @@ def resolve_resume(value: str | None, output_dir: str, warn: bool = True) -> Pat
                 print(f"warning: {line}", file=sys.stderr, flush=True)
         if found is not None or value != "latest":
             return found
-        raise UsageError(f"--resume_from_checkpoint latest: no intact checkpoint in --output_dir {output_dir} "
+        damaged = f" ({', '.join(c.name for c in checkpoints(output_dir))} damaged)" if skipped else ""
+        raise UsageError(f"--resume_from_checkpoint latest: no intact checkpoint in --output_dir {output_dir}{damaged} "
                          "(use auto to start fresh when there is none).")
     if not value:
         return None
@@ -81,17 +84,37 @@ def resolve_resume(value: str | None, output_dir: str, warn: bool = True) -> Pat
     return path
 
 
+def set_aside(root: Path, ckpts: list[Path], why: str) -> Path | None:
+    """Move checkpoints to <output_dir>/abandoned/<time>/ (never deleted: a damaged one may still hold what a
+    user wants to salvage) and say so; returns that folder."""
+    if not ckpts:
+        return None
+    dest = root / "abandoned" / time.strftime("%Y%m%d-%H%M%S")
+    dest.mkdir(parents=True, exist_ok=True)
+    for c in ckpts:
+        target = dest / c.name
+        n = 1
+        while target.exists():  # the same name set aside twice within a second
+            target, n = dest / f"{c.name}.{n}", n + 1
+        os.replace(c, target)
+    print(f"warning: moved {', '.join(c.name for c in ckpts)} aside to {dest} ({why})", file=sys.stderr, flush=True)
+    return dest
+
+
 def rotate(root: Path, keep: int | None, just_written: Path) -> None:
-    """Keep-last-k: delete checkpoints older than `just_written` beyond the `keep` newest intact ones.
-    Never the one just written, never a newer one, never the only loadable one."""
+    """Keep-last-k: delete intact checkpoints older than `just_written` beyond the `keep` newest intact ones,
+    and move the damaged ones among them aside. Never the one just written, never a newer one, never the only
+    loadable one."""
     if not keep:
         return
     found = checkpoints(root)
     intact = [c for c in found if c == just_written or manifest.problem(c, checksums=False) is None]
     keep_set = set(intact[-keep:]) | {just_written}
-    for old in found:
-        if old not in keep_set and step_of(old) < step_of(just_written):
-            shutil.rmtree(old, ignore_errors=True)
+    old = [c for c in found if c not in keep_set and step_of(c) < step_of(just_written)]
+    for c in old:
+        if c in intact:
+            shutil.rmtree(c, ignore_errors=True)
+    set_aside(root, [c for c in old if c not in intact], "damaged, rotated out by --save_total_limit")
 
 
 def save(
@@ -112,9 +135,11 @@ def save(
     """
     root = Path(output_dir)
     final = root / f"checkpoint-{step}"
-    tmp = start(root, step, rank)
-    with progress.protected(), _disk_errors(root, tmp, final, rank):
-        write_shards(tmp, model, optimizer, rank)
+    state_dict = sharded_state_dict(model, optimizer)
+    needed = needed_bytes(root, state_dict, trainer_state.get("world_size", 1))
+    tmp = start(root, step, rank, needed)
+    with progress.protected(), disk_errors(root, tmp, final, rank, needed):
+        write_shards(tmp, state_dict, rank)
         distributed.barrier()
         if rank == 0:
             state = {**trainer_state, "scheduler": scheduler.state_dict()}
@@ -124,21 +149,49 @@ def save(
     return final
 
 
-def start(root: Path, step: int, rank: int) -> Path:
-    """Rank 0 clears what a crash mid-save left and makes the temporary folder; every rank gets its path."""
+def sharded_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What DCP writes: this rank's model and optimizer shards (frozen parameters left out)."""
+    msd, osd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+    return {"model": msd, "optim": osd}
+
+
+def needed_bytes(root: Path, state_dict: dict[str, Any], world_size: int) -> int:
+    """The next checkpoint's size: the newest one's (from its manifest), else this rank's shards × the ranks."""
+    found = checkpoints(root)
+    return disk_space.needed_bytes(found[-1] if found else None, _tensor_bytes(state_dict) * world_size)
+
+
+def _tensor_bytes(tree: Any) -> int:
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        t = tree.to_local() if hasattr(tree, "to_local") else tree  # a DTensor: this rank's shard
+        return t.numel() * t.element_size()
+    return 0
+
+
+def start(root: Path, step: int, rank: int, needed: int | None = None) -> Path:
+    """Rank 0 clears what a crash mid-save left, checks the free space against `needed` bytes (when known) and
+    makes the temporary folder; every rank gets its path, or the same SaveError when the space is short."""
     tmp = root / f".checkpoint-{step}.tmp"
+    short = None
     if rank == 0:
         for stale in root.glob(".checkpoint-*.tmp"):  # left by a crash mid-save
             shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    distributed.barrier()
+        short = disk_space.shortfall(root, root / f"checkpoint-{step}", needed)
+        if short is None:
+            tmp.mkdir(parents=True)
+    short = distributed.broadcast_object(short)  # also the barrier: the folder exists for every rank
+    if short is not None:
+        raise SaveError(short, on_every_rank=True)
     return tmp
 
 
-def write_shards(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
+def write_shards(tmp: Path, state_dict: dict[str, Any], rank: int) -> None:
     """This rank's part: its model and optimizer shards (DCP, collective) and its RNG state."""
-    msd, osd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+    dcp.save(state_dict, checkpoint_id=str(tmp))
     save_rng(tmp, rank)
     faults.test_fault("save", int(tmp.name.split("-")[1].split(".")[0]))
 
@@ -163,21 +216,24 @@ def finalize(root: Path, tmp: Path, final: Path, step: int, world_size: int, eng
 
 
 @contextlib.contextmanager
-def _disk_errors(root: Path, tmp: Path, final: Path, rank: int) -> Iterator[None]:
-    """A full disk (or quota) while saving: remove the partial folder and say so; the previous checkpoint stays."""
+def disk_errors(root: Path, tmp: Path, final: Path, rank: int, needed: int | None) -> Iterator[None]:
+    """A full disk (or quota) while saving, however the writer reports it (an OSError, DCP's CheckpointException,
+    torch.save's or safetensors' own errors): remove the partial folder and raise one SaveError naming the
+    folder and the bytes needed; the previous checkpoints stay."""
     try:
         yield
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
+    except SaveError:
+        raise
+    except (Exception, CheckpointException) as e:
+        cause = disk_space.disk_full_cause(e)
+        if cause is None and disk_space.shortfall(root, final, max(needed or 0, 1 << 20)) is None:
+            raise  # not a full disk (one with under 1 MiB free counts, whatever its writer said)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        previous = [c.name for c in checkpoints(root) if c != final]
-        raise SaveError(
-            f"no space left on the device of {root} while writing {final.name} ({e}): the partial folder was removed"
-            f" and {previous[-1] if previous else 'no earlier checkpoint'} is intact; free space (or lower "
-            "--save_total_limit) and resume with --resume_from_checkpoint latest."
-        ) from e
+        intact = [c.name for c in checkpoints(root) if c != final]
+        collective = isinstance(e, CheckpointException)  # DCP raises it on every rank alike
+        error = disk_space.full_disk_error(root, final, needed, cause or e, intact[-1] if intact else None)
+        raise SaveError(str(error), on_every_rank=collective) from e
 
 
 def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int) -> dict[str, Any]:

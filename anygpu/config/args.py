@@ -220,11 +220,12 @@ class TrainArguments:
         metadata={"help": "End this run after step N with a checkpoint, keeping the schedule of --max_steps "
                           "(for time-sliced jobs: resume later with --resume_from_checkpoint latest)."},
     )
-    save_total_limit: int | None = field(default=2, metadata={"help": "Keep at most this many checkpoints (oldest deleted; never the newest or the only intact one)."})
+    save_total_limit: int | None = field(default=2, metadata={"help": "Keep at most this many checkpoints (oldest deleted; never the newest or the only intact one; a damaged one is moved to <output_dir>/abandoned/, never deleted)."})
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "'latest' (the newest intact checkpoint in --output_dir; damaged ones are skipped with a warning), 'auto' "
-                          "(the same, or a fresh start when there is none: for restarted or requeued jobs), or a "
-                          "checkpoint folder (refused if damaged)."}
+        default=None, metadata={"help": "'latest' (the newest intact checkpoint in --output_dir; damaged ones are skipped with a warning and "
+                          "moved to <output_dir>/abandoned/), 'auto' (the same, or a fresh start when there is no checkpoint: "
+                          "for restarted or requeued jobs; with damaged checkpoints only it stops naming them, unless "
+                          "--overwrite_output_dir true), or a checkpoint folder (refused if damaged)."}
     )
     report_to: list[str] = field(
         default_factory=lambda: ["tensorboard"],
@@ -239,7 +240,8 @@ class TrainArguments:
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "Start a fresh run in an --output_dir that holds another run's metrics or checkpoints, "
-                          "deleting them (without it such a run is refused, unless it resumes)."},
+                          "deleting them; damaged checkpoints are moved to <output_dir>/abandoned/, never deleted "
+                          "(without it such a run is refused, unless it resumes)."},
     )
     allow_changed_args: bool = field(
         default=False,

@@ -139,7 +139,7 @@ class FSDPTrainer:
         torch.manual_seed(train_args.seed + info.rank)
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
         run_guard.check_data_agrees(info, prep.data_fingerprint)
-        resume = store.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, warn=False)
+        resume = run_guard.agreed_resume(train_args.resume_from_checkpoint, train_args.output_dir)  # verified once
         self.fingerprint = resume_guard.fingerprint(train_args, prep)
         changed = []
         if resume is not None:  # before loading: a changed model or the other engine's files get a message
@@ -162,6 +162,7 @@ class FSDPTrainer:
         self.flops_per_token = metrics.flops_per_token(prep.config, modeling.count_parameters(self.model, exclude_embeddings=True), prep.block_size)
         self.last: dict[str, Any] = {}
         self.batches: Iterator[StepBatches] | None = None  # train()'s iterator over the step loader
+        self.preemption: Preemption | None = None  # train()'s SIGTERM handler
         if info.is_main:
             print(banner(prep, self.model, train_args, tf32), flush=True)
             if self.auto_probe is not None:
@@ -244,7 +245,7 @@ class FSDPTrainer:
     def train(self) -> dict[str, Any]:
         """Train from start_step to end_step; return the last logged record (rank 0)."""
         args, info, total = self.args, self.info, self.prep.total_steps
-        preemption = Preemption(args.save_on_preempt)
+        self.preemption = preemption = Preemption(args.save_on_preempt)
         preemption.watch(self.model)
         if args.eval_on_start and self.start_step == 0:
             self.log_eval(0)
@@ -315,6 +316,8 @@ class FSDPTrainer:
         self.batches = None  # the DataLoader iterator's workers stop when it is dropped
         if self.async_saver is not None:
             self.async_saver.close()  # a write still in flight completes and commits before exit
+        if self.preemption is not None:
+            self.preemption.close()
         self.writer.close()
         distributed.destroy()
 

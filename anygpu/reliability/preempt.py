@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Any
 
 from anygpu.errors import EXIT_NO_CHECKPOINT
@@ -35,8 +34,15 @@ class Preemption:
         self.save_on_preempt = save_on_preempt
         self.requested: str | None = None
         self.grace_s = float(os.environ.get("ANYGPU_SIGTERM_GRACE_S", "20"))
-        for sig in SIGNALS:
-            signal.signal(sig, self._handler)
+        self._closed = threading.Event()
+        self._previous = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
+
+    def close(self) -> None:
+        """The run is over: put the previous handlers back and end the watchdog (a process that trains again,
+        as the tests do, must not be ended by an old run's watchdog)."""
+        self._closed.set()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
     def beat(self, *_: Any) -> None:
         progress.beat()
@@ -66,8 +72,7 @@ class Preemption:
 
     def _watchdog(self) -> None:
         seen = progress.PROGRESS.beats
-        while True:
-            time.sleep(self.grace_s)
+        while not self._closed.wait(self.grace_s):
             if progress.PROGRESS.protected_depth or progress.PROGRESS.beats != seen:
                 seen = progress.PROGRESS.beats
                 continue

@@ -5,17 +5,22 @@ Before the process group (rank 0 only, filesystem only):
   host is taken over with a warning;
 - a checkpoint replaced half-way (`.checkpoint-N.old`) is repaired;
 - a fresh run into an --output_dir that holds another run is refused (naming --overwrite_output_dir), unless
-  it resumes; `--resume_from_checkpoint auto` with nothing to resume starts fresh and clears the old files;
+  it resumes; `--resume_from_checkpoint auto` (or a torchelastic restart) with no checkpoint at all starts
+  fresh and clears the old files; with damaged checkpoints only, it stops naming them, unless
+  --overwrite_output_dir, which moves them aside to <output_dir>/abandoned/ (a damaged checkpoint is never
+  deleted: it may be all that is left of the run);
 - a rewind (resuming from a checkpoint older than the newest) is refused, naming the newer checkpoints and
   --allow_rewind, which moves them aside to <output_dir>/abandoned/ so that neither rotation nor `latest`
   can mix the two branches. Newer checkpoints that are damaged are moved aside the same way.
 
-Once the process group exists (`check_ranks`, `check_data_agrees`):
+Once the process group exists (`check_ranks`, `check_data_agrees`, `agreed_resume`):
 - a short connectivity check is the first collective: its failure names the backend and the missing ranks;
 - every rank compares the resolved arguments, the package version and (after data preparation) the corpus
   fingerprint with rank 0's: a difference stops the job at once, naming the rank, its host and the field;
 - every rank must see --output_dir as rank 0 does (a probe file): otherwise a multi-node checkpoint would
-  hold only some nodes' shards.
+  hold only some nodes' shards;
+- the checkpoint to resume is rank 0's verdict, reached once at start-up (hashing every file) and broadcast:
+  the other ranks hash nothing.
 """
 from __future__ import annotations
 
@@ -25,13 +30,12 @@ import os
 import shutil
 import socket
 import sys
-import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from anygpu.checkpoint import store
+from anygpu.checkpoint import manifest, store
 from anygpu.errors import UsageError
 
 LOCK = ".anygpu.lock"
@@ -57,10 +61,21 @@ def claim_output_dir(train_args: Any, rank: int) -> None:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if resume or restarted:
         target = store.resolve_resume(resume, str(root), warn=True)
+        _verdicts[_verdict_key(resume, root)] = target
         if target is not None:
             # latest/auto resolved to the newest intact checkpoint: whatever is newer is damaged
             set_aside_newer(root, target, train_args.allow_rewind or resume in ("latest", "auto") or not resume)
             return
+        damaged = store.checkpoints(root)  # none is intact, or resolve_resume would have found it
+        if damaged and not train_args.overwrite_output_dir:
+            why = "; ".join(f"{c.name}: {manifest.problem(c, checksums=False) or 'does not match its checksums'}"
+                            for c in damaged)
+            how = f"--resume_from_checkpoint {resume}" if resume else "a torchelastic restart"
+            raise UsageError(
+                f"{how}: no intact checkpoint in --output_dir {root}, only damaged ones ({why}). Nothing was deleted: "
+                "resume one by path once repaired, or pass --overwrite_output_dir true to move them aside to "
+                "<output_dir>/abandoned/ and start fresh."
+            )
     if used(root):
         if train_args.overwrite_output_dir or resume == "auto" or restarted:
             clear(root)
@@ -73,8 +88,6 @@ def claim_output_dir(train_args: Any, rank: int) -> None:
 
 
 def checkpoint_repairs(root: Path) -> list[str]:
-    from anygpu.checkpoint import manifest
-
     return manifest.recover_half_replaced(root)
 
 
@@ -85,21 +98,25 @@ def used(root: Path) -> list[str]:
 
 
 def clear(root: Path) -> None:
+    """Delete the old run's files and intact checkpoints; move its damaged checkpoints aside (never deleted)."""
     for name in RUN_FILES:
         path = root / name
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         elif path.exists():
             path.unlink()
+    damaged = []
     for ckpt in store.checkpoints(root):
-        shutil.rmtree(ckpt, ignore_errors=True)
+        if manifest.problem(ckpt, checksums=False) is None:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        else:
+            damaged.append(ckpt)
+    store.set_aside(root, damaged, "damaged; --overwrite_output_dir starts a fresh run")
 
 
 def set_aside_newer(root: Path, target: Path, allow_rewind: bool) -> None:
     """Checkpoints newer than the resumed one are moved to <output_dir>/abandoned/<time>/: damaged ones
     always, intact ones only with --allow_rewind (without it they refuse the rewind)."""
-    from anygpu.checkpoint import manifest
-
     step = store.step_of(target)
     newer = [c for c in store.checkpoints(root) if store.step_of(c) > step]
     intact = [c for c in newer if manifest.problem(c, checksums=False) is None]
@@ -109,12 +126,7 @@ def set_aside_newer(root: Path, target: Path, allow_rewind: bool) -> None:
             "resuming would start a second branch that rotation and 'latest' would mix with them. Pass "
             "--allow_rewind true to move them aside to <output_dir>/abandoned/, or resume with latest."
         )
-    if newer:
-        dest = root / "abandoned" / time.strftime("%Y%m%d-%H%M%S")
-        dest.mkdir(parents=True, exist_ok=True)
-        for c in newer:
-            os.replace(c, dest / c.name)
-        warn(f"moved {', '.join(c.name for c in newer)} aside to {dest} (newer than the resumed {target.name})")
+    store.set_aside(root, newer, f"newer than the resumed {target.name}")
 
 
 def take_lock(root: Path) -> None:
@@ -255,3 +267,31 @@ def check_data_agrees(info: Any, corpus_fingerprint: str) -> None:
     """After data preparation: every rank read the same corpus."""
     _first_difference(_gather({"rank": info.rank, "host": socket.gethostname(),
                                "fields": {"corpus fingerprint": corpus_fingerprint[:16]}}), "data")
+
+
+# ---------------------------------------------------------------------- the checkpoint to resume, verified once
+_verdicts: dict[tuple[str, str, str], Path | None] = {}  # rank 0's resolve_resume at start-up, by its inputs
+
+
+def _verdict_key(value: str | None, root: Path) -> tuple[str, str, str]:
+    return str(value), str(Path(root).resolve()), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def agreed_resume(value: str | None, output_dir: str) -> Path | None:
+    """The checkpoint to resume (see `store.resolve_resume`), the same on every rank: rank 0's verdict from
+    `claim_output_dir` (which hashed the files), or rank 0 resolves now; the others receive it (every rank
+    hashing the same files would multiply the start-up's reads by the number of ranks)."""
+    from anygpu.runtime import distributed
+
+    verdict: tuple[str, str | None] = ("ok", None)
+    if int(os.environ.get("RANK", "0")) == 0:
+        key = _verdict_key(value, Path(output_dir))
+        try:
+            target = _verdicts.pop(key) if key in _verdicts else store.resolve_resume(value, output_dir, warn=False)
+            verdict = ("ok", None if target is None else str(target))
+        except UsageError as e:
+            verdict = ("refused", str(e))
+    kind, text = distributed.broadcast_object(verdict)
+    if kind == "refused":
+        raise UsageError(text)
+    return None if text is None else Path(text)

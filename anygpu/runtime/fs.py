@@ -26,6 +26,11 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def free_bytes(path: Path) -> int:
+    """Bytes free for this user on the device that holds `path`."""
+    return shutil.disk_usage(path).free
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file's or a folder's entries to the disk (a folder: the names in it, e.g. after a rename)."""
     fd = os.open(path, os.O_RDONLY)

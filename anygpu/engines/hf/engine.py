@@ -174,7 +174,6 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.utils import logging as hf_logging
 
-    from anygpu.checkpoint import store
     from anygpu.data.prepare import prepare
     from anygpu.engines.hf.trainer import AnygpuTrainer, FlowCallback, MetricsCallback, plain_model_construction, read_anygpu_state, zero3_state_dict
     from anygpu.model import dropout, lora, modeling
@@ -184,8 +183,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars between our lines
     tf32 = hardware.configure_tf32(train_args.tf32)
     targs = training_arguments(train_args, plan)  # joins the process group
-    # Resolved once rank 0's start-up checks (before the process group) are done.
-    resume = store.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, warn=False)
+    # Rank 0's verdict from its start-up checks (before the process group), broadcast: verified once.
+    resume = run_guard.agreed_resume(train_args.resume_from_checkpoint, train_args.output_dir)
     if resume is not None:
         resume_guard.check_engine(resume, "hf")
     _check_resume_world(resume, plan)

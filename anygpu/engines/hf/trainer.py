@@ -207,15 +207,12 @@ class AnygpuTrainer(Trainer):
         """
         root = Path(self.args.output_dir)
         step = self.state.global_step
-        staging = root / f".checkpoint-{step}.tmp"
-        if self.args.should_save:
-            for stale in root.glob(".checkpoint-*.tmp"):  # left by a crash mid-save
-                shutil.rmtree(stale, ignore_errors=True)
-            staging.mkdir(parents=True)
-        distributed.barrier()
+        rank = 0 if self.args.should_save else 1
+        needed = self._checkpoint_bytes(root)
+        staging = store.start(root, step, rank, needed)  # clears a crash's leftovers; a short disk: SaveError
         self._staging_dir = str(staging)
         folder, final = staging / f"checkpoint-{step}", root / f"checkpoint-{step}"
-        with protected(), store._disk_errors(root, staging, final, 0 if self.args.should_save else 1):
+        with protected(), store.disk_errors(root, staging, final, rank, needed):
             try:
                 super()._save_checkpoint(model, trial)
                 test_fault("save", step)
@@ -233,6 +230,19 @@ class AnygpuTrainer(Trainer):
                                     {ANYGPU_STATE: state, resume_guard.FINGERPRINT_FILE: fingerprint})
                 shutil.rmtree(staging, ignore_errors=True)
         distributed.barrier()
+
+    def _checkpoint_bytes(self, root: Path) -> int | None:
+        """The next checkpoint's size: the newest one's; before the first, under DDP (one whole copy of the
+        trained parameters and their AdamW state, written by rank 0) the bytes this process holds; else unknown."""
+        from anygpu.checkpoint import disk_space
+
+        found = store.checkpoints(root)
+        estimate = None
+        if self.strategy in ("ddp", "dataparallel", "single") and self.optimizer is not None:
+            tensors = [p for p in self.model.parameters() if p.requires_grad]  # a LoRA checkpoint holds the adapter only
+            tensors += [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+            estimate = sum(t.numel() * t.element_size() for t in tensors)
+        return disk_space.needed_bytes(found[-1] if found else None, estimate)
 
     def _get_output_dir(self, trial: Any) -> str:
         staging = getattr(self, "_staging_dir", None)
