@@ -141,7 +141,7 @@ class FSDPTrainer:
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
         run_guard.check_data_agrees(info, prep.data_fingerprint)
         resume = store.resolve_resume(train_args.resume_from_checkpoint, train_args.output_dir, warn=False)
-        self.fingerprint = resume_guard.fingerprint(train_args, prep)
+        self.fingerprint = resume_guard.fingerprint(resolved_dict(model_args, data_args, train_args), prep)
         changed = []
         if resume is not None:  # before loading: a changed model or the other engine's files get a message
             resume_guard.check_engine(resume, "fsdp")

@@ -48,13 +48,15 @@ class AnygpuTrainer(Trainer):
     """Trainer with the library's data order, AdamW groups, schedule, evaluation and atomic checkpoints."""
 
     def __init__(self, *args: Any, prep: Prepared, sampler_plan: BatchPlan, start_step: int,
-                 train_config: TrainArguments, num_devices: int, strategy: str, **kwargs: Any) -> None:
+                 train_config: TrainArguments, num_devices: int, strategy: str, fingerprint: dict[str, Any],
+                 **kwargs: Any) -> None:
         self.prep = prep
         self.sampler_plan = sampler_plan  # this process's split (m·GPUs per micro-batch under DataParallel)
         self.start_step = start_step
         self.train_config = train_config
         self.num_devices = num_devices  # data-parallel devices: processes, or GPUs under DataParallel
         self.strategy = strategy  # hf_strategy's kind, recorded in each checkpoint
+        self.fingerprint = fingerprint  # resume_guard's, saved in each checkpoint
         self._step_loss: torch.Tensor | None = None  # this optimizer step's loss, summed over its micro-batches
         self._unwrapped_cache: tuple[torch.nn.Module, torch.nn.Module] | None = None  # (wrapper, unwrapped)
         super().__init__(*args, **kwargs)
@@ -209,10 +211,9 @@ class AnygpuTrainer(Trainer):
                          "world_size": self.num_devices, "seed": self.train_config.seed,
                          "num_train_samples": self.prep.order.num_samples, "total_steps": self.prep.total_steps,
                          "strategy": self.strategy}
-                fingerprint = resume_guard.fingerprint(self.train_config, self.prep)
                 # state files, manifest (fsyncs Trainer's files), rename, rotation
                 store.finalize(root, folder, final, step, self.num_devices, "hf", self.train_config.save_total_limit,
-                                    {ANYGPU_STATE: state, resume_guard.FINGERPRINT_FILE: fingerprint})
+                                    {ANYGPU_STATE: state, resume_guard.FINGERPRINT_FILE: self.fingerprint})
                 shutil.rmtree(staging, ignore_errors=True)
         distributed.barrier()
 
