@@ -236,7 +236,7 @@ class MetricsCallback(TrainerCallback):
         self.world_size, self.device = world_size, device
         self.fpt, self.peak = flops_per_token, peak_flops
         self.start_step, self.end_step, self.is_main = start_step, end_step, is_main
-        self.tokens_per_step = prep.plan.global_batch_size * prep.block_size
+        self.tokens = metrics.StepTokens(prep.datasets["train"], prep.order, prep.block_size)
         self.lr: float | None = None
         self.bar = None
         self.window = metrics.ThroughputWindow()
@@ -255,7 +255,7 @@ class MetricsCallback(TrainerCallback):
             self.lr = float(optimizer.param_groups[0]["lr"])
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.window.steps += 1
+        self.window.add(*self.tokens.count(state.global_step - 1, self.prep.plan))
         self.mark = time.perf_counter()
         if self.bar is not None:
             self.bar.update(1)
@@ -269,13 +269,14 @@ class MetricsCallback(TrainerCallback):
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        tps = self.window.tokens_per_second(self.tokens_per_step)
         grad_norm = logs.get("grad_norm")
         rec = {"step": step, "loss": float(logs["loss"]), "learning_rate": self.lr,
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-               "tokens_per_second": tps, "tokens_per_second_per_device": tps / self.world_size,
+               **self.window.record(self.tokens.padded)}
+        tps = rec["tokens_per_second"]
+        rec.update({"tokens_per_second_per_device": tps / self.world_size,
                "world_size": self.world_size, "global_batch_size": self.prep.plan.global_batch_size,
-               "epoch": step / self.prep.order.steps_per_epoch}
+               "epoch": step / self.prep.order.steps_per_epoch})
         if (u := metrics.mfu(tps, self.fpt, self.peak, self.world_size)) is not None:
             rec["mfu"] = u
         if (mem := metrics.max_memory_gb(self.device)) is not None:
