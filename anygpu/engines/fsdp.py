@@ -40,6 +40,8 @@ logger = logging.getLogger("anygpu")
 def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
     """Meta model → AC / compile / FSDP2 → materialised on the device → initial or pretrained weights."""
     model = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args)  # adapter before sharding
+    if lora.is_peft(model) and train_args.bf16:
+        lora.hold_frozen_in(model, torch.bfloat16)  # as the memory plan counts it: 2 bytes per frozen parameter
     modeling.check_loss_kwargs(model)
     dropout.install(model, train_args.seed)
     buffers = {n: b.clone() for n, b in model.named_buffers()}

@@ -231,6 +231,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     model = lora.wrap(model, model_args)
     if lora.is_peft(model):
         lora.init_adapter(model, train_args.seed)  # the FSDP2 engine's adapter, not peft's draw from the global stream
+        if train_args.bf16:
+            import torch
+
+            lora.hold_frozen_in(model, torch.bfloat16)  # as the FSDP2 engine and the memory plan
     dropout.install(model, train_args.seed)  # masks keyed by sample, as in the FSDP2 engine
     if train_args.torch_compile:
         for layer in (m for m in model.modules() if isinstance(m, blocks.decoder_layer_classes(model))):
