@@ -212,7 +212,7 @@ class TrainArguments:
     lr_scheduler_type: str = field(default="cosine", metadata={"resume": SAME, "help": f"Decay after warmup: {', '.join(SCHEDULERS)}."})
     max_grad_norm: float = field(default=1.0, metadata={"resume": SAME, "help": "Clip the total gradient norm to this (0: no clipping)."})
     seed: int = field(default=42, metadata={"resume": SAME, "help": "Seed for initialisation and the data order."})
-    bf16: bool = field(default=False, metadata={"resume": SAME, "help": "bf16 mixed precision (bf16 compute, fp32 master weights and gradient reduction)."})
+    bf16: bool = field(default=False, metadata={"resume": SAME, "help": "bf16 mixed precision (bf16 compute, fp32 master weights and gradient reduction; a LoRA run holds its frozen base in bf16)."})
     fp16: bool = field(default=False, metadata={"resume": SAME, "help": "fp16 mixed precision (HF engine only; the FSDP2 engine asks for --bf16)."})
     tf32: bool | None = field(
         default=None, metadata={"resume": FREE, "help": "TF32 matmuls on GPUs that have them (NVIDIA compute capability ≥ 8.0). Default on; --tf32 false turns it off."}
