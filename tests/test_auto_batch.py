@@ -83,3 +83,25 @@ def test_hf_engine_auto_under_a_budget(tmp_path):
     assert "rank 0: micro-batch auto → 4" in proc.stdout
     assert "global batch 8 = 4 per device × 1 device × 2 accumulation steps" in proc.stdout
     assert "8 → " in proc.stdout and "chosen 4 on every rank" in proc.stdout
+
+
+def test_auto_counts_a_lora_model_as_the_engines_hold_it(tmp_path):
+    """With --use_peft the estimate holds the frozen base's weights only (no gradients, no AdamW state for it)."""
+    from types import SimpleNamespace
+
+    from test_lora import build_base
+
+    from anygpu.config.batch import plan_batch
+    from anygpu.model import modeling
+
+    build_base(tmp_path)
+    m, _, t = parse_args(["--model_name_or_path", str(tmp_path), "--use_peft", "true", "--lora_target_modules", "all-linear",
+                          "--per_device_train_batch_size", "auto", "--global_batch_size", "4", "--max_memory_per_device_gb", "1"])
+    prep = SimpleNamespace(config=modeling.resolve_config(m), plan=plan_batch(4, 1), block_size=64)
+    probe = auto_batch.apply(prep, m, t, CPU, "fsdp2")
+    lora_shapes, _, _ = load_shapes(str(tmp_path), None, m.lora_r, ("all-linear",))
+    full_shapes, _, _ = load_shapes(str(tmp_path), None)
+    expected = auto_batch.estimate_cost(lora_shapes, "fsdp2", "fp32", 1, 64, False)
+    full = auto_batch.estimate_cost(full_shapes, "fsdp2", "fp32", 1, 64, False)
+    assert [b for _, b, _ in probe.tried] == [expected(mb) for mb, _, _ in probe.tried]
+    assert expected(1) < full(1)  # the adapter's states instead of the whole model's

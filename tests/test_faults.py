@@ -170,9 +170,10 @@ def manifest_ok(path: Path) -> bool:
 
 @pytest.mark.parametrize("change,expected", [
     (["--block_size", "32"], "--block_size: 64 → 32"), (["--seed", "7"], "--seed: 42 → 7"),
-    (["--max_train_samples", "500"], "--num_train_samples"), (["--max_corpus_mb", "0.9"], "corpus fingerprint"),
+    (["--max_train_samples", "500"], "--num_train_samples"), (["--max_corpus_mb", "0.9"], "(from --max_corpus_mb 1.0 → 0.9)"),
     (["--vocab_size", "4000"], "tokenizer fingerprint"), (["--max_steps", "20"], "--max_steps: 15 → 20"),
     (["--learning_rate", "1e-3"], "--learning_rate: 0.003 → 0.001"),
+    (["--truncation_mode", "drop"], "--truncation_mode: 'keep_start' → 'drop'"),
 ])
 def test_a_resume_that_changes_the_training_math_is_refused(reference, tmp_path, change, expected, capsys):
     from anygpu.engines.fsdp import main

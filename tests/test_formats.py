@@ -102,7 +102,11 @@ def test_overlong_samples_are_truncated_or_dropped_and_counted(tok, mode):
         assert (stats.samples, stats.truncated, stats.dropped_no_target) == (4, 3, 1)
     else:
         assert (stats.samples, stats.truncated, stats.dropped_no_target) == (5, 3, 0)
-    assert "train" and stats.describe().startswith(f"{stats.samples} samples")
+    # the banner's count is the rows written, and it names what was cut or left out
+    assert stats.samples == len(enc["input_ids"])
+    assert stats.describe() == {"drop": "2 samples, 3 too long, dropped",
+                                "keep_start": "4 samples, 3 truncated, 1 without target tokens, dropped",
+                                "keep_end": "5 samples, 3 truncated"}[mode]
 
 
 def test_best_fit_decreasing_packs_every_sample_once():

@@ -35,47 +35,65 @@ def test_same_losses_as_the_fsdp2_engine(nproc, every, tmp_path_factory):
 
 
 LOSS_MATH = textwrap.dedent('''
-    """Trainer's own loss path (num_items_in_batch + average_tokens_across_devices) on W gloo ranks
-    with uneven target counts, against the global-batch token mean computed in one process."""
+    """The HF engine's own Trainer (AnygpuTrainer: its data sampler, target count, training step and logged
+    loss) on W gloo ranks with padded rows of uneven lengths and target counts, against the global-batch
+    token mean computed in one process."""
     import json, os, sys
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from datasets import Dataset, DatasetDict
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from anygpu.config.args import TrainArguments
+    from anygpu.config.batch import plan_batch
+    from anygpu.data.collate import Collator
+    from anygpu.data.order import GlobalOrder
+    from anygpu.data.prepare import Prepared
+    from anygpu.engines.hf.trainer import AnygpuTrainer
 
     W, A, m, T = int(os.environ["WORLD_SIZE"]), 2, 2, 16
     G = W * A * m
     args = TrainingArguments(output_dir=sys.argv[1], use_cpu=True, ddp_backend="gloo" if W > 1 else None,
                              report_to="none", per_device_train_batch_size=m, gradient_accumulation_steps=A,
-                             average_tokens_across_devices=True)
+                             average_tokens_across_devices=True, disable_tqdm=True, remove_unused_columns=False)
     rank = args.process_index
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=64)
+                      num_key_value_heads=2, vocab_size=97, max_position_embeddings=64, pad_token_id=0)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     ref = LlamaForCausalLM(cfg)
     ref.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 97, (G, T), generator=g)
-    labels = ids.clone()
-    for i in range(G):  # sequence i: its first 2*i + (i % 3) positions are not targets
-        labels[i, : min(T - 2, 2 * i + i % 3)] = -100
-    trainer = Trainer(model=model, args=args)
+    rows = {"input_ids": [], "labels": []}
+    for i in range(G):  # row i: T - i % 5 tokens (padded per micro-batch), its first 2*i + i % 3 positions not targets
+        ids = torch.randint(1, 97, (T - i % 5,), generator=g).tolist()
+        rows["input_ids"].append(ids)
+        rows["labels"].append([-100] * min(len(ids) - 2, 2 * i + i % 3) + ids[min(len(ids) - 2, 2 * i + i % 3):])
+    train = Dataset.from_dict(rows)
+    plan = plan_batch(G, W, m)
+    order = GlobalOrder(G, G, seed=3)
+    collator = Collator(pad_token_id=0, packed=False)
+    prep = Prepared(cfg, None, DatasetDict(train=train, validation=train), T, plan, order, 1, True, False, collator)
+    trainer = AnygpuTrainer(model=model, args=args, train_dataset=train, prep=prep, sampler_plan=plan, start_step=0,
+                            train_config=TrainArguments(output_dir=sys.argv[1], report_to=[]), num_devices=W,
+                            strategy="ddp", fingerprint={})
     ddp = trainer.accelerator.prepare(model)
-    mine = range(rank * A * m, (rank + 1) * A * m)
-    batches = [{"input_ids": ids[list(mine)][j * m:(j + 1) * m], "labels": labels[list(mine)][j * m:(j + 1) * m]}
-               for j in range(A)]
-    num_items = trainer._get_num_items_in_batch(batches, args.device)
+    batches, num_items = trainer.get_batch_samples(iter(trainer.get_train_dataloader()), A, args.device)
     trainer.current_gradient_accumulation_steps = A
-    reported = sum(trainer.training_step(ddp, b, num_items) for b in batches)
-    logged = trainer.accelerator.gather(reported.reshape(1)).mean().item()  # what Trainer logs
-    # reference: one process, the whole global batch, token-loss sum / target tokens
-    out = ref(input_ids=ids, labels=labels)
+    for b in batches:
+        trainer.training_step(ddp, b, num_items)
+    trainer.log({"loss": float("nan")})  # AnygpuTrainer.log puts the step's global-batch loss in
+    logged = trainer.state.log_history[-1]["loss"]
+    # reference: one process, the whole global batch padded, token-loss sum / target tokens
+    whole = collator.read(train, order.global_batch(0))
+    out = ref(input_ids=whole["input_ids"], attention_mask=whole["attention_mask"])
     logits = out.logits[:, :-1].reshape(-1, 97)
-    target = labels[:, 1:].reshape(-1)
+    target = whole["labels"][:, 1:].reshape(-1)
     loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum") / (target != -100).sum()
     loss.backward()
     diff = max((p.grad - q.grad).abs().max().item() / q.grad.abs().max().item()
                for p, q in zip(model.parameters(), ref.parameters()))
-    counts = [(labels[list(range(r * A * m, (r + 1) * A * m))][:, 1:] != -100).sum().item() for r in range(W)]
+    counts = [sum(int((collator.read(train, mb)["labels"][:, 1:] != -100).sum()) for mb in order.micro_batches(0, plan, r))
+              for r in range(W)]
     if rank == 0:
         print("RESULT " + json.dumps({"grad_rel_diff": diff, "logged": logged, "reference": loss.item(),
                                       "num_items": float(num_items), "targets": int((target != -100).sum()),

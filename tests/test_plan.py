@@ -30,16 +30,29 @@ def lora_base(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def measured(lora_base, tmp_path_factory):
-    """Per-rank bytes of parameters, gradients and optimizer state of real FSDP2 runs (fp32, full): the tiny and
-    default presets, and LoRA over the base, all in one launch per world size (plain python for one rank)."""
+def moe_config(tmp_path_factory):
+    """A tiny Mixtral (4 experts, top 2, router loss on) with the tiny preset's dimensions."""
+    path = tmp_path_factory.mktemp("moe") / "moe.json"
+    path.write_text(json.dumps({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192,
+                                "max_position_embeddings": 512, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                "output_router_logits": True, "router_aux_loss_coef": 0.02, "tie_word_embeddings": False}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def measured(lora_base, moe_config, tmp_path_factory):
+    """Per-rank bytes of parameters, gradients and optimizer state of real FSDP2 runs: the tiny and default
+    presets and a tiny MoE (fp32, full), and LoRA over the base in fp32 and bf16, all in one launch per world
+    size (plain python for one rank)."""
     out = {}
     args = [a for a in TINY if a not in ("--config_name", "tiny")]
     lora = [*args, "--model_name_or_path", str(lora_base[0]), "--use_peft", "true", "--lora_r", "4",
             "--lora_target_modules", "all-linear"]
     for nproc in (1, 2):
-        groups = ["tiny,default", *args, "--output_dir", str(tmp_path_factory.mktemp(f"states{nproc}")), ":::",
-                  "pretrained", *lora, "--output_dir", str(tmp_path_factory.mktemp(f"lora-states{nproc}"))]
+        groups = [f"tiny,default,{moe_config}", *args, "--output_dir", str(tmp_path_factory.mktemp(f"states{nproc}")), ":::",
+                  "pretrained", *lora, "--output_dir", str(tmp_path_factory.mktemp(f"lora-states{nproc}")), ":::",
+                  "pretrained", *lora, "--bf16", "true", "--output_dir", str(tmp_path_factory.mktemp(f"lora-bf16-{nproc}"))]
         proc = (python("tests/scripts/state_bytes.py", groups) if nproc == 1
                 else torchrun(nproc, "tests/scripts/state_bytes.py", groups))
         for line in proc.stdout.splitlines():
@@ -63,13 +76,27 @@ def test_planned_model_states_equal_the_sharded_tensors(measured, preset, nproc)
 
 
 @pytest.mark.slow
-def test_planned_lora_states_equal_the_sharded_tensors(measured, lora_base):
-    """LoRA: the frozen base's parameters, and gradients and AdamW state of the adapter only, as planned."""
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_planned_lora_states_equal_the_sharded_tensors(measured, lora_base, precision):
+    """LoRA: the frozen base's parameters (in bf16 under --bf16), and gradients and AdamW state of the adapter
+    only, as planned."""
     shapes = lora_base[1]
     assert 0 < shapes.num_trainable < sum(p.numel for p in shapes.params) / 10
     for nproc in (1, 2):
-        real = measured["pretrained", nproc]
+        real = measured["pretrained" + ("+bf16" if precision == "bf16" else ""), nproc]
         for rank, m in enumerate(real):
+            planned, _ = memory_plan.model_state_bytes(shapes, "fsdp2", precision, nproc, rank)
+            for key in STATES:
+                assert abs(planned[key] - m[key]) <= 0.01 * m[key], (nproc, rank, key, planned, m)
+
+
+@pytest.mark.slow
+def test_planned_moe_states_equal_the_sharded_tensors(measured, moe_config):
+    """MoE: every expert's parameters, gradients and AdamW state, as planned."""
+    shapes, _, _ = plan_tool.load_shapes(None, str(moe_config))
+    for nproc in (1, 2):
+        for rank, m in enumerate(measured["moe", nproc]):
+            assert m["vocab_size"] == shapes.vocab_size
             planned, _ = memory_plan.model_state_bytes(shapes, "fsdp2", "fp32", nproc, rank)
             for key in STATES:
                 assert abs(planned[key] - m[key]) <= 0.01 * m[key], (nproc, rank, key, planned, m)

@@ -14,6 +14,7 @@ from conftest import TINY, assert_close, fsdp_runs, hf_runs, losses
 from anygpu.config.args import parse_args
 from anygpu.data.prepare import prepare
 from anygpu.runtime.distributed import DistInfo
+from anygpu.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +73,8 @@ def sft_runs(chat_file, pc_file, tmp_path_factory):
                   [*pc, "--stop_at_step", "5", "--output_dir", str(root / "two")]])
     fsdp_runs(3, [[*chat, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f3")],
                   [*six, "--output_dir", str(root / "six3")]])
-    hf_runs(2, [[*chat, "--per_device_train_batch_size", "1", "--output_dir", str(out / "hf2")],
+    # m = 3: the micro-batches of the 1-rank run (padding_fraction is a property of the split)
+    hf_runs(2, [[*chat, "--per_device_train_batch_size", "3", "--output_dir", str(out / "hf2")],
                 [*six, "--output_dir", str(root / "sixhf")]])
     return chat, out, root
 
@@ -117,6 +119,18 @@ def test_chat_loss_is_the_same_on_the_hf_engine(chat_runs):
     # the export carries the default chat template the run gave the tokenizer
     assert "<|im_start|>" in json.loads((out / "f1" / "tokenizer" / "tokenizer_config.json").read_text()).get("chat_template", "") \
         or (out / "f1" / "tokenizer" / "chat_template.jinja").exists()
+
+
+def test_chat_metrics_count_real_tokens_and_log_the_padding(chat_runs):
+    """Both engines log padding_fraction on padded data, the same for the same micro-batches (1 rank × 3 and
+    2 HF processes × 3), none with one row per micro-batch (3 ranks × 1); tokens/s counts the real tokens."""
+    _, _, out = chat_runs
+    recs = {k: [r for r in read_metrics(out / k / "metrics.jsonl") if "loss" in r] for k in ("f1", "f3", "hf2")}
+    assert [set(r) for r in recs["f1"]] == [set(r) for r in recs["hf2"]]
+    f1 = [r["padding_fraction"] for r in recs["f1"]]
+    assert all(0 < p < 0.5 for p in f1), f1
+    assert f1 == pytest.approx([r["padding_fraction"] for r in recs["hf2"]], rel=1e-12)
+    assert all(r["padding_fraction"] == 0 for r in recs["f3"])
 
 
 def test_completion_only_loss_learns_the_fixed_completion(completion_runs):

@@ -63,15 +63,39 @@ def test_tokens_per_second_leaves_pauses_out_of_the_window(monkeypatch):
     clock = [100.0]
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
     w = metrics.ThroughputWindow()
-    w.steps = 4
+    for _ in range(4):
+        w.add(1000, 1000)
     clock[0] += 2.0  # 4 steps of training
     with metrics.paused(w):
         clock[0] += 30.0  # an evaluation or a checkpoint
-    w.steps += 1
+    w.add(1000, 1000)
     clock[0] += 0.5
-    assert w.tokens_per_second(1000) == pytest.approx(5 * 1000 / 2.5)
+    assert w.tokens_per_second() == pytest.approx(5 * 1000 / 2.5)
     w.reset()
-    assert w.steps == 0 and w.paused == 0
+    assert w.steps == 0 and w.paused == 0 and w.tokens == 0
+
+
+def test_step_tokens_count_real_tokens_and_the_padding_of_each_micro_batch():
+    """tokens/s counts what the model was given less the padding: the counts equal the collated batches'."""
+    from datasets import Dataset
+
+    from anygpu.config.batch import plan_batch
+    from anygpu.data.collate import Collator
+    from anygpu.data.order import GlobalOrder
+
+    lengths = [3 + (7 * i) % 13 for i in range(24)]
+    rows = Dataset.from_dict({"input_ids": [[5] * n for n in lengths], "labels": [[5] * n for n in lengths]})
+    order, collator = GlobalOrder(len(rows), 12, seed=1), Collator(pad_token_id=0)
+    counter = metrics.StepTokens(rows, order, 16)
+    for world, m in ((1, 4), (2, 3), (3, 1)):
+        plan = plan_batch(12, world, m)
+        for step in (0, 1):
+            batches = [collator.read(rows, mb) for r in range(world) for mb in order.micro_batches(step, plan, r)]
+            real = sum(int(b["attention_mask"].sum()) for b in batches)
+            assert counter.count(step, plan) == (real, sum(b["input_ids"].numel() for b in batches))
+            assert real == sum(lengths[i] for i in order.global_batch(step))  # the same whatever the split
+    blocks = Dataset.from_dict({"input_ids": [[1] * 16] * 24})  # raw-text blocks: full, never padded
+    assert metrics.StepTokens(blocks, order, 16).count(0, plan_batch(12, 2, 3)) == (12 * 16, 12 * 16)
 
 
 @pytest.mark.slow  # starts worker processes

@@ -1,60 +1,87 @@
 """What a checkpoint must agree with to be resumed: the fingerprint of the training math.
 
-Saved in each checkpoint as `fingerprint.json`: the arguments that define the data order, the schedule
-and the update (not the world size, which may change freely), the corpus and tokenizer fingerprints and
-the model config. A resume that changes any of them is refused with the list of differences, unless
+Saved in each checkpoint as `fingerprint.json`. Which arguments belong to it is read from each
+argument's own marking (metadata "resume" in anygpu/config/args.py), so a new option cannot be left
+out: SAME ones are compared by value, FREE ones (the world size, logging, paths…) may change, and the
+rest are covered by an entry measured from the run itself (the corpus and tokenizer fingerprints, the
+model config, the resolved block size, global batch, sample count and packing). A resume that changes
+any entry is refused with the list of differences, each named by the arguments behind it, unless
 --allow_changed_args (the banner then lists them).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from anygpu.checkpoint import manifest
+from anygpu.config.args import FREE, SAME, DataArguments, ModelArguments, TrainArguments
+from anygpu.data.tokenizer import tokenizer_key
 from anygpu.errors import UsageError
 
 FINGERPRINT_FILE = "fingerprint.json"
-# Arguments that change the data order, the schedule or the update. The data source itself (files, hub
-# id, text column, corpus size) is covered by the corpus fingerprint, the tokenizer by its own,
-# --max_train_samples by num_train_samples.
-MATH_ARGS = ("max_steps", "num_train_epochs", "learning_rate", "weight_decay", "adam_beta1",
-             "adam_beta2", "adam_epsilon", "warmup_steps", "lr_scheduler_type", "max_grad_norm", "seed", "bf16", "fp16")
+ARGUMENT_TYPES = (ModelArguments, DataArguments, TrainArguments)
 # Keys of a model config that do not change the model.
 CONFIG_NOISE = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "use_cache")
+SOURCES = "sources"  # the covered arguments' values, to name them when their entry differs (not compared)
+
+
+def markings(*types: type) -> dict[str, str]:
+    """Argument name → its "resume" marking, for every field of `types` (KeyError: a field without one)."""
+    return {f.name: f.metadata["resume"] for t in (types or ARGUMENT_TYPES) for f in fields(t)}
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(tokenizer_key(tokenizer).encode()).hexdigest()[:16]
 
 
-def fingerprint(train_args: Any, prep: Any) -> dict[str, Any]:
-    """The training math of this run (`prep`: the engine's `Prepared`)."""
+def fingerprint(args: dict[str, Any], prep: Any) -> dict[str, Any]:
+    """The training math of this run (`args`: `resolved_dict` of the run's arguments; `prep`: the engine's `Prepared`)."""
+    marks = markings()
     config = {k: v for k, v in prep.config.to_dict().items() if k not in CONFIG_NOISE}
-    return {
-        **{name: getattr(train_args, name) for name in MATH_ARGS},
+    measured = {
         "block_size": prep.block_size,
         "global_batch_size": prep.plan.global_batch_size,
         "total_steps": prep.total_steps,
         "num_train_samples": prep.order.num_samples,
+        "packed": bool(getattr(prep.collator, "packed", False)),
         "corpus": getattr(prep, "data_fingerprint", "")[:16],
         "tokenizer": tokenizer_fingerprint(prep.tokenizer),
         "model_config": json.loads(json.dumps(config, default=str)),
     }
+    covered = {mark for mark in marks.values() if mark not in (FREE, SAME)}
+    assert covered <= set(measured), f"arguments marked with an unmeasured entry: {covered - set(measured)}"
+    same = {name: args[name] for name, mark in marks.items() if mark == SAME}
+    sources = {name: args[name] for name, mark in marks.items() if mark not in (FREE, SAME)}
+    return json.loads(json.dumps({**same, **measured, SOURCES: sources}, default=str))
+
+
+def _behind(key: str, saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """The arguments behind a measured entry: the changed ones, else the ones given (same value, new content)."""
+    names = [n for n, mark in markings().items() if mark == key]
+    was, new = saved.get(SOURCES, {}), now.get(SOURCES, {})
+    changed = [f"--{n} {was.get(n)!r} → {new.get(n)!r}" for n in names if n in was and was.get(n) != new.get(n)]
+    if changed:
+        return f" (from {', '.join(changed)})"
+    given = [f"--{n} {new[n]}" for n in names if new.get(n) not in (None, False)]
+    return f" (the content behind {', '.join(given)} changed)" if given else ""
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    marks = markings()
+    labels = {"corpus": "corpus fingerprint", "tokenizer": "tokenizer fingerprint", "packed": "packing (resolved)"}
     out = []
-    for key in sorted(set(saved) | set(now)):
+    # An entry the checkpoint does not have (written by an older anygpu) cannot be compared.
+    for key in sorted(k for k in set(saved) & set(now) if k != SOURCES):
         a, b = saved.get(key), now.get(key)
         if key == "model_config" and isinstance(a, dict) and isinstance(b, dict):
-            out += [f"model config {k}: {a.get(k)!r} → {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            behind = _behind(key, saved, now)
+            out += [f"model config {k}: {a.get(k)!r} → {b.get(k)!r}{behind}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
         elif a != b:
-            label = {"corpus": "corpus fingerprint", "tokenizer": "tokenizer fingerprint"}.get(key, f"--{key}")
-            out.append(f"{label}: {a!r} → {b!r}")
+            out.append(f"{labels.get(key, f'--{key}')}: {a!r} → {b!r}"
+                       + (_behind(key, saved, now) if key in marks.values() else ""))
     return out
 
 

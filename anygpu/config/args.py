@@ -6,11 +6,13 @@ written for one engine runs on the other. Checks that need only the arguments li
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import yaml
@@ -23,6 +25,12 @@ PRESETS_DIR = Path(__file__).parent / "presets"
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 TRUNCATION_MODES = ("keep_start", "keep_end", "drop")
 TXT_SAMPLE_BY = ("auto", "line", "paragraph", "document")
+# Every field says in its metadata "resume" whether a resume may change it (anygpu.checkpoint.resume_guard
+# derives its check from these markings; tests/test_resume_fields.py fails on a field without one):
+# FREE may change; SAME must equal the checkpoint's value; any other value names the entry of the
+# checkpoint's fingerprint that covers the argument (e.g. "corpus": the data's content), and a difference
+# there is reported under the argument's name.
+FREE, SAME = "free", "same"
 
 
 def preset_names() -> list[str]:
@@ -33,42 +41,42 @@ def preset_names() -> list[str]:
 class ModelArguments:
     model_name_or_path: str | None = field(
         default=None,
-        metadata={"help": "Pretrained model: a local folder or a hub id already in the cache (nothing is downloaded "
+        metadata={"resume": "model_config", "help": "Pretrained model: a local folder or a hub id already in the cache (nothing is downloaded "
                           "unless HF_HUB_OFFLINE=0). Leave out to train from scratch with --config_name."},
     )
     config_name: str | None = field(
         default=None,
-        metadata={"help": "Model shape for training from scratch: a config.json path or folder, or a preset shipped "
+        metadata={"resume": "model_config", "help": "Model shape for training from scratch: a config.json path or folder, or a preset shipped "
                           f"with anygpu ({', '.join(preset_names())}). Default: 'default' (~20M parameters) when "
                           "--model_name_or_path is not given."},
     )
     tokenizer_name: str | None = field(
         default=None,
-        metadata={"help": "Tokenizer folder or cached hub id. Default: the model's own; when there is none, a byte-level "
+        metadata={"resume": "tokenizer", "help": "Tokenizer folder or cached hub id. Default: the model's own; when there is none, a byte-level "
                           "BPE is trained on the training text and saved with the run."},
     )
     vocab_size: int = field(
-        default=8192, metadata={"help": "Vocabulary size of a tokenizer trained on the spot."}
+        default=8192, metadata={"resume": "tokenizer", "help": "Vocabulary size of a tokenizer trained on the spot."}
     )
     attn_implementation: str = field(
-        default="sdpa", metadata={"help": "Attention kernel: sdpa, eager, or flash_attention_2 where installed."}
+        default="sdpa", metadata={"resume": FREE, "help": "Attention kernel: sdpa, eager, or flash_attention_2 where installed."}
     )
     trust_remote_code: bool = field(
-        default=False, metadata={"help": "Run model/tokenizer code from the model's folder. Off unless you trust it."}
+        default=False, metadata={"resume": FREE, "help": "Run model/tokenizer code from the model's folder. Off unless you trust it."}
     )
     # LoRA (anygpu.model.lora), named as TRL's ModelConfig names them
-    use_peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter (peft) over the frozen --model_name_or_path."})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (the update is scaled by alpha / r)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input (keyed per sample, as all dropout)."})
+    use_peft: bool = field(default=False, metadata={"resume": SAME, "help": "Train a LoRA adapter (peft) over the frozen --model_name_or_path."})
+    lora_r: int = field(default=16, metadata={"resume": SAME, "help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"resume": SAME, "help": "LoRA alpha (the update is scaled by alpha / r)."})
+    lora_dropout: float = field(default=0.05, metadata={"resume": SAME, "help": "Dropout on the LoRA input (keyed per sample, as all dropout)."})
     lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Module names to adapt, or all-linear. Default: peft's choice for the model type."}
+        default=None, metadata={"resume": SAME, "help": "Module names to adapt, or all-linear. Default: peft's choice for the model type."}
     )
     lora_modules_to_save: list[str] | None = field(
-        default=None, metadata={"help": "Modules trained in full and saved with the adapter (e.g. lm_head)."}
+        default=None, metadata={"resume": SAME, "help": "Modules trained in full and saved with the adapter (e.g. lm_head)."}
     )
     merge_lora: bool = field(
-        default=False, metadata={"help": "Also write <output_dir>/final-merged: the base with the adapter merged in."}
+        default=False, metadata={"resume": FREE, "help": "Also write <output_dir>/final-merged: the base with the adapter merged in."}
     )
 
     def __post_init__(self) -> None:
@@ -92,61 +100,61 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     dataset_name: str | None = field(
-        default=None, metadata={"help": "A datasets hub id (from the local cache, offline) or a folder saved with save_to_disk."}
+        default=None, metadata={"resume": "corpus", "help": "A datasets hub id (from the local cache, offline) or a folder saved with save_to_disk."}
     )
-    dataset_config_name: str | None = field(default=None, metadata={"help": "The dataset's configuration name."})
+    dataset_config_name: str | None = field(default=None, metadata={"resume": "corpus", "help": "The dataset's configuration name."})
     train_file: str | None = field(
-        default=None, metadata={"help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file (or a glob)."}
+        default=None, metadata={"resume": "corpus", "help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file (or a glob)."}
     )
-    validation_file: str | None = field(default=None, metadata={"help": "Validation text, same formats as --train_file."})
-    text_column: str = field(default="text", metadata={"help": "Column that holds the text in json/csv/parquet/hub data."})
+    validation_file: str | None = field(default=None, metadata={"resume": "corpus", "help": "Validation text, same formats as --train_file."})
+    text_column: str = field(default="text", metadata={"resume": "corpus", "help": "Column that holds the text in json/csv/parquet/hub data."})
     block_size: int | None = field(
         default=None,
-        metadata={"help": "Tokens per training sequence (texts are concatenated and cut into blocks). Default: "
+        metadata={"resume": "block_size", "help": "Tokens per training sequence (texts are concatenated and cut into blocks). Default: "
                           "min(1024, the model's maximum positions)."},
     )
     validation_split_percentage: float = field(
-        default=5.0, metadata={"help": "Percent of the training texts kept for validation when no validation set is given."}
+        default=5.0, metadata={"resume": "corpus", "help": "Percent of the training texts kept for validation when no validation set is given."}
     )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only this many packed training blocks."})
+    max_train_samples: int | None = field(default=None, metadata={"resume": "num_train_samples", "help": "Keep only this many packed training blocks."})
     max_eval_samples: int | None = field(
-        default=256, metadata={"help": "Evaluate on at most this many packed validation blocks (0 or less: all)."}
+        default=256, metadata={"resume": FREE, "help": "Evaluate on at most this many packed validation rows, a seeded uniform sample of them (0 or less: all)."}
     )
     max_corpus_mb: float | None = field(
-        default=None, metadata={"help": "Read at most this many MB of the embedded standard-library corpus (for quick runs)."}
+        default=None, metadata={"resume": "corpus", "help": "Read at most this many MB of the embedded standard-library corpus (for quick runs)."}
     )
     preprocessing_num_workers: int | None = field(
         default=None,
-        metadata={"help": "Processes for tokenising. Default: one per core of the node (at most 64, fewer for a corpus "
+        metadata={"resume": FREE, "help": "Processes for tokenising. Default: one per core of the node (at most 64, fewer for a corpus "
                           "under 4 MB per process)."},
     )
     data_cache_dir: str | None = field(
         default=None,
-        metadata={"help": "Where tokenised/packed data and trained tokenizers are cached. Default: $ANYGPU_CACHE or ~/.cache/anygpu."},
+        metadata={"resume": FREE, "help": "Where tokenised/packed data and trained tokenizers are cached. Default: $ANYGPU_CACHE or ~/.cache/anygpu."},
     )
     # Fine-tuning data (TRL's SFTConfig names). The format is detected from the columns: `text`,
     # `prompt` + `completion`, or `messages`; --block_size is the maximum length (TRL's max_length).
     completion_only_loss: bool = field(
-        default=True, metadata={"help": "prompt + completion data: train only on the completion tokens (false: on every token)."}
+        default=True, metadata={"resume": SAME, "help": "prompt + completion data: train only on the completion tokens (false: on every token)."}
     )
     assistant_only_loss: bool = field(
-        default=True, metadata={"help": "messages data: train only on the assistant turns (false: on every token of the chat)."}
+        default=True, metadata={"resume": SAME, "help": "messages data: train only on the assistant turns (false: on every token of the chat)."}
     )
     packing: bool | None = field(
         default=None,
-        metadata={"help": "prompt-completion and messages data: several samples per --block_size row, attention confined to "
+        metadata={"resume": "packed", "help": "prompt-completion and messages data: several samples per --block_size row, attention confined to "
                           "each sample (position ids restart per sample); false: one sample per row, padded per "
                           "micro-batch. Default: packed where the model's attention honours sample boundaries. "
                           "Raw text is always cut into full blocks."},
     )
     truncation_mode: str = field(
         default="keep_start",
-        metadata={"help": "Samples longer than --block_size: keep_start (cut the end), keep_end (cut the start) or drop "
+        metadata={"resume": SAME, "help": "Samples longer than --block_size: keep_start (cut the end), keep_end (cut the start) or drop "
                           "(leave the sample out). Counted in the banner."},
     )
     txt_sample_by: str = field(
         default="auto",
-        metadata={"help": ".txt files: one document per line, per paragraph (blank-line separated) or per file "
+        metadata={"resume": "corpus", "help": ".txt files: one document per line, per paragraph (blank-line separated) or per file "
                           "(document); auto: paragraph when the file has blank lines, else line."},
     )
 
@@ -174,101 +182,101 @@ class DataArguments:
 class TrainArguments:
     """The training vocabulary of both engines (Hugging Face `TrainingArguments` names)."""
 
-    output_dir: str = field(default="outputs/default", metadata={"help": "Where metrics, checkpoints and the final model go."})
-    max_steps: int = field(default=-1, metadata={"help": "Optimizer steps to train; -1: follow --num_train_epochs."})
-    num_train_epochs: float = field(default=1.0, metadata={"help": "Epochs over the packed training set when --max_steps is -1."})
+    output_dir: str = field(default="outputs/default", metadata={"resume": FREE, "help": "Where metrics, checkpoints and the final model go."})
+    max_steps: int = field(default=-1, metadata={"resume": SAME, "help": "Optimizer steps to train; -1: follow --num_train_epochs."})
+    num_train_epochs: float = field(default=1.0, metadata={"resume": SAME, "help": "Epochs over the packed training set when --max_steps is -1."})
     global_batch_size: int | None = field(
         default=None,
-        metadata={"help": "Sequences per optimizer step over all devices. Fixed whatever the number of devices: the "
+        metadata={"resume": "global_batch_size", "help": "Sequences per optimizer step over all devices. Fixed whatever the number of devices: the "
                           "per-device batch and accumulation steps follow from it. Default 16 (when no per-device "
                           "numbers are given)."},
     )
     global_batch_tokens: int | None = field(
-        default=None, metadata={"help": "The global batch in tokens instead (divided by --block_size); not with --global_batch_size."}
+        default=None, metadata={"resume": "global_batch_size", "help": "The global batch in tokens instead (divided by --block_size); not with --global_batch_size."}
     )
     per_device_train_batch_size: int | None = field(
-        default=None, metadata={"help": "Sequences per device per micro-step, or 'auto': the largest divisor of the per-device "
+        default=None, metadata={"resume": FREE, "help": "Sequences per device per micro-step, or 'auto': the largest divisor of the per-device "
                                         "share that fits in memory (probed; see --max_memory_per_device_gb). Default: the largest "
                                         "divisor of the per-device share up to 8."}
     )
-    per_device_eval_batch_size: int = field(default=8, metadata={"help": "Sequences per device per evaluation step."})
+    per_device_eval_batch_size: int = field(default=8, metadata={"resume": FREE, "help": "Sequences per device per evaluation step."})
     gradient_accumulation_steps: int | None = field(
-        default=None, metadata={"help": "Micro-steps per optimizer step. Derived from the global batch; if given it must agree."}
+        default=None, metadata={"resume": FREE, "help": "Micro-steps per optimizer step. Derived from the global batch; if given it must agree."}
     )
-    learning_rate: float = field(default=1e-3, metadata={"help": "Peak AdamW learning rate."})
-    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (not applied to biases and norm weights)."})
-    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
-    adam_beta2: float = field(default=0.95, metadata={"help": "AdamW beta2."})
-    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
-    warmup_steps: int = field(default=10, metadata={"help": "Linear warmup steps."})
-    lr_scheduler_type: str = field(default="cosine", metadata={"help": f"Decay after warmup: {', '.join(SCHEDULERS)}."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the total gradient norm to this (0: no clipping)."})
-    seed: int = field(default=42, metadata={"help": "Seed for initialisation and the data order."})
-    bf16: bool = field(default=False, metadata={"help": "bf16 mixed precision (bf16 compute, fp32 master weights and gradient reduction)."})
-    fp16: bool = field(default=False, metadata={"help": "fp16 mixed precision (HF engine only; the FSDP2 engine asks for --bf16)."})
+    learning_rate: float = field(default=1e-3, metadata={"resume": SAME, "help": "Peak AdamW learning rate."})
+    weight_decay: float = field(default=0.1, metadata={"resume": SAME, "help": "AdamW weight decay (not applied to biases and norm weights)."})
+    adam_beta1: float = field(default=0.9, metadata={"resume": SAME, "help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.95, metadata={"resume": SAME, "help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"resume": SAME, "help": "AdamW epsilon."})
+    warmup_steps: int = field(default=10, metadata={"resume": SAME, "help": "Linear warmup steps."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"resume": SAME, "help": f"Decay after warmup: {', '.join(SCHEDULERS)}."})
+    max_grad_norm: float = field(default=1.0, metadata={"resume": SAME, "help": "Clip the total gradient norm to this (0: no clipping)."})
+    seed: int = field(default=42, metadata={"resume": SAME, "help": "Seed for initialisation and the data order."})
+    bf16: bool = field(default=False, metadata={"resume": SAME, "help": "bf16 mixed precision (bf16 compute, fp32 master weights and gradient reduction; a LoRA run holds its frozen base in bf16)."})
+    fp16: bool = field(default=False, metadata={"resume": SAME, "help": "fp16 mixed precision (HF engine only; the FSDP2 engine asks for --bf16)."})
     tf32: bool | None = field(
-        default=None, metadata={"help": "TF32 matmuls on GPUs that have them (NVIDIA compute capability ≥ 8.0). Default on; --tf32 false turns it off."}
+        default=None, metadata={"resume": FREE, "help": "TF32 matmuls on GPUs that have them (NVIDIA compute capability ≥ 8.0). Default on; --tf32 false turns it off."}
     )
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in the backward pass to save memory."})
-    torch_compile: bool = field(default=False, metadata={"help": "torch.compile each decoder layer."})
-    logging_steps: int = field(default=10, metadata={"help": "Log loss, tokens/s and memory every N steps."})
-    eval_steps: int = field(default=100, metadata={"help": "Evaluate every N steps and at the end (0: only at the end)."})
-    eval_on_start: bool = field(default=True, metadata={"help": "Evaluate once before the first step (the baseline of the eval curve)."})
-    save_steps: int = field(default=0, metadata={"help": "Checkpoint every N steps (0: only at the end and on SIGTERM)."})
+    gradient_checkpointing: bool = field(default=False, metadata={"resume": FREE, "help": "Recompute activations in the backward pass to save memory."})
+    torch_compile: bool = field(default=False, metadata={"resume": FREE, "help": "torch.compile each decoder layer."})
+    logging_steps: int = field(default=10, metadata={"resume": FREE, "help": "Log loss, tokens/s and memory every N steps."})
+    eval_steps: int = field(default=100, metadata={"resume": FREE, "help": "Evaluate every N steps and at the end (0: only at the end)."})
+    eval_on_start: bool = field(default=True, metadata={"resume": FREE, "help": "Evaluate once before the first step (the baseline of the eval curve)."})
+    save_steps: int = field(default=0, metadata={"resume": FREE, "help": "Checkpoint every N steps (0: only at the end and on SIGTERM)."})
     stop_at_step: int | None = field(
         default=None,
-        metadata={"help": "End this run after step N with a checkpoint, keeping the schedule of --max_steps "
+        metadata={"resume": FREE, "help": "End this run after step N with a checkpoint, keeping the schedule of --max_steps "
                           "(for time-sliced jobs: resume later with --resume_from_checkpoint latest)."},
     )
-    save_total_limit: int | None = field(default=2, metadata={"help": "Keep at most this many checkpoints (oldest deleted; never the newest or the only intact one; a damaged one is moved to <output_dir>/abandoned/, never deleted)."})
+    save_total_limit: int | None = field(default=2, metadata={"resume": FREE, "help": "Keep at most this many checkpoints (oldest deleted; never the newest or the only intact one; a damaged one is moved to <output_dir>/abandoned/, never deleted)."})
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"help": "'latest' (the newest intact checkpoint in --output_dir; damaged ones are skipped with a warning and "
+        default=None, metadata={"resume": FREE, "help": "'latest' (the newest intact checkpoint in --output_dir; damaged ones are skipped with a warning and "
                           "moved to <output_dir>/abandoned/), 'auto' (the same, or a fresh start when there is no checkpoint: "
                           "for restarted or requeued jobs; with damaged checkpoints only it stops naming them, unless "
                           "--overwrite_output_dir true), or a checkpoint folder (refused if damaged)."}
     )
     report_to: list[str] = field(
         default_factory=lambda: ["tensorboard"],
-        metadata={"help": "Trackers that get metrics.jsonl's scalars, comma-separated: tensorboard (<output_dir>/runs), "
+        metadata={"resume": FREE, "help": "Trackers that get metrics.jsonl's scalars, comma-separated: tensorboard (<output_dir>/runs), "
                           "mlflow (MLFLOW_TRACKING_URI, or else a local file store in <output_dir>/mlruns), wandb, "
                           "trackio; all (every one installed) or none. mlflow, wandb and trackio are extras: "
                           "pip install 'anygpu[mlflow]'."},
     )
-    ddp_timeout: int = field(default=1800, metadata={"help": "Process-group timeout in seconds (collectives and rendezvous)."})
-    disable_tqdm: bool = field(default=False, metadata={"help": "No progress bar."})
-    export_final: bool = field(default=True, metadata={"help": "Export the final model as safetensors to <output_dir>/final."})
+    ddp_timeout: int = field(default=1800, metadata={"resume": FREE, "help": "Process-group timeout in seconds (collectives and rendezvous)."})
+    disable_tqdm: bool = field(default=False, metadata={"resume": FREE, "help": "No progress bar."})
+    export_final: bool = field(default=True, metadata={"resume": FREE, "help": "Export the final model as safetensors to <output_dir>/final."})
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Start a fresh run in an --output_dir that holds another run's metrics or checkpoints, "
+        metadata={"resume": FREE, "help": "Start a fresh run in an --output_dir that holds another run's metrics or checkpoints, "
                           "deleting them; damaged checkpoints are moved to <output_dir>/abandoned/, never deleted "
                           "(without it such a run is refused, unless it resumes)."},
     )
     allow_changed_args: bool = field(
         default=False,
-        metadata={"help": "Resume although arguments that define the training math (data, tokenizer, model, seed, "
+        metadata={"resume": FREE, "help": "Resume although arguments that define the training math (data, tokenizer, model, seed, "
                           "schedule…) differ from the checkpoint's; the banner lists the differences."},
     )
     allow_rewind: bool = field(
         default=False,
-        metadata={"help": "Resume from a checkpoint older than the newest: the newer ones are moved aside to "
+        metadata={"resume": FREE, "help": "Resume from a checkpoint older than the newest: the newer ones are moved aside to "
                           "<output_dir>/abandoned/ (without it such a resume is refused)."},
     )
     save_on_preempt: bool = field(
         default=True,
-        metadata={"help": "On SIGTERM or SIGUSR1, every rank finishes its step, saves a checkpoint and exits with "
+        metadata={"resume": FREE, "help": "On SIGTERM or SIGUSR1, every rank finishes its step, saves a checkpoint and exits with "
                           "code 143. False: stop at once (exit 75), keeping the previous checkpoint."},
     )
     auto_micro_batch: bool = field(
-        default=False, metadata={"help": "Set by --per_device_train_batch_size auto: choose the micro-batch by memory."}
+        default=False, metadata={"resume": FREE, "help": "Set by --per_device_train_batch_size auto: choose the micro-batch by memory."}
     )
     max_memory_per_device_gb: float | None = field(
-        default=None, metadata={"help": "Memory budget per device in GiB for --per_device_train_batch_size auto (needed on "
+        default=None, metadata={"resume": FREE, "help": "Memory budget per device in GiB for --per_device_train_batch_size auto (needed on "
                                         "CPU, where the plan's estimate is checked against it; on a GPU the smaller of this and "
                                         "the GPU's memory)."}
     )
     async_save: bool | None = field(
         default=None,
-        metadata={"help": "FSDP2 engine: write periodic checkpoints (--save_steps) in the background; training stops "
+        metadata={"resume": FREE, "help": "FSDP2 engine: write periodic checkpoints (--save_steps) in the background; training stops "
                           "only to copy the state to host memory. Each still counts only once complete. Default on "
                           "when the host has room for the copy; the last and SIGTERM checkpoints are always written "
                           "before exit. The HF engine saves synchronously."},
@@ -352,6 +360,16 @@ def _auto_micro_batch(argv: list[str]) -> list[str]:
     return out
 
 
+class ArgumentParser(HfArgumentParser):
+    """HfArgumentParser that keeps the fields' "resume" marking out of argparse (it passes metadata on as keywords)."""
+
+    @staticmethod
+    def _parse_dataclass_field(parser: Any, f: Any) -> None:
+        plain = copy.copy(f)
+        plain.metadata = MappingProxyType({k: v for k, v in f.metadata.items() if k != "resume"})
+        HfArgumentParser._parse_dataclass_field(parser, plain)
+
+
 def parse_args(argv: list[str] | None = None, extra: tuple[type, ...] = ()) -> tuple[Any, ...]:
     """(ModelArguments, DataArguments, TrainArguments, *extra) from argv and/or one YAML/JSON file.
 
@@ -364,7 +382,7 @@ def parse_args(argv: list[str] | None = None, extra: tuple[type, ...] = ()) -> t
             raise UsageError(f"config file {argv[0]}: no such file.")
         argv = _file_to_argv(argv[0]) + argv[1:]
     argv = _auto_micro_batch(argv)
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainArguments, *extra))
+    parser = ArgumentParser((ModelArguments, DataArguments, TrainArguments, *extra))
     parser.prog = Path(sys.argv[0]).name
     parser.allow_abbrev = False  # a typo such as --learning_rat must not silently match --learning_rate
     parser.epilog = "Arguments may also come from one YAML or JSON file given first; the command line overrides it."

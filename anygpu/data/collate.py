@@ -157,3 +157,11 @@ class Collator:
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
     """Tokens the loss is taken on: labels are shifted inside the model, so position 0 is never a target."""
     return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+def row_lengths(dataset: Dataset) -> np.ndarray:
+    """Tokens in each row, from the Arrow list lengths (no row is decoded)."""
+    import pyarrow.compute as pc
+
+    column = dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]
+    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)

@@ -10,6 +10,18 @@ from anygpu.config.batch import BatchPlan
 from anygpu.errors import UsageError
 
 
+EVAL_SUBSET_SEED = 0  # fixed: the eval set must not move when --seed changes (as the validation split)
+
+
+def eval_subset(num_rows: int, max_samples: int | None) -> list[int]:
+    """`--max_eval_samples`: a seeded uniform sample of the validation rows (in their order), not the first N,
+    which after best-fit packing are the fullest rows. A function of the two numbers alone: the same on any world size."""
+    if not max_samples or max_samples <= 0 or max_samples >= num_rows:
+        return list(range(num_rows))
+    g = torch.Generator().manual_seed(EVAL_SUBSET_SEED)
+    return sorted(torch.randperm(num_rows, generator=g)[:max_samples].tolist())
+
+
 @dataclass(frozen=True)
 class GlobalOrder:
     """One seeded permutation of the packed samples per epoch; global batch k is

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, Features, Sequence, Value, load_from_disk
 
+from anygpu.data.tokenizer import tokenizer_key
 from anygpu.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -25,10 +26,6 @@ PACKING_VERSION = "2"  # 2: blocks per chunk of text bytes (1: per 2000 texts), 
 BYTES_PER_BLOCK_IN_CHUNK = 2048
 MAX_CHUNK_BYTES = 32 << 20  # bounds a worker's memory at long block sizes (> 16k tokens: fewer blocks per chunk)
 BLOCK_FEATURES = Features({"input_ids": Sequence(Value("int32"))})
-
-
-def _tokenizer_key(tokenizer) -> str:
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest() if hasattr(tokenizer, "backend_tokenizer") else tokenizer.name_or_path
 
 
 def pack(
@@ -42,7 +39,7 @@ def pack(
 ) -> DatasetDict:
     """Tokenise every text, join them with EOS, cut into blocks of `block_size` (cached on disk)."""
     key = hashlib.sha256(
-        f"{PACKING_VERSION}|{corpus_fingerprint}|{_tokenizer_key(tokenizer)}|{block_size}|{text_column}".encode()
+        f"{PACKING_VERSION}|{corpus_fingerprint}|{tokenizer_key(tokenizer)}|{block_size}|{text_column}".encode()
     ).hexdigest()[:20]
     path = Path(cache_dir) / "packed" / key
     if (path / "dataset_dict.json").exists():

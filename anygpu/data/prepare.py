@@ -19,7 +19,7 @@ from anygpu.config.batch import BatchPlan, plan_batch, resolve_global_batch
 from anygpu.data import tokenizer as tok_lib
 from anygpu.data.collate import Collator, packing_supported
 from anygpu.data.formats import TEXT, training_texts
-from anygpu.data.order import GlobalOrder
+from anygpu.data.order import GlobalOrder, eval_subset
 from anygpu.data.samples import make_rows
 from anygpu.data.sources import data_format, fingerprint, load_raw_text
 from anygpu.errors import UsageError
@@ -97,8 +97,8 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
     distributed.wait_for_all("preparing the data")  # other nodes may still be packing: no collective timeout
     if data_args.max_train_samples:
         packed["train"] = packed["train"].select(range(min(data_args.max_train_samples, len(packed["train"]))))
-    if data_args.max_eval_samples and data_args.max_eval_samples > 0:
-        packed["validation"] = packed["validation"].select(range(min(data_args.max_eval_samples, len(packed["validation"]))))
+    if data_args.max_eval_samples and 0 < data_args.max_eval_samples < len(packed["validation"]):
+        packed["validation"] = packed["validation"].select(eval_subset(len(packed["validation"]), data_args.max_eval_samples))
     if len(packed["validation"]) == 0:
         raise UsageError(f"the validation split has no full {block_size}-token block: lower --block_size or give more validation text.")
     from_scratch = model_args.model_name_or_path is None

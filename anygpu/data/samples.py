@@ -17,7 +17,8 @@ from anygpu.config.args import DataArguments
 from anygpu.data import chat_template
 from anygpu.data.collate import Collator, pack_samples
 from anygpu.data.formats import MESSAGES, PROMPT_COMPLETION, TEXT, EncodeOptions, EncodeStats, encode
-from anygpu.data.packing import _tokenizer_key, pack
+from anygpu.data.packing import pack
+from anygpu.data.tokenizer import tokenizer_key
 from anygpu.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -30,8 +31,7 @@ def build_rows(raw: DatasetDict, tokenizer, opts: EncodeOptions, packed: bool, c
                num_proc: int | None = None) -> tuple[DatasetDict, dict[str, EncodeStats]]:
     """Rows of every split (columns input_ids, labels, and position_ids when packed) and per-split counts."""
     key = hashlib.sha256(
-        f"{SAMPLES_VERSION}|{corpus_fingerprint}|{_tokenizer_key(tokenizer)}|{tokenizer.chat_template}|"
-        f"{tokenizer.eos_token_id}|{opts.key()}|{packed}".encode()
+        f"{SAMPLES_VERSION}|{corpus_fingerprint}|{tokenizer_key(tokenizer)}|{opts.key()}|{packed}".encode()
     ).hexdigest()[:20]
     path = Path(cache_dir) / "samples" / key
     if (path / STATS_FILE).exists():

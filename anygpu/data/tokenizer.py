@@ -1,6 +1,8 @@
 """Load a tokenizer, or train a byte-level BPE offline when the run has none."""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -14,6 +16,17 @@ logger = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
+
+
+def tokenizer_key(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Everything of a tokenizer that changes prepared data: its vocabulary and rules, the special tokens the data
+    path inserts (EOS between texts and after completions, padding) and the chat template. The EOS token is set
+    in tokenizer_config.json, not in tokenizer.json: a changed EOS must change the key (packing cache, resume)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    special = {name: (getattr(tokenizer, name, None), getattr(tokenizer, f"{name}_id", None))
+               for name in ("eos_token", "bos_token", "pad_token")}
+    return hashlib.sha256(json.dumps([vocab, special, tokenizer.chat_template], default=str).encode()).hexdigest()
 
 
 def trained_tokenizer_dir(cache_dir: str, corpus_fingerprint: str, vocab_size: int) -> Path:

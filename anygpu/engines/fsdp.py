@@ -40,6 +40,8 @@ logger = logging.getLogger("anygpu")
 def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
     """Meta model → AC / compile / FSDP2 → materialised on the device → initial or pretrained weights."""
     model = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args)  # adapter before sharding
+    if lora.is_peft(model) and train_args.bf16:
+        lora.hold_frozen_in(model, torch.bfloat16)  # as the memory plan counts it: 2 bytes per frozen parameter
     modeling.check_loss_kwargs(model)
     dropout.install(model, train_args.seed)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
@@ -140,7 +142,7 @@ class FSDPTrainer:
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
         run_guard.check_data_agrees(info, prep.data_fingerprint)
         resume = run_guard.agreed_resume(train_args.resume_from_checkpoint, train_args.output_dir)  # verified once
-        self.fingerprint = resume_guard.fingerprint(train_args, prep)
+        self.fingerprint = resume_guard.fingerprint(resolved_dict(model_args, data_args, train_args), prep)
         changed = []
         if resume is not None:  # before loading: a changed model or the other engine's files get a message
             resume_guard.check_engine(resume, "fsdp")
@@ -159,6 +161,7 @@ class FSDPTrainer:
         self.end_step = min(prep.total_steps, train_args.stop_at_step or prep.total_steps)
         precision = hardware.matmul_precision(train_args.bf16, train_args.fp16, tf32)
         self.peak_flops = hardware.peak_flops(hardware.devices()[0].name, precision) if info.device.type == "cuda" else None
+        self.tokens = metrics.StepTokens(prep.datasets["train"], prep.order, prep.block_size)
         self.flops_per_token = metrics.flops_per_token(prep.config, modeling.count_parameters(self.model, exclude_embeddings=True), prep.block_size)
         self.last: dict[str, Any] = {}
         self.batches: Iterator[StepBatches] | None = None  # train()'s iterator over the step loader
@@ -221,10 +224,10 @@ class FSDPTrainer:
 
     def log_train(self, step: int, loss: float, lr: float, grad_norm: float, window: metrics.ThroughputWindow) -> None:
         info, G = self.info, self.prep.plan.global_batch_size
-        tps = window.tokens_per_second(G * self.prep.block_size)
-        rec = {"step": step, "loss": loss, "learning_rate": lr, "grad_norm": grad_norm, "tokens_per_second": tps,
-               "tokens_per_second_per_device": tps / info.world_size, "world_size": info.world_size,
-               "global_batch_size": G, "epoch": step / self.prep.order.steps_per_epoch}
+        rec = {"step": step, "loss": loss, "learning_rate": lr, "grad_norm": grad_norm, **window.record(self.tokens.padded)}
+        tps = rec["tokens_per_second"]
+        rec.update({"tokens_per_second_per_device": tps / info.world_size, "world_size": info.world_size,
+                    "global_batch_size": G, "epoch": step / self.prep.order.steps_per_epoch})
         if (u := metrics.mfu(tps, self.flops_per_token, self.peak_flops, info.world_size)) is not None:
             rec["mfu"] = u
         if (mem := metrics.max_memory_gb(info.device)) is not None:
@@ -260,7 +263,7 @@ class FSDPTrainer:
                 if info.device.type == "cuda":
                     torch.cuda.synchronize()  # once: the first step's time must count its finished work
                 logger.info("first step done %.1f s after the process started (%.1f s of CPU)", *metrics.since_process_start())
-            window.steps += 1
+            window.add(*self.tokens.count(step - 1, self.prep.plan))
             bar.update(1)
             if step % args.logging_steps == 0 or step == self.end_step:
                 if info.device.type == "cuda":

@@ -1,7 +1,7 @@
 """LoRA with `peft`, TRL's options: the frozen base is sharded like any model, only the adapter trains.
 
 The adapter is added on the meta device, before sharding, so FSDP2 shards the base and the adapter
-of each decoder layer together; the base weights are then loaded (or initialised) under their base
+of each decoder layer together; under --bf16 the frozen base is held in bf16 (`hold_frozen_in`); the base weights are then loaded (or initialised) under their base
 names, and the adapter's own tensors start as peft starts them (A: Kaiming-uniform, B: zeros), drawn
 from CPU generators seeded by name: the same on any world size, in both engines. Only parameters that
 require gradients get an optimizer (AdamW state is measured in the tests). `final/` is a PEFT adapter
@@ -30,6 +30,14 @@ def wrap(model: nn.Module, args) -> nn.Module:
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=target,
                         modules_to_save=args.lora_modules_to_save, task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """The frozen base in the compute dtype (--bf16), as peers load it: half its memory, and the compute casts it to
+    that dtype anyway. Trainable parameters (the adapter, modules to save) keep fp32 master weights. Works on meta."""
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point():
+            param.data = param.data.to(dtype)
 
 
 def is_peft(model: nn.Module) -> bool:

@@ -128,9 +128,11 @@ def resolve(plan: BatchPlan, shapes: memory_plan.Shapes, strategy: str, precisio
 def apply(prep, model_args, train_args, device: torch.device, strategy: str,
           model: torch.nn.Module | None = None) -> Probe:
     """Choose the micro-batch for a prepared run and put it into ``prep.plan``; return the probe."""
-    from anygpu.model import modeling
+    from anygpu.model import lora, modeling
 
-    shapes = memory_plan.shapes_from_model(modeling.build_meta_model(prep.config, model_args), prep.config)
+    # the model the engines train: with --use_peft the frozen base keeps only its weights (no gradients, no AdamW)
+    meta = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args)
+    shapes = memory_plan.shapes_from_model(meta, prep.config)
     precision = "bf16" if (train_args.bf16 or train_args.fp16) else "fp32"
     prep.plan, probe = resolve(prep.plan, shapes, strategy, precision, prep.block_size,
                                train_args.gradient_checkpointing, train_args.max_memory_per_device_gb, device, model)

@@ -11,7 +11,8 @@ allocated) and what each strategy keeps where:
 divided by N where the strategy shards: FSDP2 splits each parameter on dim 0 (rank r holds rows
 [r·⌈d0/N⌉, (r+1)·⌈d0/N⌉)), exactly as `fully_shard` does; DeepSpeed partitions the flattened
 parameters evenly. CPU offload moves the sharded states to CPU RAM. LoRA: the frozen base keeps only
-its parameters (4 bytes in fp32, 2 in bf16), the adapters are trained like full parameters.
+its parameters (4 bytes in fp32, 2 in bf16: both engines hold it in bf16 under --bf16, see
+`lora.hold_frozen_in`), the adapters are trained like full parameters.
 
 Activations (an estimate) follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models"), adapted to a Llama-style block's real shapes: the tensors autograd

@@ -1,4 +1,4 @@
-"""Loss, tokens/s, MFU and memory → console, metrics.jsonl, the --report_to trackers, loss.png.
+"""Loss, tokens/s (real tokens: padding left out), padding, MFU and memory → console, metrics.jsonl, the --report_to trackers, loss.png.
 
 Only the main rank writes; both engines log through `MetricsWriter` so the files have
 the same keys whichever engine made them.
@@ -15,8 +15,12 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
+from datasets import Dataset
 from transformers import PretrainedConfig
 
+from anygpu.config.batch import BatchPlan
+from anygpu.data.collate import row_lengths
+from anygpu.data.order import GlobalOrder
 from anygpu.train import trackers
 
 logger = logging.getLogger(__name__)
@@ -35,15 +39,46 @@ def mfu(tokens_per_second: float, flops_per_tok: float, peak_flops_per_device: f
     return tokens_per_second * flops_per_tok / (peak_flops_per_device * world_size)
 
 
+class StepTokens:
+    """Each optimizer step's real tokens (padding left out) and computed tokens (rows as padded in their
+    micro-batches), from the rows' lengths and the batch split: no device work, the same in both engines.
+    Raw-text blocks are full rows; chat and prompt-completion rows are padded to the longest of their micro-batch."""
+
+    def __init__(self, dataset: Dataset, order: GlobalOrder, block_size: int) -> None:
+        self.padded = "labels" in dataset.column_names  # raw-text blocks have no labels column and no padding
+        self.lengths = row_lengths(dataset) if self.padded else None
+        self.order, self.block_size = order, block_size
+
+    def count(self, step: int, plan: BatchPlan) -> tuple[int, int]:
+        """(real, computed) tokens of optimizer step `step` (0-based) over all ranks."""
+        if self.lengths is None:
+            n = plan.global_batch_size * self.block_size
+            return n, n
+        real = computed = 0
+        for rank in range(plan.world_size):
+            for micro in self.order.micro_batches(step, plan, rank):
+                lengths = self.lengths[micro]
+                real += int(lengths.sum())
+                computed += len(micro) * int(lengths.max())
+        return real, computed
+
+
 class ThroughputWindow:
-    """Training time between two logged steps, less the pauses (evaluation, checkpoints) inside it:
-    tokens/s counts training only, and the steps around a pause are not dropped from the window."""
+    """Training time and tokens between two logged steps, less the pauses (evaluation, checkpoints) inside
+    it: tokens/s counts training only, and the steps around a pause are not dropped from the window."""
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         self.start, self.paused, self.steps = time.perf_counter(), 0.0, 0
+        self.tokens = self.computed = 0
+
+    def add(self, real: int, computed: int) -> None:
+        """One step's real (non-pad) and computed (padded) tokens."""
+        self.steps += 1
+        self.tokens += real
+        self.computed += computed
 
     def pause(self, seconds: float) -> None:
         self.paused += seconds
@@ -51,8 +86,17 @@ class ThroughputWindow:
     def seconds(self) -> float:
         return max(time.perf_counter() - self.start - self.paused, 1e-9)
 
-    def tokens_per_second(self, tokens_per_step: int) -> float:
-        return tokens_per_step * self.steps / self.seconds()
+    def tokens_per_second(self) -> float:
+        """Real tokens per second: padding is not work the user asked for."""
+        return self.tokens / self.seconds()
+
+    def padding_fraction(self) -> float:
+        return 1.0 - self.tokens / self.computed if self.computed else 0.0
+
+    def record(self, padded: bool) -> dict[str, float]:
+        """tokens_per_second, and padding_fraction where rows are padded, for metrics.jsonl."""
+        tps = self.tokens_per_second()
+        return {"tokens_per_second": tps, **({"padding_fraction": self.padding_fraction()} if padded else {})}
 
 
 @contextlib.contextmanager
@@ -87,6 +131,8 @@ def format_line(rec: dict[str, Any], max_steps: int) -> str:
     if "loss" in rec:
         parts += [f"loss {rec['loss']:.4f}", f"lr {rec['learning_rate']:.2e}", f"grad_norm {rec['grad_norm']:.3f}",
                   f"{rec['tokens_per_second']:,.0f} tok/s"]
+    if rec.get("padding_fraction") is not None:
+        parts.append(f"padding {100 * rec['padding_fraction']:.1f}%")
     if rec.get("mfu") is not None:
         parts.append(f"mfu {100 * rec['mfu']:.1f}%")
     if rec.get("max_memory_allocated_gb") is not None:

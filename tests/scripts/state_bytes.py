@@ -1,11 +1,13 @@
 """Under torchrun: build the FSDP2 engine's model, run one step, print each rank's held bytes of
 parameters, gradients and optimizer state, measured from the sharded tensors themselves.
 
-    torchrun … state_bytes.py tiny,default [engine args]   one BYTES line per preset (one start-up for all)
+    torchrun … state_bytes.py tiny,default [engine args]   one BYTES line per preset or config.json (one start-up for all),
+                                                           labelled by its name (a file: its stem), '+bf16' under --bf16
     torchrun … state_bytes.py pretrained --model_name_or_path DIR [--use_peft true …]   the model of DIR
     torchrun … state_bytes.py GROUP ::: GROUP …   several of the above in one launch (also plain python: 1 rank)"""
 import json
 import sys
+from pathlib import Path
 
 import anygpu
 
@@ -47,7 +49,8 @@ for presets, *args in groups:
         mine["vocab_size"] = prep.config.vocab_size
         every = [None] * info.world_size
         dist.all_gather_object(every, mine)
+        label = (Path(preset).stem if preset.endswith(".json") else preset) + ("+bf16" if train_args.bf16 else "")
         if info.is_main:
-            print(f"BYTES {preset} " + json.dumps(every), flush=True)
+            print(f"BYTES {label} " + json.dumps(every), flush=True)
         del model, opt
 distributed.destroy()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from anygpu import errors
 from anygpu.checkpoint import export, resume_guard
-from anygpu.config.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
+from anygpu.config.args import FREE, DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.config.batch import BatchPlan
 from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.engines.hf.gpu_count import check_processes_per_node
@@ -39,7 +39,7 @@ class HFEngineArguments:
 
     allow_strategy_fallback: bool = field(
         default=False,
-        metadata={"help": "When the accelerate config asks for a strategy this machine cannot run (FSDP on a CPU-only "
+        metadata={"resume": FREE, "help": "When the accelerate config asks for a strategy this machine cannot run (FSDP on a CPU-only "
                           "host), train with the one accelerate falls back to (DDP) instead of stopping; the banner "
                           "reports the fallback."},
     )
@@ -204,9 +204,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     run_guard.check_ranks(info, resolved_dict(model_args, data_args, train_args, engine_args), train_args.output_dir)
     prep = prepare(model_args, data_args, train_args, info)
     run_guard.check_data_agrees(info, prep.data_fingerprint)
+    fingerprint = resume_guard.fingerprint(resolved_dict(model_args, data_args, train_args), prep)
     changed = []
     if resume is not None:
-        changed = resume_guard.check(resume, resume_guard.fingerprint(train_args, prep), train_args.allow_changed_args)
+        changed = resume_guard.check(resume, fingerprint, train_args.allow_changed_args)
     probe = None
     if train_args.auto_micro_batch:  # from the plan's estimate (Trainer builds the sharded model later); G unchanged
         from anygpu.planning import auto_batch
@@ -229,6 +230,10 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     model = lora.wrap(model, model_args)
     if lora.is_peft(model):
         lora.init_adapter(model, train_args.seed)  # the FSDP2 engine's adapter, not peft's draw from the global stream
+        if train_args.bf16:
+            import torch
+
+            lora.hold_frozen_in(model, torch.bfloat16)  # as the FSDP2 engine and the memory plan
     dropout.install(model, train_args.seed)  # masks keyed by sample, as in the FSDP2 engine
     if train_args.torch_compile:
         for layer in (m for m in model.modules() if isinstance(m, blocks.decoder_layer_classes(model))):
@@ -247,7 +252,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     trainer = AnygpuTrainer(
         model=model, args=targs, train_dataset=prep.datasets["train"], callbacks=[metrics_cb, flow_cb],
         prep=prep, sampler_plan=sampler_plan, start_step=start_step, train_config=train_args, num_devices=dp_devices,
-        strategy=plan.kind,
+        strategy=plan.kind, fingerprint=fingerprint,
     )
     trainer.remove_callback(PrinterCallback)  # MetricsCallback prints the FSDP2 engine's lines instead
     trainer.remove_callback(ProgressCallback)

@@ -48,13 +48,15 @@ class AnygpuTrainer(Trainer):
     """Trainer with the library's data order, AdamW groups, schedule, evaluation and atomic checkpoints."""
 
     def __init__(self, *args: Any, prep: Prepared, sampler_plan: BatchPlan, start_step: int,
-                 train_config: TrainArguments, num_devices: int, strategy: str, **kwargs: Any) -> None:
+                 train_config: TrainArguments, num_devices: int, strategy: str, fingerprint: dict[str, Any],
+                 **kwargs: Any) -> None:
         self.prep = prep
         self.sampler_plan = sampler_plan  # this process's split (m·GPUs per micro-batch under DataParallel)
         self.start_step = start_step
         self.train_config = train_config
         self.num_devices = num_devices  # data-parallel devices: processes, or GPUs under DataParallel
         self.strategy = strategy  # hf_strategy's kind, recorded in each checkpoint
+        self.fingerprint = fingerprint  # resume_guard's, saved in each checkpoint
         self._step_loss: torch.Tensor | None = None  # this optimizer step's loss, summed over its micro-batches
         self._unwrapped_cache: tuple[torch.nn.Module, torch.nn.Module] | None = None  # (wrapper, unwrapped)
         super().__init__(*args, **kwargs)
@@ -224,10 +226,9 @@ class AnygpuTrainer(Trainer):
                          "world_size": self.num_devices, "seed": self.train_config.seed,
                          "num_train_samples": self.prep.order.num_samples, "total_steps": self.prep.total_steps,
                          "strategy": self.strategy}
-                fingerprint = resume_guard.fingerprint(self.train_config, self.prep)
                 # state files, manifest (fsyncs Trainer's files), rename, rotation
                 store.finalize(root, folder, final, step, self.num_devices, "hf", self.train_config.save_total_limit,
-                                    {ANYGPU_STATE: state, resume_guard.FINGERPRINT_FILE: fingerprint})
+                                    {ANYGPU_STATE: state, resume_guard.FINGERPRINT_FILE: self.fingerprint})
                 shutil.rmtree(staging, ignore_errors=True)
         distributed.barrier()
 
@@ -263,7 +264,7 @@ class MetricsCallback(TrainerCallback):
         self.world_size, self.device = world_size, device
         self.fpt, self.peak = flops_per_token, peak_flops
         self.start_step, self.end_step, self.is_main = start_step, end_step, is_main
-        self.tokens_per_step = prep.plan.global_batch_size * prep.block_size
+        self.tokens = metrics.StepTokens(prep.datasets["train"], prep.order, prep.block_size)
         self.lr: float | None = None
         self.bar = None
         self.window = metrics.ThroughputWindow()
@@ -282,7 +283,7 @@ class MetricsCallback(TrainerCallback):
             self.lr = float(optimizer.param_groups[0]["lr"])
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.window.steps += 1
+        self.window.add(*self.tokens.count(state.global_step - 1, self.prep.plan))
         self.mark = time.perf_counter()
         if self.bar is not None:
             self.bar.update(1)
@@ -296,13 +297,14 @@ class MetricsCallback(TrainerCallback):
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        tps = self.window.tokens_per_second(self.tokens_per_step)
         grad_norm = logs.get("grad_norm")
         rec = {"step": step, "loss": float(logs["loss"]), "learning_rate": self.lr,
                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-               "tokens_per_second": tps, "tokens_per_second_per_device": tps / self.world_size,
+               **self.window.record(self.tokens.padded)}
+        tps = rec["tokens_per_second"]
+        rec.update({"tokens_per_second_per_device": tps / self.world_size,
                "world_size": self.world_size, "global_batch_size": self.prep.plan.global_batch_size,
-               "epoch": step / self.prep.order.steps_per_epoch}
+               "epoch": step / self.prep.order.steps_per_epoch})
         if (u := metrics.mfu(tps, self.fpt, self.peak, self.world_size)) is not None:
             rec["mfu"] = u
         if (mem := metrics.max_memory_gb(self.device)) is not None:
