@@ -47,7 +47,8 @@ def test_conflicting_batch_arguments(capsys, tmp_path):
 
 
 def test_unknown_option_and_bad_choice(capsys, tmp_path):
-    assert "unknown option(s): --learning_rat" in refuse([*TINY, "--learning_rat", "1", "--output_dir", str(tmp_path)], capsys)
+    err = refuse([*TINY, "--learning_rat", "1", "--output_dir", str(tmp_path)], capsys)
+    assert "unknown option --learning_rat (did you mean --learning_rate?)" in err
     assert "cosine" in refuse([*TINY, "--lr_scheduler_type", "cosin", "--output_dir", str(tmp_path)], capsys)
 
 

@@ -494,6 +494,8 @@ def preflight(argv: list[str] | None = None, extra: tuple[type, ...] = (), prog:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USAGE)
+    if os.environ.get("ANYGPU_PREFLIGHT_ONLY") == "1":  # the launchers' check before they start the ranks
+        sys.exit(0)
 
 
 def _refuse(message: str) -> None:
