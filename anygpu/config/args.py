@@ -22,6 +22,7 @@ from anygpu.config.ranges import check_ranges
 from anygpu.errors import EXIT_USAGE, UsageError
 
 PRESETS_DIR = Path(__file__).parent / "presets"
+DEFAULT_GLOBAL_BATCH_SIZE = 16  # sequences, when no batch number at all is given
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 TRUNCATION_MODES = ("keep_start", "keep_end", "drop")
 TXT_SAMPLE_BY = ("auto", "line", "paragraph", "document")
@@ -303,7 +304,7 @@ class TrainArguments:
         split_commas(self)
         if self.global_batch_size is None and self.global_batch_tokens is None and \
                 self.per_device_train_batch_size is None and self.gradient_accumulation_steps is None:
-            self.global_batch_size = 16
+            self.global_batch_size = DEFAULT_GLOBAL_BATCH_SIZE
 
 
 @dataclass

@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     anygpu.set_offline_defaults()  # nothing is downloaded unless HF_HUB_OFFLINE=0; set before the libraries load
     anygpu.quiet_library_warnings()
     module, function = COMMANDS[name].target.split(":")
-    return getattr(importlib.import_module(module), function)(rest) or 0
+    try:
+        return getattr(importlib.import_module(module), function)(rest) or 0
+    except KeyboardInterrupt:  # Ctrl-C: the shell's code for SIGINT, no traceback
+        print(f"\nanygpu {name}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
