@@ -136,7 +136,7 @@ def test_recommendation_fits_and_keeps_the_global_batch(plan_json):
 
 
 def test_table_and_bad_input():
-    proc = run_plan("--config_name", "tiny", "--num_gpus", "2", "--gpu_memory_gb", "16", "--block_size", "64")
+    proc = run_plan("--config_name", "tiny", "--num_gpus", "2", "--gpu_memory_gb", "16", "--block_size", "64", "--table")
     assert proc.returncode == 0, proc.stderr
     assert "recommendation: ddp" in proc.stdout and "estimate" in proc.stdout
     bad = run_plan("--config_name", "tiny", "--num_gpus", "0")
@@ -147,4 +147,5 @@ def test_no_gpu_here_and_none_given(monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no smi tool, and torch here is a CPU build
     proc = run_plan("--config_name", "tiny", "--block_size", "64")
     assert proc.returncode == 0, proc.stderr
-    assert "0 GPU(s)" in proc.stdout and "no GPU memory known" in proc.stdout and "--gpu_memory_gb" in proc.stdout
+    assert "0 GPU(s)" in proc.stdout and "--gpu NAME" in proc.stdout and "--gpu_memory_gb" in proc.stdout
+    assert not any(line.endswith(" no") for line in proc.stdout.splitlines())  # no table of rows that fit nowhere

@@ -101,7 +101,7 @@ def check_dataset(value: str | None) -> None:
 
 def check_sources(model_args, data_args, presets: list[str]) -> None:
     """Every model, config, tokenizer and data set the arguments name, before any work (raises UsageError)."""
-    if model_args.config_name not in presets:
+    if model_args.config_name not in presets and "/" in (model_args.config_name or ""):  # else resolve_config lists the presets
         check_pretrained("--config_name", model_args.config_name, ("config.json",),
                          f"config.json file or folder, a preset ({', '.join(presets)})")
     check_pretrained("--model_name_or_path", model_args.model_name_or_path, ("config.json",))
