@@ -410,6 +410,8 @@ class HelpFormatter(argparse.HelpFormatter):
             return ", ".join(action.option_strings) if action.dest == "help" else option
         if action.nargs == "?" and action.const is True:  # HfArgumentParser's booleans
             return f"{option} [true|false]"
+        if getattr(action.type, "__name__", "") == "string_to_bool":  # an optional boolean (default: decided later)
+            return f"{option} true|false"
         word = {int: "N", float: "X"}.get(action.type, "TEXT")  # type: ignore[arg-type]
         return f"{option} {word}[,{word}...]" if action.nargs in ("+", "*") else f"{option} {word}"
 
