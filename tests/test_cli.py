@@ -1,6 +1,6 @@
 """The `anygpu` command as a user meets it: --help at once (torch not imported), --version, 'did you mean'
-for mistyped commands and options, `plan --gpu` on a machine without that GPU, no library warnings in a
-tool's output, and a missing model refused once, in one line, under the launchers."""
+for mistyped commands and options, and a missing model refused once, in one line, under the launchers.
+(`plan --gpu` is in test_plan.py; no library warnings in a tool's output: test_interactive_launch.py.)"""
 from __future__ import annotations
 
 import os
@@ -47,20 +47,6 @@ def test_version_and_did_you_mean():
     assert "Traceback" not in option.stderr and option.stderr.count("\n") == 1
     info = anygpu_cmd("info", "--help")
     assert info.returncode == 0 and info.stdout.startswith("usage: anygpu info")
-
-
-def test_plan_for_a_named_gpu_is_compact_and_quiet(tmp_path):
-    proc = anygpu_cmd("plan", "--config_name", "llama-1b", "--block_size", "2048", "--gpu", "h100", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr == ""  # no FutureWarning or other library noise
-    out = proc.stdout
-    assert "8 GPU(s) × 79.60 GiB NVIDIA H100 80GB HBM3 (--gpu h100; 8 assumed" in out
-    assert "recommendation: " in out and " per device × 8 devices × " in out and "GiB of 79.60 GiB per GPU" in out
-    assert "runners-up" in out and len(out.splitlines()) <= 12
-    assert not any(line.endswith((" yes", " no")) for line in out.splitlines())  # no table's "fits" column
-    assert list(tmp_path.iterdir()) == []  # a tool that writes nothing creates no folder
-    bad = anygpu_cmd("plan", "--config_name", "tiny", "--gpu", "h10")
-    assert bad.returncode == 2 and "--gpu h10 is not in anygpu's table (did you mean h100?)" in bad.stderr
 
 
 @pytest.mark.slow

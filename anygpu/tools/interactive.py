@@ -214,6 +214,7 @@ def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = N
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     anygpu.set_offline_defaults()  # the plan reads configs only: presets, local folders, cached hub ids
+    anygpu.quiet_library_warnings()  # also when started by run_<vendor>_all.sh --interactive, not through cli
     mine, script_args = launcher.split_argv(argv)
     args = build_parser().parse_args(mine)
     for name in ("model_name_or_path", "config_name", "block_size"):  # the run's own values, for the plan
