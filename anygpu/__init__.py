@@ -12,3 +12,14 @@ def set_offline_defaults() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", os.environ["HF_HUB_OFFLINE"])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def quiet_library_warnings() -> None:
+    """Libraries' FutureWarning/DeprecationWarning speak to their callers' authors, not to users: not shown
+    (unless the user asked for warnings with -W or PYTHONWARNINGS)."""
+    import sys
+    import warnings
+
+    if not sys.warnoptions:
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -47,7 +47,8 @@ def test_conflicting_batch_arguments(capsys, tmp_path):
 
 
 def test_unknown_option_and_bad_choice(capsys, tmp_path):
-    assert "unknown option(s): --learning_rat" in refuse([*TINY, "--learning_rat", "1", "--output_dir", str(tmp_path)], capsys)
+    err = refuse([*TINY, "--learning_rat", "1", "--output_dir", str(tmp_path)], capsys)
+    assert "unknown option --learning_rat (did you mean --learning_rate?)" in err
     assert "cosine" in refuse([*TINY, "--lr_scheduler_type", "cosin", "--output_dir", str(tmp_path)], capsys)
 
 
@@ -79,3 +80,68 @@ def test_config_file_with_command_line_override(tmp_path):
 def test_lora_options(capsys, tmp_path, extra, expected):
     err = refuse([*TINY, *extra, "--output_dir", str(tmp_path)], capsys)
     assert expected in err
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--model_name_or_path", "anygpu-test/not-cached"],
+     ["--model_name_or_path anygpu-test/not-cached", "not in the Hugging Face cache",
+      "huggingface-cli download anygpu-test/not-cached", "HF_HUB_OFFLINE"]),
+    (["--model_name_or_path", "./no/such/model"], ["--model_name_or_path ./no/such/model: no such file or folder"]),
+    (["--config_name", "anygpu-test/no-config"], ["--config_name anygpu-test/no-config", "local folder"]),
+    (["--tokenizer_name", "./no-tokenizer"], ["--tokenizer_name ./no-tokenizer: no such file or folder", "tokenizer folder"]),
+    (["--dataset_name", "anygpu-test/no-data"],
+     ["--dataset_name anygpu-test/no-data", "huggingface-cli download --repo-type dataset anygpu-test/no-data", "--train_file"]),
+])
+def test_models_and_data_that_are_not_there(capsys, tmp_path, monkeypatch, extra, expected):
+    """One line naming the argument, what was looked for and what to do; exit 2, no folder left behind."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    err = refuse([*TINY, *extra, "--output_dir", str(tmp_path / "run")], capsys)
+    assert err.count("\n") == 1 and all(e in err for e in expected), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_refused_run_leaves_no_empty_output_folder(capsys, tmp_path):
+    # refused after the output folder was claimed (the FSDP2 engine has no fp16): the folder it made goes again
+    err = refuse([*TINY, "--fp16", "true", "--output_dir", str(tmp_path / "new" / "run")], capsys)
+    assert "--fp16" in err
+    assert not (tmp_path / "new").exists()
+
+
+def test_list_options_take_the_comma_form():
+    m, _, t = parse_args(["--config_name", "tiny", "--lora_target_modules", "q_proj,v_proj", "--lora_modules_to_save",
+                          "lm_head", "--report_to", "tensorboard,none"])
+    assert m.lora_target_modules == ["q_proj", "v_proj"] and m.lora_modules_to_save == ["lm_head"]
+    assert t.report_to == ["tensorboard", "none"]
+
+
+def test_a_lora_target_the_model_lacks_names_its_linear_modules():
+    from types import SimpleNamespace
+
+    from anygpu.errors import UsageError
+    from anygpu.model import lora, modeling
+
+    margs = parse_args(["--config_name", "tiny"])[0]
+    model = modeling.build_meta_model(modeling.resolve_config(margs), margs)
+    args = SimpleNamespace(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_modules_to_save=None,
+                           lora_target_modules=["q_proj", "qkv"])
+    with pytest.raises(UsageError) as e:
+        lora.wrap(model, args)
+    assert str(e.value).startswith("--lora_target_modules qkv: the model has no such module")
+    assert "q_proj,k_proj" in str(e.value) or "k_proj" in str(e.value) and "lm_head" not in str(e.value)
+    args.lora_target_modules = ["q_proj", "v_proj"]
+    assert lora.is_peft(lora.wrap(model, args))
+
+
+def test_warmup_longer_than_the_run_is_warned(capsys):
+    parse_args(["--config_name", "tiny", "--max_steps", "5", "--warmup_steps", "10"])
+    err = capsys.readouterr().err
+    assert "--warmup_steps 10 is more than --max_steps 5" in err and err.count("\n") == 1
+
+
+def test_a_tokenizer_smaller_than_asked_says_so(capsys, tmp_path):
+    from anygpu.data import tokenizer
+
+    tok = tokenizer.load_or_train(None, lambda: ["a tiny corpus, a tiny corpus"] * 20, "fp-small", 1000, str(tmp_path), True)
+    out = capsys.readouterr().out
+    assert f"has {len(tok)} tokens, fewer than --vocab_size 1000" in out and out.count("\n") == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 from conftest import ROOT
@@ -26,6 +27,11 @@ def test_cpu_machine_passes_and_says_no_gpu(capsys, tmp_path, monkeypatch):
     assert rc == 0, out
     assert "no GPU" in out and "all checks passed" in out
     assert "[pass] all-reduce: gloo, 2 processes, bus bandwidth" in out
+    # each check as it runs, with its time; the first line before the slow facts
+    assert out.startswith("anygpu doctor: looking at this machine")
+    checks = [ln for ln in out.splitlines() if ln.startswith("  [pass]")]
+    assert len(checks) == 5 and all(re.search(r"\(\d+\.\d s\)$", ln) for ln in checks)
+    assert not (tmp_path / "out").exists()  # the doctor writes nothing, so it creates no folder
     rc, out = doctor(capsys, "--output_dir", str(tmp_path / "out"), "--json", "--skip_collective")
     report = json.loads(out)
     assert rc == 0 and report["ok"] and report["gpus"] == [] and report["vendor"] is None

@@ -30,16 +30,38 @@ def test_cpu_defaults_and_scripted_answers(monkeypatch, tmp_path, capsys):
     assert cli.main(["launch", "--dry-run", "--config_name", "tiny", "--block_size", "64"]) == 0  # no --vendor: asks
     out = capsys.readouterr().out
     assert "engine (hf: HF Trainer + accelerate; fsdp: native FSDP2) [hf]: fsdp" in out
-    assert "CPU processes [1]: 2" in out and "global batch (sequences per optimizer step) [64]: 8" in out
+    assert "CPU processes [1]: 2" in out and "global batch (sequences per optimizer step) [16]: 8" in out
     cmd = command(out)
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and cmd[cmd.index("--nproc-per-node") + 1] == "2"
     assert cmd[cmd.index("--global_batch_size") + 1] == "8" and cmd[cmd.index("--output_dir") + 1] == str(tmp_path / "run")
 
 
-def test_a_bad_answer_is_refused(monkeypatch, capsys):
+def test_a_wrong_answer_is_asked_again_and_end_of_input_aborts(monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no GPU: accelerate's FSDP configs are not offered
+    out = io.StringIO()
+    assert interactive.main(["--dry-run"], io.StringIO("hf\nfsdp\nddp\n2\n7\n8\nruns/a\n"), out) == 0
+    text = out.getvalue()
+    assert "'fsdp' is not one of ddp, deepspeed_zero2" in text and "try again" in text
+    assert "7 does not split over 2 processes: use a multiple of 2; try again" in text
+    assert "--global_batch_size 8 --output_dir runs/a" in text
+    # the defaults are the engine's own: Enter changes nothing the engine would do by itself
+    assert "global batch (sequences per optimizer step) [16]" in text and "output folder [outputs/default]" in text
+    # end of input (Ctrl-D) is never consent: exit 1, nothing printed as a command
+    out = io.StringIO()
+    assert interactive.main(["--dry-run"], io.StringIO("hf\nddp\n"), out) == 1
+    assert "command:" not in out.getvalue() and "nothing launched" in capsys.readouterr().err
+
+
+def test_ctrl_c_exits_130_without_traceback(monkeypatch, capsys):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    assert interactive.main(["--dry-run"], io.StringIO("hf\nddp\n2\n7\n"), io.StringIO()) == 2
-    assert "global batch: 7 does not split over 2 processes" in capsys.readouterr().err
+
+    class CtrlC(io.StringIO):
+        def readline(self, *_):  # what SIGINT does to a blocked read
+            raise KeyboardInterrupt
+
+    assert interactive.main(["--dry-run"], CtrlC(), io.StringIO()) == 130
+    err = capsys.readouterr().err
+    assert "interrupted, nothing launched" in err and "Traceback" not in err
 
 
 def test_vendor_without_interactive_is_the_launcher(capsys):
@@ -54,16 +76,23 @@ def test_fake_gpus_offer_the_plans_recommendation(tmp_path):
     e = {**env(), "PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}", "FAKE_NVIDIA": "ok", "FAKE_AMD": "absent"}
     answers = f"\n\n4\n32\n{tmp_path / 'out'}\n"  # keep engine and config, then 4 GPUs, global batch 32
     # the vendor script's --interactive (the same dialogue as `anygpu launch`, which the CPU test drives)
-    proc = subprocess.run(["bash", str(ROOT / "run_nvidia_all.sh"), "--interactive", "--dry-run", "--config_name",
+    # the run's own options after -- are read for the plan and passed on once
+    proc = subprocess.run(["bash", str(ROOT / "run_nvidia_all.sh"), "--interactive", "--dry-run", "--", "--config_name",
                            "llama-1b", "--block_size", "2048"], input=answers, cwd=ROOT,
                           env={**e, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    rec = plan_tool.recommend(None, "llama-1b", 2048, 64, num_gpus=8, gpu_memory_gb=81559 / 1024)
+    assert "Warning" not in proc.stderr  # the plan's libraries' FutureWarnings say nothing to the user
+    rec = plan_tool.recommend(None, "llama-1b", 2048, 16, num_gpus=8, gpu_memory_gb=81559 / 1024)
     out = proc.stdout
     assert f"accelerate config [{rec.accelerate_config}]: {rec.accelerate_config}" in out
-    assert "GPUs to use (1..8) [8]: 4" in out and "[64]: 32" in out
+    assert "GPUs to use (1..8) [8]: 4" in out and "[16]: 32" in out
     assert re.search(rf"plan recommends {rec.strategy} .*{rec.per_device_train_batch_size} per device × 8 GPUs", out)
     cmd = command(out)
     assert cmd[cmd.index("--num_processes") + 1] == "4"
     assert cmd[cmd.index("--config_file") + 1].endswith(f"accelerate_configs/{rec.accelerate_config}.yaml")
     assert cmd[cmd.index("--global_batch_size") + 1] == "32"
+    assert cmd.count("--block_size") == 1 and cmd[cmd.index("--block_size") + 1] == "2048"
+    assert cmd.count("--config_name") == 1
+    # the header says what was found, not a command the answers have not chosen yet
+    header = out[:out.index("engine (")]
+    assert "8 NVIDIA GPU(s)" in header and "plain python" not in header and "torchrun" not in header

@@ -163,7 +163,7 @@ def test_recommendation_fits_and_keeps_the_global_batch(plan_json):
 
 
 def test_table_and_bad_input():
-    proc = run_plan("--config_name", "tiny", "--num_gpus", "2", "--gpu_memory_gb", "16", "--block_size", "64")
+    proc = run_plan("--config_name", "tiny", "--num_gpus", "2", "--gpu_memory_gb", "16", "--block_size", "64", "--table")
     assert proc.returncode == 0, proc.stderr
     assert "recommendation: ddp" in proc.stdout and "estimate" in proc.stdout
     bad = run_plan("--config_name", "tiny", "--num_gpus", "0")
@@ -174,4 +174,19 @@ def test_no_gpu_here_and_none_given(monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no smi tool, and torch here is a CPU build
     proc = run_plan("--config_name", "tiny", "--block_size", "64")
     assert proc.returncode == 0, proc.stderr
-    assert "0 GPU(s)" in proc.stdout and "no GPU memory known" in proc.stdout and "--gpu_memory_gb" in proc.stdout
+    assert "0 GPU(s)" in proc.stdout and "--gpu NAME" in proc.stdout and "--gpu_memory_gb" in proc.stdout
+    assert not any(line.endswith(" no") for line in proc.stdout.splitlines())  # no table of rows that fit nowhere
+
+
+def test_plan_for_a_named_gpu_is_compact(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    proc = run_plan("--config_name", "llama-1b", "--block_size", "2048", "--gpu", "h100")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "8 GPU(s) × 79.60 GiB NVIDIA H100 80GB HBM3 (--gpu h100; 8 assumed" in out
+    assert "recommendation: " in out and " per device × 8 devices × " in out and "GiB of 79.60 GiB per GPU" in out
+    assert "runners-up" in out and len(out.splitlines()) <= 12
+    assert not any(line.endswith((" yes", " no")) for line in out.splitlines())  # no table's "fits" column
+    assert list(tmp_path.iterdir()) == []  # a tool that writes nothing creates no folder
+    bad = run_plan("--config_name", "tiny", "--gpu", "h10")
+    assert bad.returncode == 2 and "--gpu h10 is not in anygpu's table (did you mean h100?)" in bad.stderr

@@ -7,6 +7,7 @@ written for one engine runs on the other. Checks that need only the arguments li
 from __future__ import annotations
 
 import copy
+import argparse
 import json
 import os
 import sys
@@ -18,10 +19,12 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser
 
+from anygpu.config import locate, suggest
 from anygpu.config.ranges import check_ranges
-from anygpu.errors import UsageError
+from anygpu.errors import EXIT_USAGE, UsageError
 
 PRESETS_DIR = Path(__file__).parent / "presets"
+DEFAULT_GLOBAL_BATCH_SIZE = 16  # sequences, when no batch number at all is given
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 TRUNCATION_MODES = ("keep_start", "keep_end", "drop")
 TXT_SAMPLE_BY = ("auto", "line", "paragraph", "document")
@@ -81,6 +84,7 @@ class ModelArguments:
 
     def __post_init__(self) -> None:
         check_ranges(self)
+        split_commas(self)
         if self.vocab_size < 300:
             raise UsageError(f"--vocab_size {self.vocab_size} is too small for a byte-level BPE (256 bytes + specials): use at least 300, e.g. 8192.")
         if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
@@ -307,9 +311,29 @@ class TrainArguments:
                              f"{self.gradient_accumulation_steps}: leave the accumulation out (it follows from the choice).")
         if self.max_memory_per_device_gb is not None and self.max_memory_per_device_gb <= 0:
             raise UsageError(f"--max_memory_per_device_gb {self.max_memory_per_device_gb} must be positive, e.g. 40.")
+        split_commas(self)
         if self.global_batch_size is None and self.global_batch_tokens is None and \
                 self.per_device_train_batch_size is None and self.gradient_accumulation_steps is None:
-            self.global_batch_size = 16
+            self.global_batch_size = DEFAULT_GLOBAL_BATCH_SIZE
+
+
+@dataclass
+class HFEngineArguments:
+    """Options of the HF engine only (the FSDP2 engine has no strategy to choose)."""
+
+    allow_strategy_fallback: bool = field(
+        default=False,
+        metadata={"resume": FREE, "help": "When the accelerate config asks for a strategy this machine cannot run (FSDP on a CPU-only "
+                          "host), train with the one accelerate falls back to (DDP) instead of stopping; the banner "
+                          "reports the fallback."},
+    )
+
+
+def split_commas(obj: Any) -> None:
+    """List options take the comma form users type (`--lora_target_modules q_proj,v_proj`) as well as spaces."""
+    for name, value in vars(obj).items():
+        if isinstance(value, list) and any(isinstance(v, str) and "," in v for v in value):
+            setattr(obj, name, [part.strip() for v in value for part in str(v).split(",") if part.strip()])
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -370,11 +394,82 @@ class ArgumentParser(HfArgumentParser):
         HfArgumentParser._parse_dataclass_field(parser, plain)
 
 
-def parse_args(argv: list[str] | None = None, extra: tuple[type, ...] = ()) -> tuple[Any, ...]:
+# Help groups: each option sits in its dataclass's group unless named here (one table, read only for --help).
+GROUP_TITLES = {"model": "model", "lora": "LoRA", "data": "data", "training": "training",
+                "checkpoints": "checkpoints and resume", "reporting": "logging, evaluation and reporting",
+                "engine": "HF engine"}
+DATACLASS_GROUP = {"ModelArguments": "model", "DataArguments": "data", "TrainArguments": "training",
+                   "HFEngineArguments": "engine"}
+FIELD_GROUP = {
+    **dict.fromkeys(("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save",
+                     "merge_lora"), "lora"),
+    **dict.fromkeys(("output_dir", "save_steps", "save_total_limit", "stop_at_step", "resume_from_checkpoint",
+                     "overwrite_output_dir", "allow_changed_args", "allow_rewind", "save_on_preempt", "async_save",
+                     "export_final"), "checkpoints"),
+    **dict.fromkeys(("logging_steps", "eval_steps", "eval_on_start", "per_device_eval_batch_size", "max_eval_samples",
+                     "report_to", "disable_tqdm"), "reporting"),
+}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows a default only where there is one worth reading (no '(default: None)')."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, argparse.SUPPRESS, [], "") and "default" not in text.lower() \
+                and action.option_strings and action.nargs != 0:
+            text += " (default: %(default)s)"
+        return text
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        """`--learning_rate X` once, not every alias with a repeated metavar."""
+        if not action.option_strings:
+            return super()._format_action_invocation(action)
+        option = action.option_strings[0]
+        if action.nargs == 0:
+            return ", ".join(action.option_strings) if action.dest == "help" else option
+        if action.nargs == "?" and action.const is True:  # HfArgumentParser's booleans
+            return f"{option} [true|false]"
+        if getattr(action.type, "__name__", "") == "string_to_bool":  # an optional boolean (default: decided later)
+            return f"{option} true|false"
+        word = {int: "N", float: "X"}.get(action.type, "TEXT")  # type: ignore[arg-type]
+        return f"{option} {word}[,{word}...]" if action.nargs in ("+", "*") else f"{option} {word}"
+
+
+def _group_options(parser: argparse.ArgumentParser, dtypes: tuple[type, ...]) -> None:
+    """Regroup the flat option list into model / LoRA / data / training / checkpoints / reporting for --help."""
+    owner = {f: DATACLASS_GROUP.get(d.__name__, "training") for d in dtypes for f in d.__dataclass_fields__}
+    groups: dict[str, Any] = {}
+    for key in GROUP_TITLES:
+        groups[key] = parser.add_argument_group(GROUP_TITLES[key])
+    for action in list(parser._optionals._group_actions):
+        if action.option_strings and action.option_strings[0].startswith("--no_"):
+            action.help = argparse.SUPPRESS  # HfArgumentParser's --no_X twin of --X false: one spelling in --help
+        if action.dest in owner:
+            parser._optionals._group_actions.remove(action)
+            groups[FIELD_GROUP.get(action.dest, owner[action.dest])]._group_actions.append(action)
+    parser._action_groups = [g for g in parser._action_groups if g._group_actions]
+
+
+def build_parser(extra: tuple[type, ...] = (), prog: str | None = None) -> HfArgumentParser:
+    """The engines' parser (HfArgumentParser over the dataclasses), with grouped help and one-line errors."""
+    dtypes = (ModelArguments, DataArguments, TrainArguments, *extra)
+    parser = ArgumentParser(dtypes, formatter_class=lambda prog: HelpFormatter(prog, max_help_position=36),
+                              usage=f"{prog or Path(sys.argv[0]).name} [config.yaml] [--option value ...]")
+    parser.prog = prog or Path(sys.argv[0]).name
+    parser.allow_abbrev = False  # a typo such as --learning_rat must not silently match --learning_rate
+    parser.epilog = "Arguments may also come from one YAML or JSON file given first; the command line overrides it."
+    parser.error = _refuse  # argparse would print usage and exit; one line and exit 2 through UsageError instead
+    _group_options(parser, dtypes)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, extra: tuple[type, ...] = (), prog: str | None = None,
+               warn: bool = True) -> tuple[Any, ...]:
     """(ModelArguments, DataArguments, TrainArguments, *extra) from argv and/or one YAML/JSON file.
 
     The file, when given, is the first positional word; options on the command line override it.
-    Unknown options are refused.
+    Unknown options are refused, and so are models, tokenizers and data sets that are not there.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml", ".json")):
@@ -382,19 +477,48 @@ def parse_args(argv: list[str] | None = None, extra: tuple[type, ...] = ()) -> t
             raise UsageError(f"config file {argv[0]}: no such file.")
         argv = _file_to_argv(argv[0]) + argv[1:]
     argv = _auto_micro_batch(argv)
-    parser = ArgumentParser((ModelArguments, DataArguments, TrainArguments, *extra))
-    parser.prog = Path(sys.argv[0]).name
-    parser.allow_abbrev = False  # a typo such as --learning_rat must not silently match --learning_rate
-    parser.epilog = "Arguments may also come from one YAML or JSON file given first; the command line overrides it."
-    parser.error = _refuse  # argparse would print usage and exit; one line and exit 2 through UsageError instead
+    parser = build_parser(extra, prog)
     parsed, unknown = parser.parse_known_args(argv)
     if unknown:
-        raise UsageError(f"unknown option(s): {' '.join(unknown)}. See --help for the valid ones.")
+        raise UsageError(f"{suggest.unknown_options_message(unknown, parser)}. See --help for the valid ones.")
     outputs = []
     for dtype in parser.dataclass_types:
         keys = {f for f in dtype.__dataclass_fields__ if dtype.__dataclass_fields__[f].init}
         outputs.append(dtype(**{k: v for k, v in vars(parsed).items() if k in keys}))
+    locate.check_sources(outputs[0], outputs[1], preset_names())
+    if warn:
+        _warn_warmup(outputs[2])
     return tuple(outputs)
+
+
+def _warn_warmup(train_args: TrainArguments) -> None:
+    """A warmup longer than the run never reaches the peak learning rate: worth one line, not a refusal."""
+    if 0 < train_args.max_steps < train_args.warmup_steps and os.environ.get("RANK", "0") == "0":
+        print(f"warning: --warmup_steps {train_args.warmup_steps} is more than --max_steps {train_args.max_steps}: the "
+              f"learning rate never reaches --learning_rate {train_args.learning_rate:g}; use --warmup_steps "
+              f"{max(1, train_args.max_steps // 10)} or fewer.", file=sys.stderr, flush=True)
+
+
+def print_help(extra: tuple[type, ...] = (), prog: str | None = None) -> None:
+    """--help without importing torch (the engines' imports take seconds)."""
+    build_parser(extra, prog).print_help()
+
+
+def preflight(argv: list[str] | None = None, extra: tuple[type, ...] = (), prog: str | None = None) -> None:
+    """Before the engines' heavy imports: --help at once, and bad arguments or missing models/data as one line
+    (rank 0 prints it) and exit 2, before torch, the process group or any accelerator work."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print_help(extra, prog)
+        sys.exit(0)
+    try:
+        parse_args(argv, extra, prog, warn=False)
+    except UsageError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
+    if os.environ.get("ANYGPU_PREFLIGHT_ONLY") == "1":  # the launchers' check before they start the ranks
+        sys.exit(0)
 
 
 def _refuse(message: str) -> None:

@@ -47,9 +47,12 @@ class Prepared:
 
 
 def check_output_dir(output_dir: str) -> None:
+    """Writable, or creatable: probed in the folder or its nearest existing parent, creating nothing (a run
+    refused later must not leave an empty folder behind; rank 0 creates it when it claims it)."""
+    path = Path(output_dir).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
     try:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        probe = Path(output_dir) / f".write-test-{uuid.uuid4().hex}"
+        probe = existing / f".write-test-{uuid.uuid4().hex}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:

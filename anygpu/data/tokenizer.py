@@ -12,6 +12,8 @@ from typing import Callable, Iterable
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from anygpu.errors import rank
+
 logger = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
@@ -75,7 +77,12 @@ def load_or_train(
         logger.info("training a byte-level BPE tokenizer (vocab %d) on the training text…", vocab_size)
         tok = train_bpe(texts(), vocab_size)
         _save_atomically(tok, path)
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    if len(tok) < vocab_size and rank() == 0:
+        # a small corpus runs out of merges: the model's vocabulary follows the tokenizer's real size
+        print(f"note: the tokenizer trained on this text has {len(tok)} tokens, fewer than --vocab_size {vocab_size} "
+              "asked (the text has no more merges to learn); the model's vocabulary follows the tokenizer.", flush=True)
+    return tok
 
 
 def _save_atomically(tok: PreTrainedTokenizerBase, path: Path) -> None:

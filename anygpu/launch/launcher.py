@@ -584,6 +584,17 @@ def render_dry_run(plan: Plan) -> str:
     return "\n".join(out) + "\n"
 
 
+def preflight(plan: Plan) -> int | None:
+    """Run the engine script's argument checks alone (ANYGPU_PREFLIGHT_ONLY=1, a second or so): its exit code
+    when the job should not start (2: refused, with its one line; 0: it printed --help), else None."""
+    script = next(i for i, word in enumerate(plan.cmd) if word.endswith(tuple(ENGINES.values())))
+    env = {**plan.env, "ANYGPU_PREFLIGHT_ONLY": "1", "RANK": "0"}
+    rc = subprocess.run([plan.cmd[0], *plan.cmd[script:]], env=env).returncode
+    if rc == 2 or (rc == 0 and any(w in ("-h", "--help") for w in plan.cmd[script + 1:])):
+        return rc
+    return None  # any other failure: the real launch shows it in full
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -602,6 +613,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plan.exported:
         print(f"{PREFIX} exported: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.exported.items()),
               file=sys.stderr)
+    if not args.script and plan.cmd[1:2] == ["-m"]:
+        # torchrun / accelerate: a bad argument would come back once per rank plus the launcher's own wall of
+        # ChildFailedError; the engine checks its arguments (no torch) in one process first: one line, exit 2.
+        checked = preflight(plan)
+        if checked is not None:
+            return checked
     print(f"{PREFIX} exec: {shlex.join(plan.cmd)}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -25,6 +25,8 @@ def wrap(model: nn.Module, args) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     target = args.lora_target_modules
+    if target is not None and target != ["all-linear"]:
+        check_targets(model, target)
     if target is not None and len(target) == 1:
         target = target[0]  # "all-linear" is a string to peft
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=target,
@@ -38,6 +40,31 @@ def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
     for param in model.parameters():
         if not param.requires_grad and param.is_floating_point():
             param.data = param.data.to(dtype)
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """The last name part of every linear layer (what --lora_target_modules matches), lm_head left out."""
+    kinds = (nn.Linear,) + tuple(t for t in (_conv1d(),) if t is not None)
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, kinds)} - {"lm_head"})
+
+
+def _conv1d():
+    try:
+        from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+    except ImportError:
+        return None
+    return Conv1D
+
+
+def check_targets(model: nn.Module, targets: list[str]) -> None:
+    """Every --lora_target_modules name matches a module (as peft matches: the name or its last parts)."""
+    from anygpu.errors import UsageError
+
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        raise UsageError(f"--lora_target_modules {','.join(missing)}: the model has no such module. Its linear modules: "
+                         f"{','.join(linear_names(model))} (or all-linear).")
 
 
 def is_peft(model: nn.Module) -> bool:

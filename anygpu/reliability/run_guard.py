@@ -53,7 +53,9 @@ def claim_output_dir(train_args: Any, rank: int) -> None:
     if rank != 0:
         return
     root = Path(train_args.output_dir)
+    missing = [p for p in (root, *root.parents) if not p.exists()]
     root.mkdir(parents=True, exist_ok=True)
+    _created.extend(missing)  # innermost first: removed again if the run leaves them empty
     take_lock(root)
     for line in checkpoint_repairs(root):
         warn(line)
@@ -157,6 +159,7 @@ def take_lock(root: Path) -> None:
 
 
 _held: set[Path] = set()
+_created: list[Path] = []  # folders this process made for --output_dir, innermost first
 
 
 @atexit.register
@@ -166,6 +169,11 @@ def release_locks() -> None:
         path = _held.pop() / LOCK
         if _read_lock(path) == {"host": socket.gethostname(), "pid": os.getpid()}:
             path.unlink(missing_ok=True)
+    while _created:  # a refused or failed run leaves no empty output folder behind
+        try:
+            _created.pop(0).rmdir()  # only succeeds on an empty folder
+        except OSError:
+            _created.clear()  # something was written there (or in a parent): keep it all
 
 
 def _read_lock(path: Path) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from anygpu.config.suggest import ArgumentParser
 from anygpu.launch import detect as gpu_detect
 from anygpu.launch import launcher
 
@@ -32,7 +33,7 @@ class Result:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="anygpu bench",
         description="Run a short fixed training job at each process count and print tokens/s, tokens/s per "
                     "process, scaling efficiency against one process and MFU (on GPUs), as a table and a PNG "

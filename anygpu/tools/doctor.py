@@ -15,10 +15,13 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
+from anygpu.config.suggest import ArgumentParser
 from anygpu.launch import detect as gpu_detect
 from anygpu.launch import launcher
 
@@ -34,10 +37,11 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    seconds: float = 0.0  # how long the check took
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="anygpu doctor",
         description="What this machine can do (vendor, driver, torch build, GPUs, visibility variables, NCCL/RCCL, "
                     "library versions, the command each launcher would run here) and active checks (bf16 and TF32 "
@@ -219,47 +223,77 @@ def filesystem_type(path: Path) -> str:
 
 
 def check_output_dir(output_dir: str, multi_node: bool) -> Check:
+    """Writable (or creatable), probed with a file that is removed again: the doctor leaves no folder behind."""
     path = Path(output_dir).resolve()
+    existing = next(p for p in (path, *path.parents) if p.exists())
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".doctor-{uuid.uuid4().hex}"
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is a file")
+        probe = existing / f".doctor-{uuid.uuid4().hex}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
         return Check("output folder", False, f"{path} cannot be written ({e.strerror or e})",
                      "choose a writable folder with --output_dir (e.g. ./outputs), or fix its permissions")
-    kind = filesystem_type(path)
+    kind = filesystem_type(existing)
+    state = "writable" if existing == path else f"can be created (in {existing})"
     if multi_node and kind not in SHARED_FS:
-        return Check("output folder", False, f"{path} is writable but on {kind}, not a shared filesystem",
+        return Check("output folder", False, f"{path} {state} but on {kind}, not a shared filesystem",
                      "on several nodes put --output_dir on a filesystem every node sees (NFS, Lustre, GPFS…)")
-    return Check("output folder", True, f"{path} writable ({kind}{', shared' if kind in SHARED_FS else ''})")
+    return Check("output folder", True, f"{path} {state} ({kind}{', shared' if kind in SHARED_FS else ''})")
 
 
 # ------------------------------------------------------------------------------ report
 
-def diagnose(args: argparse.Namespace) -> dict:
-    facts = torch_facts()
+def facts(args: argparse.Namespace) -> dict:
+    """What this machine is: vendor, driver, torch, GPUs, visibility, versions, the launchers' commands."""
+    found = torch_facts()
     smi_vendor, smi_list, smi_problem = smi_gpus()
-    vendor = {"nvidia": gpu_detect.NVIDIA, "amd": gpu_detect.AMD}.get(facts["vendor"]) or smi_vendor
-    usable = len(facts["gpus"])
-    multi_node = int(os.environ.get("NNODES", "1") or 1) > 1 or \
-        int(os.environ.get("SLURM_NNODES", os.environ.get("SLURM_JOB_NUM_NODES", "1")) or 1) > 1
-    checks = [check_bf16(), check_tf32()]
-    collective = None
-    if not args.skip_collective:
-        nproc = args.nproc or (usable if usable else 2)
-        check, collective = check_collective(nproc, usable > 0)
-        checks.append(check)
-    checks += [check_peer_access(), check_output_dir(args.output_dir, multi_node)]
+    vendor = {"nvidia": gpu_detect.NVIDIA, "amd": gpu_detect.AMD}.get(found["vendor"]) or smi_vendor
     return {
         "vendor": vendor, "driver": driver_version(vendor or smi_vendor),
-        "torch": {k: facts[k] for k in ("torch", "cuda", "hip")}, "torch_sees": facts["vendor"],
-        "gpus": facts["gpus"], "smi_gpus": smi_list, "smi_problem": smi_problem,
+        "torch": {k: found[k] for k in ("torch", "cuda", "hip")}, "torch_sees": found["vendor"],
+        "gpus": found["gpus"], "smi_gpus": smi_list, "smi_problem": smi_problem,
         "visibility": {k: os.environ[k] for k in VISIBILITY if k in os.environ},
-        "nccl": facts["nccl"], "versions": versions(),
-        "launchers": launch_commands(vendor or gpu_detect.NVIDIA), "collective": collective,
-        "checks": [asdict(c) for c in checks], "ok": all(c.ok for c in checks),
+        "nccl": found["nccl"], "versions": versions(),
+        "launchers": launch_commands(vendor or gpu_detect.NVIDIA),
     }
+
+
+def run_checks(args: argparse.Namespace, report: dict, on_check: Callable[[Check], None] = lambda c: None) -> None:
+    """The active checks, one after the other, each timed and handed to `on_check` as soon as it is done."""
+    usable = len(report["gpus"])
+    multi_node = int(os.environ.get("NNODES", "1") or 1) > 1 or \
+        int(os.environ.get("SLURM_NNODES", os.environ.get("SLURM_JOB_NUM_NODES", "1")) or 1) > 1
+    report["collective"] = None
+
+    def collective() -> Check:
+        check, report["collective"] = check_collective(args.nproc or (usable if usable else 2), usable > 0)
+        return check
+
+    steps: list[Callable[[], Check]] = [check_bf16, check_tf32]
+    steps += [] if args.skip_collective else [collective]
+    steps += [check_peer_access, lambda: check_output_dir(args.output_dir, multi_node)]
+    checks = []
+    for step in steps:
+        start = time.perf_counter()
+        check = step()
+        check.seconds = round(time.perf_counter() - start, 2)
+        checks.append(check)
+        on_check(check)
+    report["checks"] = [asdict(c) for c in checks]
+    report["ok"] = all(c.ok for c in checks)
+
+
+def diagnose(args: argparse.Namespace) -> dict:
+    report = facts(args)
+    run_checks(args, report)
+    return report
+
+
+def check_line(c: Check) -> str:
+    line = f"  [{'pass' if c.ok else 'FAIL'}] {c.name}: {c.detail} ({c.seconds:.1f} s)"
+    return line + ("" if c.ok else f"\n         fix: {c.fix}")
 
 
 def render(report: dict) -> str:
@@ -282,12 +316,6 @@ def render(report: dict) -> str:
     lines.append("launchers would run here:")
     for engine, plan in report["launchers"].items():
         lines.append(f"  --engine {engine}: {plan['command'] or 'refused: ' + plan.get('error', '')}")
-    lines.append("checks:")
-    for c in report["checks"]:
-        lines.append(f"  [{'pass' if c['ok'] else 'FAIL'}] {c['name']}: {c['detail']}")
-        if not c["ok"]:
-            lines.append(f"         fix: {c['fix']}")
-    lines.append("all checks passed" if report["ok"] else "some checks failed")
     return "\n".join(lines) + "\n"
 
 
@@ -296,11 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc is not None and args.nproc < 1:
         print(f"anygpu doctor: error: --nproc {args.nproc} must be at least 1, e.g. 2", file=sys.stderr)
         return 2
-    report = diagnose(args)
     if args.json:
+        report = diagnose(args)
         print(json.dumps(report, indent=2))
-    else:
-        sys.stdout.write(render(report))
+        return 0 if report["ok"] else 1
+    print("anygpu doctor: looking at this machine (torch, GPUs, the launchers' plans)…", flush=True)
+    start = time.perf_counter()
+    report = facts(args)
+    sys.stdout.write(render(report))
+    print(f"checks (facts took {time.perf_counter() - start:.1f} s):", flush=True)
+    run_checks(args, report, lambda c: print(check_line(c), flush=True))
+    print("all checks passed" if report["ok"] else "some checks failed")
     return 0 if report["ok"] else 1
 
 

@@ -13,12 +13,17 @@ import json
 import sys
 from dataclasses import dataclass
 
+from anygpu.config.suggest import ArgumentParser, did_you_mean
 from anygpu.planning import memory_plan
-from anygpu.planning.memory_plan import GIB, Machine, PlanResult, Shapes
+from anygpu.planning.gpus import GPUS
+from anygpu.planning.memory_plan import GIB, Machine, PlanResult, Row, Shapes
 
 DEFAULT_MFU = 0.4
+ASSUMED_GPUS = 8  # --gpu without --num_gpus on a machine without that GPU: one node of eight
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="anygpu plan",
         description="Per-GPU bytes of parameters, gradients, optimizer state and activations for DDP, FSDP2, "
                     "ZeRO-2, ZeRO-3 and their CPU-offload variants, with and without activation checkpointing, "
@@ -33,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "Default: 'default' when --model_name_or_path is not given.")
     p.add_argument("--block_size", type=int, default=1024, help="Tokens per sequence (default 1024).")
     p.add_argument("--global_batch_size", type=int, default=64, help="Sequences per optimizer step (default 64).")
-    p.add_argument("--num_gpus", type=int, help="GPUs in the job (default: the GPUs detected here).")
+    p.add_argument("--gpu", metavar="NAME", help=f"Plan for this GPU, not the one here: {', '.join(GPUS)} (memory "
+                                                 "and peak FLOP/s from anygpu's table).")
+    p.add_argument("--num_gpus", type=int, help="GPUs in the job (default: the GPUs detected here; with --gpu and "
+                                                f"none here, {ASSUMED_GPUS}).")
     p.add_argument("--gpu_memory_gb", type=float, help="Memory per GPU in GiB (default: detected).")
     p.add_argument("--gpu_name", help="GPU model for the peak FLOP/s of the step time, e.g. H100 (default: detected).")
     p.add_argument("--per_device_train_batch_size", type=int, default=1,
@@ -46,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "model type, as the engines' --lora_target_modules left out).")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"Model FLOP utilisation of the step-time "
                                                                   f"estimate (default {DEFAULT_MFU}).")
-    p.add_argument("--json", action="store_true", help="One JSON object (rows, recommendation) instead of tables.")
+    p.add_argument("--table", action="store_true", help="Also the full tables: every strategy, precision and "
+                                                         "checkpointing setting, full and LoRA.")
+    p.add_argument("--json", action="store_true", help="One JSON object (rows, recommendation) instead of text.")
     return p
 
 
@@ -61,6 +71,9 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--gpu_memory_gb {args.gpu_memory_gb} must be positive, e.g. 80"
     if not 0 < args.mfu <= 1:
         return f"--mfu {args.mfu} must be in (0, 1], e.g. {DEFAULT_MFU}"
+    if args.gpu is not None and args.gpu.lower() not in GPUS:
+        return f"--gpu {args.gpu} is not in anygpu's table{did_you_mean(args.gpu.lower(), GPUS)}: use one of " \
+               f"{', '.join(GPUS)}, or give --gpu_memory_gb (and --gpu_name for the peak FLOP/s)"
     return None
 
 
@@ -78,13 +91,20 @@ def load_shapes(model_name_or_path: str | None, config_name: str | None, lora_r:
     return shapes, config, modeling.count_parameters(model, exclude_embeddings=True)
 
 
-def detect_machine(num_gpus: int | None, gpu_memory_gb: float | None, gpu_name: str | None) -> Machine:
+def detect_machine(num_gpus: int | None, gpu_memory_gb: float | None, gpu_name: str | None,
+                   gpu: str | None = None) -> Machine:
     """The GPUs of this machine (torch, else the smi tools), overridden by what was given."""
     from anygpu.runtime import hardware
 
     count, memory, name, source = 0, 0, "", "none detected"
     found = hardware.devices()
-    if found:
+    if gpu is not None:  # a named GPU: its memory and name from the table; the count from here or assumed
+        known = GPUS[gpu.lower()]
+        same = [d for d in found if hardware.peak_bf16_flops(d.name) == hardware.peak_bf16_flops(known.device_name)]
+        count = len(same) if same else ASSUMED_GPUS
+        memory, name = int(known.memory_gib * GIB), known.device_name
+        source = f"--gpu {gpu}" + ("" if same or num_gpus is not None else f"; {ASSUMED_GPUS} assumed, change with --num_gpus")
+    elif found:
         count, memory, name, source = len(found), int(found[0].total_memory_gb * GIB), found[0].name, "torch"
     else:
         import os
@@ -114,7 +134,7 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     targets = tuple(t for t in args.lora_target_modules.split(",") if t)
     full, config, non_embedding = load_shapes(args.model_name_or_path, args.config_name)
     lora, _, _ = load_shapes(args.model_name_or_path, args.config_name, args.lora_r, targets)
-    machine = detect_machine(args.num_gpus, args.gpu_memory_gb, args.gpu_name)
+    machine = detect_machine(args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu)
     fpt = metrics.flops_per_token(config, non_embedding, args.block_size)
     out = []
     for shapes, is_lora in ((full, False), (lora, True)):
@@ -227,6 +247,51 @@ def recommend(model_name_or_path: str | None, config_name: str | None, block_siz
     return Recommendation(rec.strategy, config, n, rec.micro_batch, full.gradient_accumulation_steps)
 
 
+def runners_up(result: PlanResult, lora: bool, limit: int = 3) -> list[tuple[Row, int]]:
+    """The best fitting setting of each other strategy (bf16 and no checkpointing first, largest micro-batch),
+    with its accumulation steps, in the planner's order of preference."""
+    rec, n = result.recommended, max(1, result.machine.num_gpus)
+    share = result.global_batch_size // n
+    out = []
+    for strategy in memory_plan.PREFERENCE:
+        if rec is not None and strategy == rec.strategy:
+            continue
+        for precision, ckpt in (("bf16", False), ("bf16", True), ("fp32", False), ("fp32", True)):
+            row = next((r for m in reversed(memory_plan.divisors(share)) if (r := memory_plan.row_for(
+                result.shapes, result.machine, strategy, precision, ckpt, lora, m, result.block_size)).fits), None)
+            if row is not None:
+                out.append((row, share // row.micro_batch))
+                break
+        if len(out) == limit:
+            break
+    return out
+
+
+def compact(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
+    """The answer in a few lines: the recommendation, memory per GPU, and the runners-up."""
+    chosen = lora if args.finetune == "lora" else full
+    m = chosen.machine
+    lines = [f"model: {full.shapes.num_params / 1e6:.1f}M parameters ({full.shapes.num_layers} layers, hidden "
+             f"{full.shapes.hidden_size}); {'LoRA r=' + str(args.lora_r) if args.finetune == 'lora' else 'full fine-tuning'}; "
+             f"block {chosen.block_size}, global batch {chosen.global_batch_size}",
+             f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source})"]
+    if chosen.recommended is None:
+        if not m.gpu_memory_bytes:
+            lines.append("no GPU here and none given: plan for one with --gpu NAME (e.g. h100, mi300x) or "
+                         "--gpu_memory_gb N, and --num_gpus N")
+        else:
+            lines += recommendation(chosen)
+        return "\n".join(lines) + "\n"
+    lines += recommendation(chosen)
+    others = runners_up(chosen, args.finetune == "lora")
+    if others:
+        lines.append("runners-up (micro-batch × accumulation, memory per GPU):")
+        lines += [f"  {r.strategy:<14} {r.precision:<5} ckpt {'on ' if r.activation_checkpointing else 'off'}  "
+                  f"{r.micro_batch} × {acc}  {gib(r.total)} GiB" for r, acc in others]
+    lines.append("every strategy and precision: add --table; as JSON: --json")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -241,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         print(json.dumps(to_json(full, lora), indent=2))
-    else:
+    elif args.table:
         sys.stdout.write(render(args, full, lora))
+    else:
+        sys.stdout.write(compact(args, full, lora))
     return 0
 
 

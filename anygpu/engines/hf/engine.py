@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from anygpu import errors
 from anygpu.checkpoint import export, resume_guard
-from anygpu.config.args import FREE, DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
+from anygpu.config.args import DataArguments, HFEngineArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.config.batch import BatchPlan
 from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.engines.hf.gpu_count import check_processes_per_node
@@ -31,18 +30,6 @@ if TYPE_CHECKING:
     from anygpu.data.prepare import Prepared
 
 logger = logging.getLogger("anygpu")
-
-
-@dataclass
-class HFEngineArguments:
-    """Options of the HF engine only (the FSDP2 engine has no strategy to choose)."""
-
-    allow_strategy_fallback: bool = field(
-        default=False,
-        metadata={"resume": FREE, "help": "When the accelerate config asks for a strategy this machine cannot run (FSDP on a CPU-only "
-                          "host), train with the one accelerate falls back to (DDP) instead of stopping; the banner "
-                          "reports the fallback."},
-    )
 
 
 def training_arguments(train_args: TrainArguments, plan: hf_strategy.Plan):
