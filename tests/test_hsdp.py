@@ -12,7 +12,8 @@ from test_plan import run_plan
 
 from anygpu.engines.fsdp import main as fsdp_main
 from anygpu.engines.hf.engine import main as hf_main
-from anygpu.planning import memory_plan
+from anygpu.config.batch import plan_batch
+from anygpu.planning import auto_batch, memory_plan
 from anygpu.runtime.mesh import MeshShape, resolve
 from anygpu.tools import plan as plan_tool
 
@@ -77,3 +78,18 @@ def test_plan_divides_hsdp_states_by_the_shard_group():
     assert one["hsdp"] is None and all(r["strategy"] != "hsdp" for r in one["rows"])
     bad = run_plan("--config_name", "tiny", "--num_gpus", "16", "--dp_shard", "3")
     assert bad.returncode == 2 and "--dp_shard 3 does not divide --num_gpus 16: use one of 1, 2, 4, 8, 16" in bad.stderr
+
+
+def test_auto_micro_batch_counts_the_states_over_the_shard_group():
+    """--per_device_train_batch_size auto under HSDP 2 × 2 budgets the states of 2 shards, not 4."""
+    import torch
+
+    shapes, _, _ = plan_tool.load_shapes(None, "default")
+    cost = {}
+    for shard_size in (None, 2):
+        _, probe = auto_batch.resolve(plan_batch(16, 4), shapes, "fsdp2", "fp32", 64, False, 8.0, torch.device("cpu"),
+                                      shard_size=shard_size)
+        cost[shard_size] = dict((m, b) for m, b, _ in probe.tried)[4]  # the largest candidate, tried first
+    states_on = {n: sum(memory_plan.model_state_bytes(shapes, "fsdp2", "fp32", n)[0].values()) for n in (2, 4)}
+    assert cost[2] - cost[None] == states_on[2] - states_on[4] + (
+        memory_plan.transient_bytes(shapes, "fsdp2", "fp32", 2) - memory_plan.transient_bytes(shapes, "fsdp2", "fp32", 4))

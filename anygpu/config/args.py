@@ -215,7 +215,8 @@ class TrainArguments:
         default=None,
         metadata={"help": "FSDP2 engine, HSDP: replica groups R of the 2-D device mesh (R × --dp_shard = world size); "
                           "each group holds a full copy of the sharded model and gradients are averaged across groups. "
-                          "Default: the number of nodes (1 on one node: plain FSDP2 over every rank)."},
+                          "Default: world size / --dp_shard when that is given, else the number of nodes (1 on one node: plain "
+                          "FSDP2 over every rank)."},
     )
     dp_shard: int | None = field(
         default=None,
