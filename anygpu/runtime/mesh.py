@@ -35,6 +35,8 @@ class MeshShape:
             return head + "one process, nothing to shard"
         if not self.is_hsdp:
             return head + f"FSDP2, parameters, gradients and optimizer state sharded over all {self.dp_shard} ranks"
+        if self.dp_shard == 1:
+            return head + f"HSDP, {self.dp_replicate} whole replicas (nothing sharded), gradients averaged across them"
         return (head + f"HSDP, state sharded over the {self.dp_shard} ranks of each of {self.dp_replicate} replica "
                 f"groups, gradients averaged across the groups")
 
