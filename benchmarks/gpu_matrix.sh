@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's GPU table on this machine: native FSDP2 engine (bf16; torch.compile off/on; activation
-# checkpointing off/on) and the HF engine (DDP, FSDP2, DeepSpeed ZeRO-3), each a short run on every GPU,
+# checkpointing off/on; HSDP, two replica groups as if this node were two) and the HF engine (DDP, FSDP2, DeepSpeed ZeRO-3), each a short run on every GPU,
 # summarised as one Markdown table of tokens/s, tokens/s/GPU, MFU and peak memory.
 #
 #   bash benchmarks/gpu_matrix.sh                 # all GPUs torch sees; table in $OUT/gpu_matrix.md
@@ -29,6 +29,14 @@ COMMON="--config_name $PRESET --max_corpus_mb $CORPUS_MB --bf16 true --block_siz
 --report_to none --disable_tqdm true"
 TORCHRUN="$BIN/torchrun --standalone --nproc-per-node ${NGPU/#0/1}"
 ACCEL="$BIN/accelerate launch --num_processes ${NGPU/#0/1}"
+# HSDP on one node: 2 replica groups of NGPU/2 (an odd count: NGPU replicas of 1), what two nodes would get by
+# default; its peak memory shows the state over the shard group. One GPU has nothing to replicate: skipped.
+if [ "$NGPU" -ge 2 ]; then
+  HSDP_R=$(( NGPU % 2 == 0 ? 2 : NGPU ))
+  HSDP="native bf16 + HSDP $HSDP_R x $(( NGPU / HSDP_R ))|$TORCHRUN run_fsdp_standalone.py $COMMON --dp_replicate $HSDP_R"
+else
+  HSDP="native bf16 + HSDP|SKIP HSDP needs at least 2 GPUs (world size ${NGPU/#0/1}): nothing to replicate"
+fi
 
 # name | command (each writes $OUT/<name>/metrics.jsonl)
 RUNS=(
@@ -36,6 +44,7 @@ RUNS=(
   "native bf16 + activation checkpointing|$TORCHRUN run_fsdp_standalone.py $COMMON --gradient_checkpointing true"
   "native bf16 + torch.compile|$TORCHRUN run_fsdp_standalone.py $COMMON --torch_compile true"
   "native bf16 + torch.compile + activation checkpointing|$TORCHRUN run_fsdp_standalone.py $COMMON --torch_compile true --gradient_checkpointing true"
+  "$HSDP"
   "HF engine, DDP|$ACCEL --config_file accelerate_configs/ddp.yaml run_hf_standalone.py $COMMON"
   "HF engine, FSDP2|$ACCEL --config_file accelerate_configs/fsdp.yaml run_hf_standalone.py $COMMON"
   "HF engine, DeepSpeed ZeRO-3|$ACCEL --config_file accelerate_configs/deepspeed_zero3.yaml run_hf_standalone.py $COMMON"
@@ -47,6 +56,7 @@ if [ "$NGPU" = "0" ] || [ "$DRY_RUN" = "1" ]; then
   [ "$NGPU" = "0" ] && echo "no GPU visible to torch: nothing run. On a GPU machine this runs:"
   for run in "${RUNS[@]}"; do
     echo "  # ${run%%|*}"
+    if [[ ${run#*|} == SKIP* ]]; then echo "  # skipped: ${run#*|SKIP }"; continue; fi
     echo "  ${run#*|} --output_dir $OUT/$(slug "${run%%|*}")"
   done
   echo "and writes $OUT/gpu_matrix.md"
@@ -56,8 +66,9 @@ fi
 mkdir -p "$OUT"
 for run in "${RUNS[@]}"; do
   name=${run%%|*}; dir=$OUT/$(slug "$name")
-  rm -rf "$dir"
+  rm -rf "$dir" "$dir.skipped"
   echo "== $name" >&2
+  if [[ ${run#*|} == SKIP* ]]; then echo "   skipped: ${run#*|SKIP }" >&2; echo "${run#*|SKIP }" >"$dir.skipped"; continue; fi
   # a failed configuration is a row that says so, not the end of the matrix
   ${run#*|} --output_dir "$dir" >"$dir.log" 2>&1 || echo "   failed: see $dir.log" >&2
 done
@@ -78,6 +89,10 @@ lines = [f"{ngpu} x {gpu}, preset {preset}, block {block}, global batch {gbs}, b
 for run in runs:
     name = run.split("|", 1)[0]
     path = out / slug(name) / "metrics.jsonl"
+    skipped = out / (slug(name) + ".skipped")
+    if skipped.exists():
+        lines.append(f"| {name} | skipped: {skipped.read_text().strip()} | | | |")
+        continue
     recs = [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
     recs = [r for r in recs if "tokens_per_second" in r][1:]  # the first window holds compilation and warm-up
     if not recs:

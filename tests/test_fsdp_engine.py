@@ -1,5 +1,5 @@
-"""The native FSDP2 engine: same loss on any number of ranks, exact elastic resume,
-real sharding, a final export that Hugging Face loads, a dead rank ends the job. (SIGTERM's checkpoint and its
+"""The native FSDP2 engine: same loss on any number of ranks and mesh (FSDP2 or HSDP), exact elastic resume
+(also onto another mesh), torch.compile as eager, real sharding, a final export that Hugging Face loads, a dead rank ends the job. (SIGTERM's checkpoint and its
 resume with a changed --max_steps: test_faults.py; the plain-python run and --save_total_limit: test_trackers.py,
 on runs those files make anyway.)"""
 import json
@@ -23,8 +23,12 @@ TEN = [*TINY, "--max_steps", "10"]
 EVAL24 = ["--max_eval_samples", "24"]  # the evaluation set the export round trip recomputes
 
 
-def two_rank_state_at_step_5(run_dir: Path, dest: Path) -> None:
-    """The 2-rank run as it stood after step 5: checkpoint-5, metrics up to step 5 (what --stop_at_step 5 leaves)."""
+# The 4-rank reference runs as HSDP: 2 replica groups × 2 shards.
+HSDP_2X2 = ["--dp_replicate", "2", "--dp_shard", "2"]
+
+
+def state_at_step_5(run_dir: Path, dest: Path) -> None:
+    """A run as it stood after step 5: checkpoint-5, metrics up to step 5 (what --stop_at_step 5 leaves)."""
     shutil.copytree(run_dir, dest, dirs_exist_ok=True, ignore=lambda d, names: [n for n in names if n in ("checkpoint-10", "final")])
     metrics = dest / "metrics.jsonl"
     metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= 5))
@@ -32,27 +36,31 @@ def two_rank_state_at_step_5(run_dir: Path, dest: Path) -> None:
 
 def fsdp_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """10 steps of the tiny preset on 1, 2 and 4 ranks, the runs that start from them, and the engine-parity runs
-    (test_hf_parity.py), in three launches (once per session): 1 rank: `ws1`, `parity1`; 2 ranks: `ws2` (saving
-    checkpoint-5, exporting final/ after its last evaluation), `finetune` (1 step from that export), `bf16` (4
-    steps), `parity2`; 4 ranks: `ws4`, and `elastic`: ws2's checkpoint-5 resumed on 4 ranks."""
+    (test_hf_parity.py), in three launches (once per session): 1 rank: `ws1`, `parity1`; 4 ranks: `ws4` as HSDP
+    2 × 2 (saving checkpoint-5); 2 ranks: `ws2` (exporting final/ after its last evaluation), `finetune` (1 step
+    from that export), `bf16` (4 steps), `parity2`, `elastic` (ws4's checkpoint-5 resumed on 2 ranks as 1 × 2:
+    another world size and mesh), `compile` (--torch_compile on HSDP 2 × 1, 4 of the 10 steps)."""
     def launch(root: Path) -> dict[str, str]:
-        d = {name: root / name for name in ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic", "parity1", "parity2")}
+        names = ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic", "compile", "parity1", "parity2")
+        d = {name: root / name for name in names}
         out = {}
         out["ws1"], out["parity1"] = fsdp_runs(1, [[*TEN, *EVAL24, "--output_dir", str(d["ws1"]), "--export_final", "false"],
                                                    [*parity_args(1), "--output_dir", str(d["parity1"])]])
-        out["ws2"], out["finetune"], out["bf16"], out["parity2"] = fsdp_runs(2, [
+        out["ws4"], = fsdp_runs(4, [[*TEN, *EVAL24, "--output_dir", str(d["ws4"]), *HSDP_2X2, "--save_steps", "5",
+                                     "--export_final", "false"]])
+        state_at_step_5(d["ws4"], d["elastic"])
+        assert (d["elastic"] / "checkpoint-5" / "trainer_state.json").exists() and not (d["elastic"] / "final").exists()
+        assert sorted(losses(d["elastic"])) == list(range(1, 6))
+        out["ws2"], out["finetune"], out["bf16"], out["parity2"], out["elastic"], out["compile"] = fsdp_runs(2, [
             [*TEN, *EVAL24, "--output_dir", str(d["ws2"]), "--save_steps", "5"],
             [*TINY, "--model_name_or_path", str(d["ws2"] / "final"), "--max_steps", "1", "--eval_on_start", "true",
              "--output_dir", str(d["finetune"]), *EVAL24, "--export_final", "false"],
             [*TINY, "--max_steps", "4", "--bf16", "true", "--output_dir", str(d["bf16"]), "--export_final", "false"],
-            [*parity_args(2), "--output_dir", str(d["parity2"])]])
-        two_rank_state_at_step_5(d["ws2"], d["elastic"])
-        assert (d["elastic"] / "checkpoint-5" / "trainer_state.json").exists() and not (d["elastic"] / "final").exists()
-        assert sorted(losses(d["elastic"])) == list(range(1, 6))
-        out["ws4"], out["elastic"] = fsdp_runs(4, [
-            [*TEN, *EVAL24, "--output_dir", str(d["ws4"]), "--export_final", "false"],
+            [*parity_args(2), "--output_dir", str(d["parity2"])],
             [*TEN, *EVAL24, "--output_dir", str(d["elastic"]), "--save_steps", "5", "--resume_from_checkpoint", "latest",
-             "--export_final", "false"]])
+             "--export_final", "false"],
+            # --stop_at_step 4 keeps the schedule of 10 steps and skips the final evaluation's no-grad recompile
+            [*TEN, "--stop_at_step", "4", "--dp_replicate", "2", "--torch_compile", "true", "--output_dir", str(d["compile"])]])
         return out
     return shared_runs(tmp_path_factory, "fsdp", launch)
 
@@ -60,7 +68,7 @@ def fsdp_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root, stdout = fsdp_reference(tmp_path_factory)
-    names = ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic")
+    names = ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic", "compile")
     return {"dirs": {name: root / name for name in names}, "stdout": stdout}
 
 
@@ -74,18 +82,35 @@ def baseline(baseline_dirs) -> dict[int, dict[int, float]]:
     return {n: losses(d) for n, d in baseline_dirs.items()}
 
 
-def test_world_size_invariance(baseline):
+def test_world_size_invariance(baseline, runs):
+    """1 rank, 2 ranks (FSDP2, 1 × 2) and 4 ranks as HSDP 2 × 2: the same losses (the data is split over all 4)."""
     assert sorted(baseline[1]) == list(range(1, 11))
     assert baseline[1][10] < baseline[1][1]  # it trains
     for n in (2, 4):
         assert_close(baseline[1], baseline[n], rel=1e-5)
+    assert "mesh 1 × 2 (dp_replicate × dp_shard): FSDP2" in runs["stdout"]["ws2"]
+    ws4 = runs["stdout"]["ws4"]
+    assert "mesh 2 × 2 (dp_replicate × dp_shard): HSDP, state sharded over the 2 ranks of each of 2" in ws4
+    assert "global batch 8 = 2 per device × 4 devices × 1 accumulation step" in ws4
 
 
-def test_elastic_resume_2_to_4_ranks(baseline, runs):
-    assert "resumed from" in runs["stdout"]["elastic"] and "was 2 ranks, now 4" in runs["stdout"]["elastic"]
+def test_elastic_resume_onto_another_world_size_and_mesh(baseline, runs):
+    """checkpoint-5 of the 4-rank HSDP 2 × 2 run resumed on 2 ranks as plain FSDP2 (1 × 2): DCP reshards, the
+    manifest and the resume guard accept it, and steps 6-10 match the 4-rank run's own."""
+    state = json.loads((runs["dirs"]["ws4"] / "checkpoint-5" / "trainer_state.json").read_text())
+    assert (state["world_size"], state["dp_replicate"], state["dp_shard"]) == (4, 2, 2)
+    out = runs["stdout"]["elastic"]
+    assert "resumed from" in out and "was 4 ranks, now 2; mesh was 2 × 2, now 1 × 2" in out
     resumed = losses(runs["dirs"]["elastic"])
     assert sorted(resumed) == list(range(1, 11))  # steps 1-5 kept, 6-10 appended once
-    assert_close(baseline[2], resumed, rel=1e-5, steps=range(6, 11))
+    assert_close(baseline[4], resumed, rel=1e-5, steps=range(6, 11))
+
+
+def test_torch_compile_with_hsdp_matches_eager(baseline, runs):
+    """--torch_compile (inductor, built with the C++ compiler here) on HSDP 2 × 1: steps 1-4 within 1e-4 of the
+    eager 1-rank run (same schedule: --max_steps 10, stopped at 4)."""
+    assert "mesh 2 × 1 (dp_replicate × dp_shard): HSDP" in runs["stdout"]["compile"]
+    assert_close(baseline[1], losses(runs["dirs"]["compile"]), rel=1e-4, steps=range(1, 5))
 
 
 def test_sharding_halves_per_rank_state():

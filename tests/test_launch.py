@@ -531,6 +531,9 @@ def test_sbatch_example_starts_one_launcher_per_node(tmp_path):
     assert {r.opt("--rdzv-endpoint") for r in runs} == {"node07:" + runs[0].opt("--rdzv-endpoint").split(":")[1]}
     assert {r.opt("--rdzv-id") for r in runs} == {"99"}
     assert sorted(r.opt("--rdzv-conf") for r in runs) == ["is_host=false", "is_host=false", "is_host=true"]
+    # each node's launcher passes its own GPU count: torchrun's LOCAL_WORLD_SIZE, the FSDP2 engine's default
+    # HSDP shard group (shard within a node, replicate across the 3 nodes)
+    assert [(r.opt("--nnodes"), r.nproc) for r in runs] == [("3", 8)] * 3
 
 
 # ------------------------------------------------------------------------- real CPU runs
@@ -597,6 +600,8 @@ def test_two_nodes_on_one_machine_match_one_node(engine, tmp_path, tmp_path_fact
     assert [n.returncode for n in nodes] == [0, 0], "\n\n".join(log[-3000:] for log in logs)
     assert one.returncode == 0, one.stderr[-4000:]
     assert "node 1 of 2" in logs[1] and ("is_host=false" if engine == "fsdp" else "--machine_rank 1") in logs[1]
+    if engine == "fsdp":  # the default mesh: one replica group per node (its one process), replicated across the two
+        assert "mesh 2 × 1 (dp_replicate × dp_shard): HSDP" in logs[0], logs[0][-3000:]
     two, ref = _losses(tmp_path / "two"), _losses(ref_dir)
     worlds = [{json.loads(ln)["world_size"] for ln in (d / "metrics.jsonl").read_text().splitlines()
                if '"loss"' in ln} for d in (tmp_path / "two", ref_dir)]

@@ -44,7 +44,7 @@ def moe_config(tmp_path_factory):
 def measured(lora_base, moe_config, tmp_path_factory):
     """Per-rank bytes of parameters, gradients and optimizer state of real FSDP2 runs: the tiny and default
     presets and a tiny MoE (fp32, full), and LoRA over the base in fp32 and bf16, all in one launch per world
-    size (plain python for one rank)."""
+    size (plain python for one rank); on 2 ranks also tiny as HSDP 2 × 1 (two replicas, nothing sharded)."""
     out = {}
     args = [a for a in TINY if a not in ("--config_name", "tiny")]
     lora = [*args, "--model_name_or_path", str(lora_base[0]), "--use_peft", "true", "--lora_r", "4",
@@ -53,6 +53,8 @@ def measured(lora_base, moe_config, tmp_path_factory):
         groups = [f"tiny,default,{moe_config}", *args, "--output_dir", str(tmp_path_factory.mktemp(f"states{nproc}")), ":::",
                   "pretrained", *lora, "--output_dir", str(tmp_path_factory.mktemp(f"lora-states{nproc}")), ":::",
                   "pretrained", *lora, "--bf16", "true", "--output_dir", str(tmp_path_factory.mktemp(f"lora-bf16-{nproc}"))]
+        if nproc == 2:
+            groups += [":::", "tiny:hsdp", *args, "--dp_replicate", "2", "--output_dir", str(tmp_path_factory.mktemp("hsdp"))]
         proc = (python("tests/scripts/state_bytes.py", groups) if nproc == 1
                 else torchrun(nproc, "tests/scripts/state_bytes.py", groups))
         for line in proc.stdout.splitlines():
@@ -73,6 +75,17 @@ def test_planned_model_states_equal_the_sharded_tensors(measured, preset, nproc)
         assert cpu == 0
         for key in STATES:
             assert abs(planned[key] - real[key]) <= 0.01 * real[key], (preset, nproc, rank, key, planned, real)
+
+
+@pytest.mark.slow
+def test_planned_hsdp_states_are_divided_by_the_shard_group(measured):
+    """HSDP 2 × 1 on 2 ranks: each rank holds a whole replica (S = 1), as the plan's hsdp rows count, not half."""
+    shapes, _, _ = plan_tool.load_shapes(None, "tiny")
+    for real in measured["tiny:hsdp", 2]:
+        planned, _ = memory_plan.model_state_bytes(shapes, "hsdp", "fp32", 1)
+        for key in STATES:
+            assert abs(planned[key] - real[key]) <= 0.01 * real[key], (key, planned, real)
+        assert real["parameters"] > 1.9 * measured["tiny", 2][0]["parameters"]
 
 
 @pytest.mark.slow

@@ -174,6 +174,11 @@ def test_gpu_matrix_without_a_gpu_prints_its_plan_and_exits_0():
                  "accelerate_configs/ddp.yaml", "accelerate_configs/fsdp.yaml", "accelerate_configs/deepspeed_zero3.yaml"):
         assert what in proc.stdout, what
     assert proc.stdout.count("--bf16 true") == 7
+    assert "skipped: HSDP needs at least 2 GPUs (world size 1)" in proc.stdout
+    # on a multi-GPU node the HSDP row runs two replica groups (what two nodes would get by default)
+    four = subprocess.run(["bash", "benchmarks/gpu_matrix.sh"], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "PYTHON": sys.executable, "NGPU": "4", "DRY_RUN": "1"})
+    assert four.returncode == 0 and "# native bf16 + HSDP 2 x 2" in four.stdout and "--dp_replicate 2 --output_dir" in four.stdout
 
 
 def test_cpu_adamw_is_the_fused_kernel_with_the_loops_updates():

@@ -223,6 +223,19 @@ class TrainArguments:
     )
     gradient_checkpointing: bool = field(default=False, metadata={"resume": FREE, "help": "Recompute activations in the backward pass to save memory."})
     torch_compile: bool = field(default=False, metadata={"resume": FREE, "help": "torch.compile each decoder layer."})
+    dp_replicate: int | None = field(
+        default=None,
+        metadata={"resume": FREE, "help": "FSDP2 engine, HSDP: replica groups R of the 2-D device mesh (R × --dp_shard = world size); "
+                          "each group holds a full copy of the sharded model and gradients are averaged across groups. "
+                          "Default: world size / --dp_shard when that is given, else the number of nodes (1 on one node: plain "
+                          "FSDP2 over every rank)."},
+    )
+    dp_shard: int | None = field(
+        default=None,
+        metadata={"resume": FREE, "help": "FSDP2 engine, HSDP: ranks S each replica group shards the model over (R × S = world size). "
+                          "Default: the processes per node (LOCAL_WORLD_SIZE), or the world size when only "
+                          "--dp_replicate is given. The global batch and the losses do not depend on R and S."},
+    )
     logging_steps: int = field(default=10, metadata={"resume": FREE, "help": "Log loss, tokens/s and memory every N steps."})
     eval_steps: int = field(default=100, metadata={"resume": FREE, "help": "Evaluate every N steps and at the end (0: only at the end)."})
     eval_on_start: bool = field(default=True, metadata={"resume": FREE, "help": "Evaluate once before the first step (the baseline of the eval curve)."})

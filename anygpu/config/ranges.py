@@ -67,6 +67,8 @@ RANGES: dict[str, Range] = {
     "stop_at_step": Range(1, example="1000 (or leave it out)"),
     "save_total_limit": Range(1, example="2 (or leave it out to keep all)"),
     "ddp_timeout": Range(1, example="1800"),
+    "dp_replicate": Range(1, example="2 (or leave it out: one per node)"),
+    "dp_shard": Range(1, example="8 (or leave it out: the processes per node)"),
 }
 
 

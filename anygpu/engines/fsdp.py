@@ -29,7 +29,7 @@ from anygpu.model import dropout, lora, modeling, moe
 from anygpu.planning import auto_batch
 from anygpu.reliability import run_guard
 from anygpu.reliability.preempt import Preemption
-from anygpu.runtime import distributed, hardware, parallel
+from anygpu.runtime import distributed, hardware, mesh, parallel
 from anygpu.runtime.faults import test_fault
 from anygpu.runtime.progress import protected
 from anygpu.train import metrics, optim, trackers
@@ -37,16 +37,21 @@ from anygpu.train import metrics, optim, trackers
 logger = logging.getLogger("anygpu")
 
 
+def mesh_shape(train_args: TrainArguments, world_size: int) -> mesh.MeshShape:
+    """R × S from --dp_replicate/--dp_shard, else one replica group per node (refused when they do not fit)."""
+    return mesh.resolve(train_args.dp_replicate, train_args.dp_shard, world_size, mesh.local_world_size_from_env())
+
+
 def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
-    """Meta model → AC / compile / FSDP2 → materialised on the device → initial or pretrained weights."""
+    """Meta model → AC / compile / FSDP2 or HSDP → materialised on the device → initial or pretrained weights."""
     model = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args)  # adapter before sharding
     if lora.is_peft(model) and train_args.bf16:
         lora.hold_frozen_in(model, torch.bfloat16)  # as the memory plan counts it: 2 bytes per frozen parameter
     modeling.check_loss_kwargs(model)
     dropout.install(model, train_args.seed)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    parallel.shard_model(model, info.device, info.world_size, train_args.bf16, train_args.gradient_checkpointing,
-                         train_args.torch_compile)
+    parallel.shard_model(model, info.device, mesh_shape(train_args, info.world_size), train_args.bf16,
+                         train_args.gradient_checkpointing, train_args.torch_compile)
     model.to_empty(device=info.device)
     if not parallel.is_sharded(model):
         model.tie_weights()  # to_empty gives a plain module's tied parameters separate storage
@@ -118,8 +123,10 @@ def clip_gradients(model, max_norm: float) -> torch.Tensor:
     return optim.clip_grad_norm(model.parameters(), max_norm)
 
 
-def banner(prep: Prepared, model, train_args: TrainArguments, tf32: bool) -> str:
-    return "\n".join(["anygpu FSDP2 engine", *summary_lines(prep, model, train_args, tf32)])
+def banner(prep: Prepared, model, train_args: TrainArguments, tf32: bool, shape: mesh.MeshShape) -> str:
+    built = parallel.mesh_of(model)  # what the parameters really live on, not what was asked for
+    return "\n".join(["anygpu FSDP2 engine", *summary_lines(prep, model, train_args, tf32),
+                      (built or shape).banner(sharded=built is not None)])
 
 
 class FSDPTrainer:
@@ -128,6 +135,7 @@ class FSDPTrainer:
     def __init__(self, model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
         train_args.report_to = trackers.resolve(train_args.report_to)  # refuse bad input first
         checked = check_run(model_args, data_args, train_args, distributed.world_size_from_env())
+        self.mesh_shape = mesh_shape(train_args, distributed.world_size_from_env())  # a bad R × S: refused here
         run_guard.claim_output_dir(train_args, errors.rank())  # lock, repairs, used output_dir, rewinds
         self.args, self.model_args = train_args, model_args
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
@@ -150,7 +158,8 @@ class FSDPTrainer:
         self.model = build_model(prep, model_args, train_args, info)
         self.auto_probe = None
         if train_args.auto_micro_batch:  # the largest micro-batch that fits on every rank; G unchanged
-            self.auto_probe = auto_batch.apply(prep, model_args, train_args, info.device, "fsdp2", self.model)
+            self.auto_probe = auto_batch.apply(prep, model_args, train_args, info.device, "fsdp2", self.model,
+                                               shard_size=self.mesh_shape.dp_shard)
             print(f"rank {info.rank}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
         self.scheduler = optim.build_scheduler(self.optimizer, train_args, prep.total_steps)
@@ -167,11 +176,14 @@ class FSDPTrainer:
         self.batches: Iterator[StepBatches] | None = None  # train()'s iterator over the step loader
         self.preemption: Preemption | None = None  # train()'s SIGTERM handler
         if info.is_main:
-            print(banner(prep, self.model, train_args, tf32), flush=True)
+            print(banner(prep, self.model, train_args, tf32, self.mesh_shape), flush=True)
             if self.auto_probe is not None:
                 print(self.auto_probe.line(), flush=True)
             if resume is not None:
-                print(f"resumed from {resume} at step {self.start_step} (was {self.resumed_world_size} ranks, now {info.world_size})", flush=True)
+                was, now = self.resumed_mesh, self.mesh_shape
+                print(f"resumed from {resume} at step {self.start_step} (was {self.resumed_world_size} ranks, now "
+                      f"{info.world_size}; mesh was {was.dp_replicate} × {was.dp_shard}, now {now.dp_replicate} × "
+                      f"{now.dp_shard})", flush=True)
                 if line := resume_guard.banner_line(changed):
                     print(line, flush=True)
             out = Path(train_args.output_dir)
@@ -187,6 +199,8 @@ class FSDPTrainer:
                 f"resuming with {G} would change the data order: pass --global_batch_size {state['global_batch_size']}."
             )
         self.resumed_world_size = state["world_size"]
+        # checkpoints written before HSDP have no mesh: it was 1 × W
+        self.resumed_mesh = mesh.MeshShape(state.get("dp_replicate", 1), state.get("dp_shard", state["world_size"]))
         return state["global_step"]
 
     def _async_saver(self) -> async_store.AsyncCheckpointer | None:
@@ -200,7 +214,7 @@ class FSDPTrainer:
         """Checkpoint `step`; `background`: return once staged (periodic saves), else when complete."""
         prep = self.prep
         state = {"global_step": step, "global_batch_size": prep.plan.global_batch_size, "world_size": self.info.world_size,
-                 "seed": self.args.seed, "num_train_samples": prep.order.num_samples, "total_steps": prep.total_steps}
+                 "dp_replicate": self.mesh_shape.dp_replicate, "dp_shard": self.mesh_shape.dp_shard, "seed": self.args.seed, "num_train_samples": prep.order.num_samples, "total_steps": prep.total_steps}
         extra = {resume_guard.FINGERPRINT_FILE: self.fingerprint}
         if self.async_saver is not None:
             if background:

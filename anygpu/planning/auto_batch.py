@@ -112,21 +112,23 @@ def budget(max_memory_per_device_gb: float | None, device: torch.device) -> int:
 
 def resolve(plan: BatchPlan, shapes: memory_plan.Shapes, strategy: str, precision: str, block_size: int,
             checkpointing: bool, max_memory_per_device_gb: float | None, device: torch.device,
-            model: torch.nn.Module | None = None) -> tuple[BatchPlan, Probe]:
-    """The batch plan with the chosen micro-batch (G and W unchanged) and the probe's report."""
+            model: torch.nn.Module | None = None, shard_size: int | None = None) -> tuple[BatchPlan, Probe]:
+    """The batch plan with the chosen micro-batch (G and W unchanged) and the probe's report. `shard_size`: the
+    ranks the state is sharded over when fewer than W (HSDP's dp_shard)."""
     per_rank = plan.global_batch_size // plan.world_size
     limit = budget(max_memory_per_device_gb, device)
+    shards = shard_size or plan.world_size
     if model is not None and device.type == "cuda":
-        states = memory_plan.model_state_bytes(shapes, strategy, precision, plan.world_size)[0]
+        states = memory_plan.model_state_bytes(shapes, strategy, precision, shards)[0]
         cost, how = measured_cost(model, shapes.vocab_size, block_size, device, states["optimizer"]), "measured"
     else:
-        cost, how = estimate_cost(shapes, strategy, precision, plan.world_size, block_size, checkpointing), "estimated"
+        cost, how = estimate_cost(shapes, strategy, precision, shards, block_size, checkpointing), "estimated"
     probe = choose(per_rank, cost, limit, device, how)
     return plan_batch(plan.global_batch_size, plan.world_size, probe.micro_batch), probe
 
 
 def apply(prep, model_args, train_args, device: torch.device, strategy: str,
-          model: torch.nn.Module | None = None) -> Probe:
+          model: torch.nn.Module | None = None, shard_size: int | None = None) -> Probe:
     """Choose the micro-batch for a prepared run and put it into ``prep.plan``; return the probe."""
     from anygpu.model import lora, modeling
 
@@ -135,5 +137,6 @@ def apply(prep, model_args, train_args, device: torch.device, strategy: str,
     shapes = memory_plan.shapes_from_model(meta, prep.config)
     precision = "bf16" if (train_args.bf16 or train_args.fp16) else "fp32"
     prep.plan, probe = resolve(prep.plan, shapes, strategy, precision, prep.block_size,
-                               train_args.gradient_checkpointing, train_args.max_memory_per_device_gb, device, model)
+                               train_args.gradient_checkpointing, train_args.max_memory_per_device_gb, device, model,
+                               shard_size)
     return probe

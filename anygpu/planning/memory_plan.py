@@ -10,8 +10,9 @@ allocated) and what each strategy keeps where:
 
 divided by N where the strategy shards: FSDP2 splits each parameter on dim 0 (rank r holds rows
 [r·⌈d0/N⌉, (r+1)·⌈d0/N⌉)), exactly as `fully_shard` does; DeepSpeed partitions the flattened
-parameters evenly. CPU offload moves the sharded states to CPU RAM. LoRA: the frozen base keeps only
-its parameters (4 bytes in fp32, 2 in bf16: both engines hold it in bf16 under --bf16, see
+parameters evenly. HSDP (the FSDP2 engine's --dp_replicate R --dp_shard S) is FSDP2 within each
+replica group: N is S, not the world size R·S. CPU offload moves the sharded states to CPU RAM. LoRA: the frozen
+base keeps only its parameters (4 bytes in fp32, 2 in bf16: both engines hold it in bf16 under --bf16, see
 `lora.hold_frozen_in`), the adapters are trained like full parameters.
 
 Activations (an estimate) follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
@@ -37,6 +38,8 @@ ACCELERATE_CONFIG = {
 RESERVED_BYTES = 1 * 2**30
 SAFETY = 0.90  # plan to use at most 90% of a GPU's memory
 GIB = 2**30
+# The FSDP2 engine's HSDP: its rows exist only where the shard group is smaller than the job (make_plan's dp_shard).
+HSDP = "hsdp"
 
 
 @dataclass(frozen=True)
@@ -136,18 +139,20 @@ class Row:
 
 
 def model_state_bytes(shapes: Shapes, strategy: str, precision: str, world: int, rank: int = 0) -> tuple[dict[str, int], int]:
-    """(GPU bytes of parameters, gradients, optimizer on ``rank``; CPU bytes) for one strategy."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r} is unknown: use one of {', '.join(STRATEGIES)}")
+    """(GPU bytes of parameters, gradients, optimizer on ``rank``; CPU bytes) for one strategy. ``world``: the ranks
+    the state is sharded over (for HSDP the shard group S, ``rank`` the rank within it)."""
+    if strategy not in (*STRATEGIES, HSDP):
+        raise ValueError(f"strategy {strategy!r} is unknown: use one of {', '.join(STRATEGIES)}, {HSDP}")
     bf16 = precision == "bf16"
     zero = strategy.startswith("zero")
-    sharded_params = strategy.startswith(("fsdp2", "zero3"))
+    fsdp = strategy.startswith(("fsdp2", HSDP))  # HSDP is FSDP2 within a replica group
+    sharded_params = fsdp or strategy.startswith("zero3")
     sharded_grads = strategy != "ddp"
 
     def held(p: Param, shard: bool) -> int:
         if not shard:
             return p.numel
-        return _fsdp_rows(p.shape, world, rank) if strategy.startswith("fsdp2") else _even(p.numel, world)
+        return _fsdp_rows(p.shape, world, rank) if fsdp else _even(p.numel, world)
 
     frozen_bytes = 2 if bf16 else 4
     pbytes = 2 if (bf16 and zero) else 4  # DeepSpeed keeps bf16 weights; FSDP2/DDP keep fp32 masters
@@ -189,7 +194,7 @@ def transient_bytes(shapes: Shapes, strategy: str, precision: str, world: int) -
     """Unsharded working copies: gathered layers (FSDP2/ZeRO-3: this one and the prefetched next,
     plus their unsharded gradients before the reduce-scatter), autocast's bf16 weights (DDP)."""
     e = 2 if precision == "bf16" else 4
-    if strategy.startswith(("fsdp2", "zero3")) and (world > 1 or strategy.endswith("offload")):
+    if strategy.startswith(("fsdp2", "zero3", HSDP)) and (world > 1 or strategy.endswith("offload")):
         return 2 * shapes.layer_param_numel * (e + e)
     if strategy == "ddp" and precision == "bf16":
         return shapes.num_params * 2  # autocast's bf16 copies of the weights (ZeRO-2 keeps bf16 weights itself)
@@ -218,49 +223,64 @@ class PlanResult:
     mfu: float = 0.4
     flops_per_token: float = 0.0
     notes: list[str] = field(default_factory=list)
+    dp_shard: int | None = None  # HSDP's shard group, where it has rows
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def hsdp_command(num_gpus: int, dp_shard: int) -> str:
+    return f"run_fsdp_standalone.py --dp_replicate {num_gpus // dp_shard} --dp_shard {dp_shard}"
+
+
 def row_for(shapes: Shapes, machine: Machine, strategy: str, precision: str, checkpointing: bool, lora: bool,
-            micro_batch: int, block_size: int) -> Row:
+            micro_batch: int, block_size: int, dp_shard: int | None = None) -> Row:
+    """One strategy's per-GPU bytes; `dp_shard`: HSDP's shard group (the ranks its state is divided by)."""
     world = max(1, machine.num_gpus)  # no GPU detected: the plan of one process
-    states, cpu = model_state_bytes(shapes, strategy, precision, world)
+    shards = (dp_shard or world) if strategy == HSDP else world
+    states, cpu = model_state_bytes(shapes, strategy, precision, shards)
     acts = activation_bytes(shapes, micro_batch, block_size, precision, checkpointing)
     per_gpu = {**states, "activations": acts,
-               "transient": transient_bytes(shapes, strategy, precision, world),
+               "transient": transient_bytes(shapes, strategy, precision, shards),
                "reserved": RESERVED_BYTES if machine.gpu_memory_bytes else 0}
     budget = machine.gpu_memory_bytes * SAFETY
     fits = bool(machine.gpu_memory_bytes) and sum(per_gpu.values()) <= budget
-    return Row(strategy, precision, checkpointing, lora, micro_batch, per_gpu, cpu, fits, ACCELERATE_CONFIG[strategy])
+    how = hsdp_command(world, shards) if strategy == HSDP else ACCELERATE_CONFIG[strategy]
+    return Row(strategy, precision, checkpointing, lora, micro_batch, per_gpu, cpu, fits, how)
 
 
-# Fastest first: no sharding, then sharding without and with offload (ZeRO-2 before 3: fewer gathers).
-PREFERENCE = ("ddp", "fsdp2", "zero2", "zero3", "zero2_offload", "fsdp2_offload", "zero3_offload")
+# Fastest first: no sharding, then sharding without and with offload (ZeRO-2 before 3: fewer gathers). HSDP
+# (when asked for) before FSDP2: only its gradient all-reduce crosses the replica groups (nodes).
+PREFERENCE = ("ddp", HSDP, "fsdp2", "zero2", "zero3", "zero2_offload", "fsdp2_offload", "zero3_offload")
 
 
 def make_plan(shapes: Shapes, machine: Machine, block_size: int, global_batch_size: int, *, lora: bool = False,
               precisions: tuple[str, ...] = ("bf16", "fp32"), mfu: float = 0.4,
-              flops_per_token: float = 0.0) -> PlanResult:
+              flops_per_token: float = 0.0, dp_shard: int | None = None) -> PlanResult:
     """Every strategy × precision × checkpointing at micro-batch 1, and the recommendation: the
     fastest strategy that fits (bf16 first, without checkpointing first) at the largest micro-batch
-    dividing the per-GPU share of the global batch."""
+    dividing the per-GPU share of the global batch. `dp_shard` smaller than the GPUs adds HSDP's rows
+    (e.g. the GPUs of one node, replicated across nodes)."""
     n = max(1, machine.num_gpus)
     if global_batch_size % n:
         raise ValueError(f"--global_batch_size {global_batch_size} cannot be split over {n} GPUs: use a multiple of {n}")
-    result = PlanResult(shapes, machine, block_size, global_batch_size, mfu=mfu, flops_per_token=flops_per_token)
+    if dp_shard is not None and (dp_shard < 1 or n % dp_shard):
+        raise ValueError(f"--dp_shard {dp_shard} does not divide the {n} GPUs: use one of "
+                         f"{', '.join(map(str, divisors(n)))} (e.g. the GPUs of one node)")
+    strategies = (*STRATEGIES, HSDP) if dp_shard is not None and dp_shard < n else STRATEGIES
+    result = PlanResult(shapes, machine, block_size, global_batch_size, mfu=mfu, flops_per_token=flops_per_token,
+                        dp_shard=dp_shard)
     for precision in precisions:
-        for strategy in STRATEGIES:
+        for strategy in strategies:
             for ckpt in (False, True):
-                result.rows.append(row_for(shapes, machine, strategy, precision, ckpt, lora, 1, block_size))
+                result.rows.append(row_for(shapes, machine, strategy, precision, ckpt, lora, 1, block_size, dp_shard))
     share = global_batch_size // n
     for precision in precisions:
         for ckpt in (False, True):
-            for strategy in PREFERENCE:
+            for strategy in (s for s in PREFERENCE if s in strategies):
                 fitting = [r for m in reversed(divisors(share))
-                           if (r := row_for(shapes, machine, strategy, precision, ckpt, lora, m, block_size)).fits]
+                           if (r := row_for(shapes, machine, strategy, precision, ckpt, lora, m, block_size, dp_shard)).fits]
                 if fitting:
                     result.recommended = fitting[0]
                     result.gradient_accumulation_steps = share // fitting[0].micro_batch

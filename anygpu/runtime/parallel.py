@@ -1,5 +1,7 @@
 """FSDP2 for the native engine: activation checkpointing → compile → `fully_shard` per
 decoder layer → root (torchtitan's order: each wrap sees the module the previous one built).
+Over a 1-D mesh of all ranks (FSDP2), or a 2-D (dp_replicate, dp_shard) mesh (HSDP: `fully_shard`
+shards over the second dimension and replicates over the first; see `anygpu.runtime.mesh`).
 One fp32 process has nothing to shard: the model stays a plain module there (`needs_sharding`)."""
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from anygpu.runtime.blocks import decoder_layer_classes
+from anygpu.runtime.mesh import DIM_NAMES, MeshShape
 
 
 def needs_sharding(world_size: int, bf16: bool) -> bool:
@@ -21,17 +24,36 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def build_mesh(device: torch.device, shape: MeshShape):
+    """The DeviceMesh of `shape`: 1-D over all ranks without replication (plain FSDP2, as before HSDP existed),
+    else 2-D (dp_replicate, dp_shard) with consecutive ranks in a shard group (one node, by default)."""
+    if not shape.is_hsdp:
+        return init_device_mesh(device.type, (shape.dp_shard,), mesh_dim_names=DIM_NAMES[1:])
+    return init_device_mesh(device.type, (shape.dp_replicate, shape.dp_shard), mesh_dim_names=DIM_NAMES)
+
+
+def mesh_of(model: nn.Module) -> MeshShape | None:
+    """The mesh the model's parameters really live on (R × S), or None for a plain module."""
+    from torch.distributed.tensor import DTensor
+
+    p = next(model.parameters(), None)
+    if not isinstance(p, DTensor):
+        return None
+    sizes = p.device_mesh.shape
+    return MeshShape(sizes[0], sizes[1]) if len(sizes) == 2 else MeshShape(1, sizes[0])
+
+
 def shard_model(
     model: nn.Module,
     device: torch.device,
-    world_size: int,
+    mesh_shape: MeshShape,
     bf16: bool,
     gradient_checkpointing: bool,
     compile_blocks: bool,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Shard `model` (parameters still on meta) over all ranks; returns it wrapped in place (or plain, see
-    `needs_sharding`: the same losses, and DCP checkpoints load either way on any world size)."""
+    """Shard `model` (parameters still on meta) over `mesh_shape`; returns it wrapped in place (or plain, see
+    `needs_sharding`: the same losses, and DCP checkpoints load either way on any world size and mesh)."""
     layers = [m for m in model.modules() if isinstance(m, decoder_layer_classes(model))]
     if gradient_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's hooks and torch.compile.
@@ -39,13 +61,14 @@ def shard_model(
     if compile_blocks:
         for layer in layers:
             layer.compile()
+    world_size = mesh_shape.world_size
     if not needs_sharding(world_size, bf16):
         return model
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = build_mesh(device, mesh_shape)
     # bf16 compute and all-gathers, fp32 gradient reduction and master weights.
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    # With one rank, resharding frees nothing worth the re-gather in the backward.
-    reshard_after_forward = reshard_after_forward and world_size > 1
+    # With one rank per shard group, resharding frees nothing worth the re-gather in the backward.
+    reshard_after_forward = reshard_after_forward and mesh_shape.dp_shard > 1
     for i, layer in enumerate(layers):
         # The last layer's parameters are gathered again at once by the backward: keep them.
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)

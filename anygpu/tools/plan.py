@@ -2,6 +2,7 @@
 
     anygpu plan --config_name llama-1b --block_size 2048 --global_batch_size 64 --num_gpus 8 --gpu_memory_gb 80
     anygpu plan --model_name_or_path ./my-model --json
+    anygpu plan --config_name llama-8b --num_nodes 2 --num_gpus 16 --gpu_memory_gb 80   # + HSDP rows (2 × 8)
 
 The model is built on the meta device (nothing allocated). Model states are exact; activations are
 estimates (see anygpu/planning/memory_plan.py).
@@ -40,8 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global_batch_size", type=int, default=64, help="Sequences per optimizer step (default 64).")
     p.add_argument("--gpu", metavar="NAME", help=f"Plan for this GPU, not the one here: {', '.join(GPUS)} (memory "
                                                  "and peak FLOP/s from anygpu's table).")
-    p.add_argument("--num_gpus", type=int, help="GPUs in the job (default: the GPUs detected here; with --gpu and "
-                                                f"none here, {ASSUMED_GPUS}).")
+    p.add_argument("--num_gpus", type=int, help="GPUs in the job, all nodes together (default: the GPUs detected "
+                                                "here × --num_nodes; with --gpu and none here, " f"{ASSUMED_GPUS}).")
+    p.add_argument("--num_nodes", type=int, default=1,
+                   help="Nodes in the job (default 1). With more than one, the FSDP2 engine's default HSDP mesh "
+                        "(shard within a node, replicate across nodes) gets rows of its own: strategy hsdp.")
+    p.add_argument("--dp_shard", type=int,
+                   help="HSDP's shard group: the GPUs each replica group shards the model over, as the FSDP2 "
+                        "engine's --dp_shard (default: the GPUs per node, --num_gpus / --num_nodes). Smaller than "
+                        "--num_gpus: hsdp rows, whose states are divided by it, not by --num_gpus.")
     p.add_argument("--gpu_memory_gb", type=float, help="Memory per GPU in GiB (default: detected).")
     p.add_argument("--gpu_name", help="GPU model for the peak FLOP/s of the step time, e.g. H100 (default: detected).")
     p.add_argument("--per_device_train_batch_size", type=int, default=1,
@@ -67,6 +75,16 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--{name} {getattr(args, name)} must be a positive whole number, e.g. 1024 or 64"
     if args.num_gpus is not None and args.num_gpus < 1:
         return f"--num_gpus {args.num_gpus} must be at least 1, e.g. 8"
+    if args.num_nodes < 1:
+        return f"--num_nodes {args.num_nodes} must be at least 1, e.g. 2"
+    if args.num_gpus is not None and args.num_gpus % args.num_nodes:
+        return (f"--num_gpus {args.num_gpus} is not the same number of GPUs on each of --num_nodes {args.num_nodes}: "
+                f"give a multiple of {args.num_nodes}, e.g. {args.num_nodes * max(1, args.num_gpus // args.num_nodes)}")
+    if args.dp_shard is not None and args.dp_shard < 1:
+        return f"--dp_shard {args.dp_shard} must be at least 1, e.g. 8 (the GPUs of one node)"
+    if args.dp_shard is not None and args.num_gpus is not None and args.num_gpus % args.dp_shard:
+        divisors = ", ".join(str(d) for d in range(1, args.num_gpus + 1) if args.num_gpus % d == 0)
+        return f"--dp_shard {args.dp_shard} does not divide --num_gpus {args.num_gpus}: use one of {divisors} (e.g. the GPUs of one node)"
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
         return f"--gpu_memory_gb {args.gpu_memory_gb} must be positive, e.g. 80"
     if not 0 < args.mfu <= 1:
@@ -92,8 +110,8 @@ def load_shapes(model_name_or_path: str | None, config_name: str | None, lora_r:
 
 
 def detect_machine(num_gpus: int | None, gpu_memory_gb: float | None, gpu_name: str | None,
-                   gpu: str | None = None) -> Machine:
-    """The GPUs of this machine (torch, else the smi tools), overridden by what was given."""
+                   gpu: str | None = None, num_nodes: int = 1) -> Machine:
+    """The GPUs of this machine (torch, else the smi tools) × `num_nodes`, overridden by what was given."""
     from anygpu.runtime import hardware
 
     count, memory, name, source = 0, 0, "", "none detected"
@@ -120,7 +138,7 @@ def detect_machine(num_gpus: int | None, gpu_memory_gb: float | None, gpu_name: 
                 break
     if num_gpus is not None or gpu_memory_gb is not None:
         source = "given" if (num_gpus is not None and gpu_memory_gb is not None) else f"given + {source}"
-    count = num_gpus if num_gpus is not None else count
+    count = num_gpus if num_gpus is not None else count * num_nodes
     memory = int(gpu_memory_gb * GIB) if gpu_memory_gb is not None else memory
     name = gpu_name or name
     peak = hardware.peak_bf16_flops(name) if name else None
@@ -134,18 +152,26 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     targets = tuple(t for t in args.lora_target_modules.split(",") if t)
     full, config, non_embedding = load_shapes(args.model_name_or_path, args.config_name)
     lora, _, _ = load_shapes(args.model_name_or_path, args.config_name, args.lora_r, targets)
-    machine = detect_machine(args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu)
+    machine = detect_machine(args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes)
     fpt = metrics.flops_per_token(config, non_embedding, args.block_size)
+    dp_shard = dp_shard_of(args, machine)
     out = []
     for shapes, is_lora in ((full, False), (lora, True)):
         result = memory_plan.make_plan(shapes, machine, args.block_size, args.global_batch_size, lora=is_lora,
-                                       mfu=args.mfu, flops_per_token=fpt)
+                                       mfu=args.mfu, flops_per_token=fpt, dp_shard=dp_shard)
         if args.per_device_train_batch_size != 1:
             result.rows = [memory_plan.row_for(shapes, machine, r.strategy, r.precision, r.activation_checkpointing,
-                                               is_lora, args.per_device_train_batch_size, args.block_size)
+                                               is_lora, args.per_device_train_batch_size, args.block_size, dp_shard)
                            for r in result.rows]
         out.append(result)
     return out[0], out[1]
+
+
+def dp_shard_of(args: argparse.Namespace, machine: Machine) -> int | None:
+    """HSDP's shard group: --dp_shard, else the GPUs per node (as the FSDP2 engine's default mesh)."""
+    if args.dp_shard is not None:
+        return args.dp_shard
+    return machine.num_gpus // args.num_nodes if machine.num_gpus and args.num_nodes > 1 else None
 
 
 def gib(n: int) -> str:
@@ -185,6 +211,13 @@ def recommendation(result: PlanResult) -> list[str]:
     return lines
 
 
+def hsdp_mesh(result: PlanResult) -> dict | None:
+    """R × S of the hsdp rows, or None when there are none."""
+    if not any(r.strategy == memory_plan.HSDP for r in result.rows):
+        return None
+    return {"dp_replicate": result.machine.num_gpus // result.dp_shard, "dp_shard": result.dp_shard}
+
+
 def to_json(full: PlanResult, lora: PlanResult) -> dict:
     def rec(r: PlanResult) -> dict | None:
         if r.recommended is None:
@@ -199,11 +232,20 @@ def to_json(full: PlanResult, lora: PlanResult) -> dict:
                   "vocab_size": full.shapes.vocab_size},
         "machine": {"num_gpus": m.num_gpus, "gpu_memory_bytes": m.gpu_memory_bytes, "gpu_name": m.gpu_name,
                     "source": m.source},
-        "block_size": full.block_size, "global_batch_size": full.global_batch_size,
+        "block_size": full.block_size, "global_batch_size": full.global_batch_size, "hsdp": hsdp_mesh(full),
         "activations_are_estimates": True,
         "rows": [r.to_json() for r in full.rows + lora.rows],
         "recommended": {"full": rec(full), "lora": rec(lora)},
     }
+
+
+def hsdp_lines(result: PlanResult) -> list[str]:
+    mesh = hsdp_mesh(result)
+    if mesh is None:
+        return []
+    return [f"hsdp = the FSDP2 engine's mesh {mesh['dp_replicate']} × {mesh['dp_shard']} (dp_replicate × dp_shard): "
+            f"states sharded over {mesh['dp_shard']} GPUs, not {result.machine.num_gpus}, replicated "
+            f"{mesh['dp_replicate']} times"]
 
 
 def render(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
@@ -216,7 +258,7 @@ def render(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
             f"{args.per_device_train_batch_size} in the tables",
             "GiB per GPU; activ* = estimate (Korthikanti et al., real shapes); other = gathered layers / bf16 "
             f"copies + {gib(memory_plan.RESERVED_BYTES)} GiB reserved; fits = total ≤ {memory_plan.SAFETY:.0%} "
-            "of the GPU", ""]
+            "of the GPU", *hsdp_lines(full), ""]
     body = table(full, "full fine-tuning") + [""] + table(lora, f"LoRA (r={args.lora_r})") + [""]
     chosen = lora if args.finetune == "lora" else full
     return "\n".join(head + body + recommendation(chosen)) + "\n"

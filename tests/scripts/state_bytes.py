@@ -4,7 +4,8 @@ parameters, gradients and optimizer state, measured from the sharded tensors the
     torchrun … state_bytes.py tiny,default [engine args]   one BYTES line per preset or config.json (one start-up for all),
                                                            labelled by its name (a file: its stem), '+bf16' under --bf16
     torchrun … state_bytes.py pretrained --model_name_or_path DIR [--use_peft true …]   the model of DIR
-    torchrun … state_bytes.py GROUP ::: GROUP …   several of the above in one launch (also plain python: 1 rank)"""
+    torchrun … state_bytes.py GROUP ::: GROUP …   several of the above in one launch (also plain python: 1 rank)
+A preset may carry a label, tiny:hsdp, to tell apart two groups of one preset in the BYTES lines."""
 import json
 import sys
 from pathlib import Path
@@ -34,7 +35,8 @@ info = distributed.init_distributed()
 groups = split_args(sys.argv[1:])
 for presets, *args in groups:
     for preset in presets.split(","):
-        model_args, data_args, train_args = parse_args([*(["--config_name", preset] if preset != "pretrained" else []),
+        name = preset.split(":")[0]
+        model_args, data_args, train_args = parse_args([*(["--config_name", name] if name != "pretrained" else []),
                                                         *args])
         prep = prepare(model_args, data_args, train_args, info)
         model = fsdp_engine.build_model(prep, model_args, train_args, info)

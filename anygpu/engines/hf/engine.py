@@ -148,6 +148,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     """Train; return the last logged record (rank 0)."""
     train_args.report_to = trackers.resolve(train_args.report_to)  # the FSDP2 engine's check and messages
     check_processes_per_node()  # e.g. a config's num_processes: 8 on a 2-GPU node: stop before any work
+    for name in ("dp_replicate", "dp_shard"):
+        if getattr(train_args, name) is not None:
+            raise UsageError(f"--{name} {getattr(train_args, name)}: HSDP is the FSDP2 engine's (run_fsdp_standalone.py, "
+                             "or the launchers' --engine fsdp); with the HF engine leave it out (its FSDP2 and ZeRO "
+                             "configs shard over every process).")
     on_cpu = hardware.vendor() == "cpu"
     if train_args.fp16 and on_cpu:
         raise UsageError("--fp16 needs a GPU: on CPU train in fp32 (leave it out) or with --bf16.")
