@@ -55,7 +55,7 @@ def test_a_run_killed_mid_write_resumes_from_the_previous_checkpoint(async_runs)
     assert async_runs["crash"].returncode != 0 and "CRASH during the background write" in async_runs["crash"].stdout
     assert async_runs["left"] == [".checkpoint-6.tmp", "checkpoint-3"]  # the half-written one never counts
     out = async_runs["after"].stdout
-    assert "checkpoint-3 at step 3 (was 1 ranks, now 2)" in out
+    assert "checkpoint-3 at step 3 (was 1 ranks, now 2; mesh was 1 × 1, now 1 × 2)" in out
     files = len(json.loads((async_runs["crashed"] / "checkpoint-3" / "manifest.json").read_text())["files"])
     hashed = dict(re.findall(r"^HASHED rank (\d): checkpoint-3 (\d+)$", out, re.M))
     assert hashed == {"0": str(files), "1": "0"}, out[-2000:]
