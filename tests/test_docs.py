@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
+import importlib.util
 import re
 import shlex
 import subprocess
@@ -58,13 +60,11 @@ def engine_parser(engine: str) -> argparse.ArgumentParser:
 
 @cache
 def tool_parser(name: str) -> argparse.ArgumentParser:
+    """The launcher's parser, or the interactive launch's."""
     from anygpu.launch import launcher
-    from anygpu.tools import bench, doctor, interactive, plan
+    from anygpu.tools import interactive
 
-    builders = {"plan": plan.build_parser, "doctor": doctor.build_parser, "bench": bench.build_parser,
-                "interactive": interactive.build_parser, "launcher": lambda: launcher.build_parser("nvidia"),
-                "info": lambda: argparse.ArgumentParser(prog="anygpu info")}
-    return builders[name]()
+    return launcher.build_parser("nvidia") if name == "launcher" else interactive.build_parser()
 
 
 @cache
@@ -102,8 +102,12 @@ def every_option() -> set[str]:
     """The union, for options named in prose without their command."""
     out = set(FOREIGN_OPTIONS) | torchrun_options() | accelerate_options()
     out |= _options(engine_parser("hf")) | _options(engine_parser("fsdp"))
-    for name in ("plan", "doctor", "bench", "interactive", "launcher"):
+    for name in ("interactive", "launcher"):
         out |= _options(tool_parser(name))
+    for path in sorted((ROOT / "anygpu" / "tools").glob("*.py")):  # every tool with a parser, whatever its name
+        module = importlib.import_module(f"anygpu.tools.{path.stem}")
+        if hasattr(module, "build_parser"):
+            out |= _options(module.build_parser())
     for script in [*ROOT.glob("benchmarks/*.py")]:
         out |= script_options(str(script.relative_to(ROOT)))
     out |= shell_options("scripts/setup.sh")
@@ -204,7 +208,7 @@ def _unknown(words: list[str], known: set[str]) -> list[str]:
 
 
 def _elided(words: list[str]) -> bool:
-    return any(p in w for w in words for p in PLACEHOLDERS) or any(w.startswith("[") for w in words)
+    return any(p in w for w in words for p in PLACEHOLDERS) or any(w.startswith(("[", "<")) for w in words)
 
 
 def _parse(parser: argparse.ArgumentParser, words: list[str]) -> str | None:
@@ -255,24 +259,41 @@ def _launcher(words: list[str]) -> list[str]:
     return bad + _engine(rest, engine)
 
 
-def _cli_answers(argv: list[str]) -> bool:
-    """The `anygpu` command's own option, run in this process (it prints and returns)."""
+def _cli_answers(argv: list[str]) -> tuple[bool, str]:
+    """The `anygpu` command itself, run in this process: did it exit 0, and what it printed."""
     import contextlib
     import io
 
     from anygpu.tools import cli
 
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
-            return cli.main(argv) == 0
+            code = cli.main(argv)
         except SystemExit as e:
-            return e.code in (0, None)
+            code = e.code
+    return code in (0, None), out.getvalue()
+
+
+def _tool(sub: str, words: list[str]) -> list[str]:
+    """`anygpu <sub> …`: the tool's own parser where it has one (a job's arguments after `--`), else its --help."""
+    mine, job = (words[:words.index("--")], words[words.index("--") + 1:]) if "--" in words else (words, [])
+    if importlib.util.find_spec(f"anygpu.tools.{sub}") is not None:
+        module = importlib.import_module(f"anygpu.tools.{sub}")
+        if hasattr(module, "build_parser"):
+            parser = module.build_parser()
+            bad = _unknown(mine, _options(parser))
+            if not bad and (err := _parse(parser, mine)):
+                bad.append(err)
+            return bad + _engine(job, "hf")
+    answered, text = _cli_answers([sub, "--help"])
+    if not answered:
+        return [f"anygpu has no command {sub!r}"]
+    return [f"{flag} is not in `anygpu {sub} --help`" for flag in _flags(mine) if flag not in text]
 
 
 def _runnable(module: str) -> bool:
     """`python -m module` works: a module, or a package with a __main__."""
-    import importlib.util
-
     spec = importlib.util.find_spec(module)
     return spec is not None and (spec.submodule_search_locations is None or importlib.util.find_spec(f"{module}.__main__") is not None)
 
@@ -308,16 +329,12 @@ def check(cmd: Command) -> list[str]:
     if base[0] == "anygpu" and len(w) > 1:
         sub, rest = w[1], w[2:]
         if sub.startswith("-"):  # `anygpu --help`: ask the command itself
-            return [] if _cli_answers(w[1:]) else [f"anygpu {' '.join(w[1:])} exits non-zero"]
+            return [] if _cli_answers(w[1:])[0] else [f"anygpu {' '.join(w[1:])} exits non-zero"]
         if sub == "train":
             return _engine(rest, "fsdp")
         if sub == "launch":
             return _launcher(rest) if "--vendor" in rest and "--interactive" not in rest else _launcher(["--interactive", *rest])
-        if sub in ("plan", "doctor", "bench", "info"):
-            parser = tool_parser(sub)
-            bad = _unknown(rest, _options(parser))
-            return bad or ([e] if (e := _parse(parser, rest)) else [])
-        return [f"anygpu has no command {sub!r}"]
+        return _tool(sub, rest)
     for x in w:
         if x.startswith("benchmarks/") and x.endswith(".py"):
             if not (ROOT / x).is_file():
