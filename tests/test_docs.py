@@ -316,6 +316,10 @@ def check(cmd: Command) -> list[str]:
             elif "accelerate" in base[:i] or "accelerate.commands.launch" in before:
                 bad += _unknown(before, accelerate_options())
             return bad
+    if base[0] == "torchrun" or "torch.distributed.run" in w:  # no engine script shown: the launcher's options alone
+        return _unknown(w, torchrun_options())
+    if w[:2] == ["accelerate", "launch"] or "accelerate.commands.launch" in w:
+        return _unknown(w, accelerate_options())
     for script in LAUNCHER_SCRIPTS:
         if any(x.endswith(script) for x in w):
             i = next(k for k, x in enumerate(w) if x.endswith(script))
@@ -390,13 +394,14 @@ def test_the_check_flags_a_made_up_option_and_a_bad_value():
         "anygpu plan --config_name tiny --gpu_memory_gigs 80",
         ".venv/bin/python run_hf_standalone.py --bf16 maybe",
         "python -m anygpu.launch --vendor nvidia --dry-run",
+        "accelerate launch --config_fil accelerate_configs/ddp.yaml",
         "```",
         "The `--no_such_option` switch.",
     ])
     found = problems(snippet, "snippet")
-    for flagged in ("--learning_rat", "--max_stepz", "--gpu_memory_gigs", "maybe", "--no_such_option", "not a runnable module"):
+    for flagged in ("--learning_rat", "--max_stepz", "--gpu_memory_gigs", "maybe", "--no_such_option", "not a runnable module", "--config_fil"):
         assert any(flagged in p for p in found), (flagged, found)
-    assert len(found) == 6, found
+    assert len(found) == 7, found
     ok = "```bash\nbash run_amd_all.sh --engine fsdp -- --config_name tiny --max_steps 10\n```\n"
     assert problems(ok, "ok") == []
 
