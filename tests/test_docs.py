@@ -374,9 +374,19 @@ def test_every_docs_page_is_linked_and_every_link_resolves():
     for page in sorted(DOCS.glob("*.md")):
         assert f"docs/{page.name}" in readme, f"docs/{page.name} is not linked from README.md"
     for doc in doc_files():
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
-            if not re.match(r"[a-z]+://", target):
-                assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)} links to {target}, which does not exist"
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", doc.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            page = (doc.parent / target) if target else doc
+            assert page.exists(), f"{doc.relative_to(ROOT)} links to {target}, which does not exist"
+            if anchor and page.suffix == ".md":
+                assert anchor in anchors(page), f"{doc.relative_to(ROOT)} links to {target}#{anchor}: no such heading"
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped (not - and _), spaces as dashes."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.*)$", text, re.M)}
 
 
 @pytest.mark.parametrize("doc", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
