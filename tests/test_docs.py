@@ -1,7 +1,7 @@
 """README.md and docs/: a front page, every page linked, and every command and `--option` they show is real.
 
 Commands are checked against the parsers themselves, built in this process (the engines'
-HfArgumentParser dataclasses, the tools' and the launcher's argparse parsers, torchrun's and
+HfArgumentParser over the argument dataclasses, the tools' and the launcher's argparse parsers, torchrun's and
 accelerate's own), so an option added to or removed from the code is seen at once.
 Only the shell entry points are spawned, at `--help` level.
 """
@@ -26,6 +26,8 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 FIRST_SCREEN = 40  # lines a reader sees before scrolling
 PLACEHOLDERS = ("…", "...")  # an elided tail: check the options before it, not the values
+PROGRAMS = r"(bash |python |\.venv/bin/python |\.venv/bin/anygpu |torchrun |accelerate launch |anygpu |sbatch )"  # ours, or launching ours
+SKIP = "docs-check: skip"  # an HTML comment on a line that shows a mistake on purpose (`anygpu trian`)
 # Options of programs that are not ours, named in prose (Slurm, pytest); everything else must be in a parser.
 FOREIGN_OPTIONS = {"--signal", "--nodes", "--ntasks-per-node", "--kill-on-bad-exit", "--cpus-per-task",
                    "--gpus-per-node", "--durations", "--index-url"}
@@ -43,19 +45,10 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
 
 @cache
 def engine_parser(engine: str) -> argparse.ArgumentParser:
-    """The engine's own parser: the shared dataclasses, plus the HF engine's extra one."""
-    from transformers import HfArgumentParser
-
+    """The engine's own parser (anygpu.config.args.build_parser), with the HF engine's extra dataclass for `hf`."""
     from anygpu.config import args
 
-    types = [args.ModelArguments, args.DataArguments, args.TrainArguments]
-    if engine == "hf":
-        from anygpu.engines.hf.engine import HFEngineArguments
-
-        types.append(HFEngineArguments)
-    parser = HfArgumentParser(types)
-    parser.allow_abbrev = False
-    return parser
+    return args.build_parser((args.HFEngineArguments,) if engine == "hf" else (), prog=f"run_{engine}_standalone.py")
 
 
 @cache
@@ -152,12 +145,14 @@ def commands_in(text: str, name: str) -> list[Command]:
     pending, start = "", 0
     for i, line in enumerate(lines, 1):
         stripped = line.strip()
+        if SKIP in line:
+            continue
         if stripped.startswith("```"):
             fence = None if fence is not None else (stripped[3:].strip() or "plain")
             continue
         if fence is None:
             for span in re.findall(r"`([^`]+)`", line):
-                if re.match(r"(bash |python |\.venv/bin/python |torchrun |accelerate launch |anygpu |sbatch )", span):
+                if re.match(PROGRAMS, span):
                     out += _split(span, f"{name}:{i}")
             continue
         if fence in ("yaml", "yml") and (key := re.match(r"^([A-Za-z_]\w*):", line)):
@@ -188,19 +183,30 @@ def prose_options(text: str) -> list[tuple[int, str]]:
         if line.strip().startswith("```"):
             fenced = not fenced
             continue
-        if not fenced:
+        if not fenced and SKIP not in line:
             for span in re.findall(r"`([^`]+)`", line):
-                if span.startswith("-") or re.match(r"(bash |python |\.venv/bin/python |torchrun |accelerate launch |anygpu |sbatch )", span):
+                if span.startswith("-") or re.match(PROGRAMS, span):
                     # another program's options (`nvidia-smi --query-gpu`, `srun --ntasks-per-node`) are its own business
-                    out += [(i, o) for o in re.findall(r"(?<![\w-])(--[a-zA-Z][\w-]*)", span)]
+                    out += [(i, o) for o in _flags(re.split(r"[\s,|()]+", span))]
     return out
 
 
 # -------------------------------------------------------------------------- checking one
 
 def _flags(words: list[str]) -> list[str]:
-    words = [w.strip("[]") for w in words]  # `[--merge_lora true]`: an optional part, still an option
-    return [w.split("=", 1)[0] for w in words if w.startswith("--") and len(w) > 2]
+    """The `--options` among the words. `[--merge_lora true]` is an optional part, still an option;
+    `[--option value ...]` is the generic form, no option."""
+    out, group = [], None
+    for word in words:
+        if word.startswith("[") and group is None:
+            group = []
+        target = group if group is not None else out
+        if word.strip("[]").startswith("--") and len(word.strip("[]")) > 2:
+            target.append(word.strip("[]").split("=", 1)[0])
+        if group is not None and word.endswith("]"):
+            out += [] if word.endswith(("...]", "…]")) else group
+            group = None
+    return out + (group or [])
 
 
 def _unknown(words: list[str], known: set[str]) -> list[str]:
@@ -407,6 +413,8 @@ def test_the_check_flags_a_made_up_option_and_a_bad_value():
         "accelerate launch --config_fil accelerate_configs/ddp.yaml",
         "```",
         "The `--no_such_option` switch.",
+        "The form is `anygpu train [--option value ...]`; `--merge_lora` writes final-merged/.",  # generic: not flagged
+        "A typo on purpose: `anygpu trian --lerning_rate 1`. <!-- docs-check: skip -->",  # marked: not flagged
     ])
     found = problems(snippet, "snippet")
     for flagged in ("--learning_rat", "--max_stepz", "--gpu_memory_gigs", "maybe", "--no_such_option", "not a runnable module", "--config_fil"):
