@@ -9,7 +9,7 @@
 # Options: --engine hf|fsdp (default hf), --accelerate-config NAME|PATH, --nproc N, --gpus LIST,
 # --cpu, --master-port PORT, --max-restarts K, --script PATH, --ifname IFACE,
 # --count-from auto|smi|torch, --dry-run, --interactive (ask, the plan's recommendation as defaults),
-# --help. Details: --help and README.md (Launching on every GPU).
+# --help. Details: --help and docs/launchers.md.
 # Knob: PYTHON (default: the active virtualenv, else ./.venv, else python3).
 # The logic lives in anygpu/launch/launcher.py; this file and run_amd_all.sh differ only in VENDOR.
 set -euo pipefail

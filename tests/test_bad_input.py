@@ -85,12 +85,12 @@ def test_lora_options(capsys, tmp_path, extra, expected):
 @pytest.mark.parametrize("extra, expected", [
     (["--model_name_or_path", "anygpu-test/not-cached"],
      ["--model_name_or_path anygpu-test/not-cached", "not in the Hugging Face cache",
-      "huggingface-cli download anygpu-test/not-cached", "HF_HUB_OFFLINE"]),
+      "hf download anygpu-test/not-cached", "HF_HUB_OFFLINE"]),
     (["--model_name_or_path", "./no/such/model"], ["--model_name_or_path ./no/such/model: no such file or folder"]),
     (["--config_name", "anygpu-test/no-config"], ["--config_name anygpu-test/no-config", "local folder"]),
     (["--tokenizer_name", "./no-tokenizer"], ["--tokenizer_name ./no-tokenizer: no such file or folder", "tokenizer folder"]),
     (["--dataset_name", "anygpu-test/no-data"],
-     ["--dataset_name anygpu-test/no-data", "huggingface-cli download --repo-type dataset anygpu-test/no-data", "--train_file"]),
+     ["--dataset_name anygpu-test/no-data", "hf download --repo-type dataset anygpu-test/no-data", "--train_file"]),
 ])
 def test_models_and_data_that_are_not_there(capsys, tmp_path, monkeypatch, extra, expected):
     """One line naming the argument, what was looked for and what to do; exit 2, no folder left behind."""

@@ -50,7 +50,7 @@ class ModelArguments:
     config_name: str | None = field(
         default=None,
         metadata={"resume": "model_config", "help": "Model shape for training from scratch: a config.json path or folder, or a preset shipped "
-                          f"with anygpu ({', '.join(preset_names())}). Default: 'default' (~20M parameters) when "
+                          f"with anygpu ({', '.join(preset_names())}). Default: 'default' (15.7M parameters) when "
                           "--model_name_or_path is not given."},
     )
     tokenizer_name: str | None = field(

@@ -47,7 +47,7 @@ def _advice(arg: str, value: str, what: str, repo_type: str = "") -> str:
     kind = " --repo-type dataset" if repo_type == "dataset" else ""
     return (f"{arg} {value}: no such local {what}, and not in the Hugging Face cache ({_hub_cache()}); nothing is "
             f"downloaded while HF_HUB_OFFLINE=1. Give a local folder, or download it once with "
-            f"`huggingface-cli download{kind} {value}` (or run with HF_HUB_OFFLINE=0 when online).")
+            f"`hf download{kind} {value}` (or run with HF_HUB_OFFLINE=0 when online).")
 
 
 def check_pretrained(arg: str, value: str | None, files: tuple[str, ...], what: str = "model folder (with config.json)") -> None:

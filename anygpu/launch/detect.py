@@ -6,7 +6,7 @@ nodes where torch may be missing). The smi tools list every GPU in the machine a
 CUDA and HIP runtimes apply to those variables are re-implemented here (``visible_gpus``), and
 the launcher cross-checks the result with ``torch.cuda.device_count()`` when torch is there.
 
-Formats parsed (see README.md (Launching on every GPU) and ../shared/VENDOR_ENV.md):
+Formats parsed (see docs/launchers.md and ../shared/VENDOR_ENV.md):
   nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv,noheader,nounits
       0, NVIDIA H100 80GB HBM3, GPU-8f2b6c1e-..., 81559
   nvidia-smi -L

@@ -54,7 +54,7 @@ def build_parser(vendor: str | None = None) -> argparse.ArgumentParser:
                     "Slurm's variables). No GPU: one CPU process with gloo.",
         epilog="Everything after -- goes to the training script unchanged, e.g.\n"
                f"  bash {script} --engine fsdp -- --config_name tiny --max_steps 10 --output_dir outputs/tiny\n"
-               "Each exported variable keeps the value the caller set. See README.md (Launching on every GPU).",
+               "Each exported variable keeps the value the caller set. See docs/launchers.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--vendor", choices=gpu_detect.VENDORS, required=vendor is None,
@@ -64,7 +64,7 @@ def build_parser(vendor: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--accelerate-config", metavar="NAME|PATH",
                    help="--engine hf: a config in accelerate_configs/ (ddp, fsdp, fsdp_offload, deepspeed_zero2, "
                         "deepspeed_zero3, deepspeed_zero3_offload, multi_node) or a YAML path. Default: fsdp "
-                        "(FSDP2) for more than one GPU, ddp for one; on CPU always ddp.")
+                        "(FSDP2) for more than one GPU, ddp for one GPU or on CPU.")
     p.add_argument("--nproc", type=int, metavar="N",
                    help="Processes on this node: N of the usable GPUs (the first N), or N CPU processes "
                         "when there is no GPU. Default: every usable GPU, or 1 CPU process.")

@@ -1,7 +1,7 @@
 """The environment the launchers export: vendor presets, each kept when the caller set it.
 
-Standard library only. Every preset carries the reason it exists; README.md (Launching on every GPU) repeats
-them for the README, and ``--dry-run`` prints what was exported and what was kept.
+Standard library only. Every preset carries the reason it exists; docs/launchers.md repeats
+them for the reader, and ``--dry-run`` prints what was exported and what was kept.
 """
 
 from __future__ import annotations

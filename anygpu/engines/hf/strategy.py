@@ -140,7 +140,7 @@ def check_in_effect(p: Plan, distributed_type: str, num_processes: int, fsdp_ver
             f"asked for {p.request.describe()} but accelerate set up {distributed_type}"
             + (f" (FSDP version {fsdp_version})" if distributed_type == "FSDP" else "")
             + ": refusing to train with another strategy than the one requested. Check the accelerate config "
-            "and the machine (see README.md, CPU fallback rules), or pass --allow_strategy_fallback true where a fallback exists."
+            "and the machine (see docs/engines.md, CPU fallback rules), or pass --allow_strategy_fallback true where a fallback exists."
         )
 
 
