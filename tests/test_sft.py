@@ -46,6 +46,18 @@ def chat_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def long_chat_file(tmp_path_factory):
+    """One-turn conversations of 10 to 70 words: a 128-token row holds one or two, so rows differ in length and
+    a micro-batch's padding depends on the split (where a router loss that counted padding would drift)."""
+    rng = random.Random(2)
+    path = tmp_path_factory.mktemp("long-chat") / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": sentence(rng, 5, 30)},
+                                                     {"role": "assistant", "content": sentence(rng, 5, 40)}]}) + "\n"
+                            for _ in range(120)))
+    return path
+
+
+@pytest.fixture(scope="module")
 def pc_file(tmp_path_factory):
     """Random prompts (1 to 30 words) that end with '=>', one fixed completion."""
     rng = random.Random(1)
@@ -103,7 +115,7 @@ LORA = ["--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--lora_drop
 
 
 @pytest.fixture(scope="module")
-def sft_runs(chat_file, pc_file, tmp_path_factory):
+def sft_runs(chat_file, long_chat_file, pc_file, tmp_path_factory):
     """Every run of this module: one launch per world size (1, 2, 3 ranks) of the FSDP2 engine, one of the
     HF engine (2 processes). Chat: 6 conversations-rows per step, 5 steps on 1, 2, 3 ranks and the HF engine on 2 processes.
     Prompt-completion: the loss on the completion only (the default) and on every token, 30 steps; 5 steps
@@ -119,7 +131,7 @@ def sft_runs(chat_file, pc_file, tmp_path_factory):
     dense, moe = tmp_path_factory.mktemp("dense-base"), tmp_path_factory.mktemp("moe-base")
     build_base(dense)
     build_moe_base(moe, dense)
-    pre = [*PRETRAINED, "--train_file", str(chat_file)]
+    pre = [*PRETRAINED, "--train_file", str(long_chat_file)]
     kinds = {"moe": [*pre, "--model_name_or_path", str(moe)], "lmoe": [*pre, "--model_name_or_path", str(moe), *LORA],
              "ldense": [*pre, "--model_name_or_path", str(dense), *LORA]}
 
