@@ -84,10 +84,27 @@ def test_prompt_completion_trains_the_completion_and_eos(tok):
     assert trained_text(tok, ids, labels) == " blue and green" + tok.eos_token
     _, labels_all, _ = formats.encode_sample(tok, row, formats.EncodeOptions(formats.PROMPT_COMPLETION, 100, completion_only_loss=False))
     assert labels_all[0] == formats.IGNORE and labels_all[1:] == ids[1:]
-    # conversational prompt-completion: the completion is the assistant turn of the rendered chat
-    conv = {"prompt": [{"role": "user", "content": "why"}], "completion": [{"role": "assistant", "content": "blue"}]}
-    ids, labels, _ = formats.encode_sample(tok, conv, formats.EncodeOptions(formats.PROMPT_COMPLETION, 100))
-    assert trained_text(tok, ids, labels) == "blue" + tok.eos_token + "\n"
+
+
+def test_conversational_prompt_completion_is_rendered_and_trained_as_messages(tok):
+    """One rendering, one set of targets: a conversational prompt-completion sample gives the ids and the targets
+    of the same conversation as `messages` (the completion's assistant turns and their EOS, not the newline the
+    template puts after it), with and without generation markers; only the prompt's own assistant turns differ."""
+    no_markers = tok_lib.train_bpe(iter(WORDS * 20 + ["system user assistant be brief"]), 400)
+    no_markers.chat_template = tok.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    pc, msgs = formats.EncodeOptions(formats.PROMPT_COMPLETION, 10_000), formats.EncodeOptions(formats.MESSAGES, 10_000)
+    for row in chats(10, seed=4):
+        prompt, completion = row["messages"][:-1], row["messages"][-1:]
+        for t in (tok, no_markers):
+            ids, labels, _ = formats.encode_sample(t, {"prompt": prompt, "completion": completion}, pc)
+            ids_m, labels_m, _ = formats.encode_sample(t, row, msgs)
+            assert ids == ids_m
+            assert trained_text(t, ids, labels) == completion[0]["content"] + t.eos_token  # no trailing newline
+            assert all(y == y_m for y, y_m in zip(labels, labels_m) if y != formats.IGNORE)  # the messages path's targets
+            assert labels[-3:] == labels_m[-3:]  # to the end: EOS a target, the newline after it not
+            ids_all, labels_all, _ = formats.encode_sample(t, {"prompt": prompt, "completion": completion},
+                                                           formats.EncodeOptions(formats.PROMPT_COMPLETION, 10_000, completion_only_loss=False))
+            assert ids_all == ids and labels_all[1:] == ids[1:]
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end", "drop"])

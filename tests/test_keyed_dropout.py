@@ -1,6 +1,7 @@
 """Dropout masks are a function of (seed, step, sample, call site): the same whatever the micro-batch
-split and under activation checkpointing's recomputation (in one process; the 1-vs-2-rank runs of GPT-2
-and OPT with their shipped dropout are in test_model_families.py)."""
+split and under activation checkpointing's recomputation, and different for each call of one dropout module
+(Phi's `resid_dropout`) (in one process; the 1-vs-2-rank runs of GPT-2 and OPT with their shipped dropout are
+in test_model_families.py)."""
 import pytest
 import torch
 from transformers import AutoConfig
@@ -12,6 +13,11 @@ CONFIGS = {
     "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64),  # nn.Dropout modules, attention dropout
     "opt": dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
                 word_embed_proj_dim=32),  # functional dropout, on (batch·seq, hidden) rows in the MLP
+    # phi-2's layout (partial rotary, parallel attention and MLP): one resid_dropout module for both outputs
+    "phi": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, partial_rotary_factor=0.5,
+                max_position_embeddings=64, resid_pdrop=0.1, embd_pdrop=0.1, attention_dropout=0.1),
+    "gpt_neox": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=64, hidden_dropout=0.1, attention_dropout=0.1),
 }
 
 
@@ -73,6 +79,19 @@ def test_recomputation_draws_the_same_masks(name, monkeypatch):
     assert {site for site, _ in checkpointed} == set(first)
     assert all(site in first and torch.equal(mask, first[site]) for site, mask in checkpointed)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-7)
+
+
+def test_one_module_called_twice_draws_two_masks(monkeypatch):
+    """Phi applies its layer's `resid_dropout` to the attention output and to the MLP output: two masks."""
+    model, _ = _model("phi")
+    real, drawn = dropout._masks, []
+    monkeypatch.setattr(dropout, "_masks", lambda *a: drawn.append((a[1], real(*a))) or drawn[-1][1])
+    with dropout.keys(model, 0, [5]):
+        model(input_ids=torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0)))
+    layer0 = [mask for site, mask in drawn if site.startswith("model.layers.0") and mask.shape[-1] == 32]  # (1, 16, hidden)
+    assert len(layer0) == 2, [site for site, _ in drawn]  # attention output, MLP output
+    assert not torch.equal(layer0[0], layer0[1])
+    assert len({site for site, _ in drawn}) == len(drawn)  # every call its own site
 
 
 def test_attention_dropout_runs_eager_attention():

@@ -127,3 +127,32 @@ def test_hf_engine_trains_the_same_adapter(lora, tmp_path):
         assert abs(hf[s] - fsdp[s]) <= 1e-4 * abs(fsdp[s]), (hf, fsdp)
     assert (out / "final" / "adapter_model.safetensors").exists()
     assert digest(lora["base"]) == lora["before"]
+
+
+# families peft has no default for (MoE, multi-head latent attention, fused qkv) and two it has
+DEFAULT_TARGETS = {"qwen2_moe": ["q_proj", "v_proj"], "deepseek_v3": "all-linear", "olmoe": ["q_proj", "v_proj"],
+                   "phi3": ["qkv_proj"], "granitemoe": ["q_proj", "v_proj"], "starcoder2": ["q_proj", "v_proj"],
+                   "gpt_oss": ["q_proj", "v_proj"], "jetmoe": "all-linear", "mixtral": ["q_proj", "v_proj"],
+                   "gpt2": ["c_attn"]}
+
+
+@pytest.mark.parametrize("model_type", DEFAULT_TARGETS)
+def test_default_targets_for_every_family(model_type):
+    """Without --lora_target_modules every family gets an adapter (peft alone knows ~40 model types): the query
+    and value projections where the model has them, else every linear layer; only the adapter trains."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from anygpu.model import lora
+
+    config = AutoConfig.for_model(model_type, num_hidden_layers=1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert lora.default_targets(model) == DEFAULT_TARGETS[model_type]
+    wrapped = lora.wrap(model, SimpleNamespace(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                                               lora_target_modules=None, lora_modules_to_save=None))
+    trainable = [n for n, p in wrapped.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable), trainable[:4]
+    assert "targets " in lora.trainable_line(wrapped)

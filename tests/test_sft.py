@@ -1,7 +1,8 @@
 """Fine-tuning data through both engines (real gloo ranks): chat and prompt-completion data, where ranks and
 micro-batches hold very different numbers of target tokens, give the same losses on 1, 2 and 3 ranks (FSDP2
-engine, 1e-5) and on the HF engine (1e-4); completion-only loss learns a fixed completion after random prompts,
-which training on every token cannot."""
+engine, 1e-5) and on the HF engine (1e-4); so do a MoE model with its router loss (Qwen2-MoE shapes), LoRA over
+it and LoRA over a dense model, on chat data, at micro-batches of 1, 2 and 4; completion-only loss learns a fixed
+completion after random prompts, which training on every token cannot."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import random
 import pytest
 import torch
 from conftest import TINY, assert_close, fsdp_runs, hf_runs, losses
+from test_lora import build_base
 
 from anygpu.config.args import parse_args
 from anygpu.data.prepare import prepare
@@ -43,6 +45,18 @@ def chat_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def long_chat_file(tmp_path_factory):
+    """One-turn conversations of 10 to 70 words: a 128-token row holds one or two, so rows differ in length and
+    a micro-batch's padding depends on the split (where a router loss that counted padding would drift)."""
+    rng = random.Random(2)
+    path = tmp_path_factory.mktemp("long-chat") / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": sentence(rng, 5, 30)},
+                                                     {"role": "assistant", "content": sentence(rng, 5, 40)}]}) + "\n"
+                            for _ in range(120)))
+    return path
+
+
+@pytest.fixture(scope="module")
 def pc_file(tmp_path_factory):
     """Random prompts (1 to 30 words) that end with '=>', one fixed completion."""
     rng = random.Random(1)
@@ -52,8 +66,35 @@ def pc_file(tmp_path_factory):
     return path
 
 
+def build_moe_base(folder, dense) -> None:
+    """A Qwen2-MoE folder (4 experts, top 2, a shared expert, router loss 0.1) with the dense base's tokenizer."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(dense)
+    config = Qwen2MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+                            output_router_logits=True, router_aux_loss_coef=0.1, bos_token_id=tok.bos_token_id,
+                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(config)
+    model.save_pretrained(folder)
+    # in the in-memory layout (experts fused per layer): the FSDP2 engine loads tensors by name, without transformers'
+    # conversion from the per-expert layout save_pretrained writes (and Hub checkpoints have)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tok.save_pretrained(folder)
+
+
+# Over the pretrained folders: chat data, a global batch of 12 (splits over 1, 2, 3 ranks and micro-batches of 1, 2, 4)
+PRETRAINED = [*[a for a in COMMON if a not in ("--config_name", "tiny", "--vocab_size", "400")],
+              "--global_batch_size", "12", "--max_steps", "2"]
+LORA = ["--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.1", "--learning_rate", "1e-2"]
+
+
 @pytest.fixture(scope="module")
-def sft_runs(chat_file, pc_file, tmp_path_factory):
+def sft_runs(chat_file, long_chat_file, pc_file, tmp_path_factory):
     """Every run of this module: one launch per world size (1, 2, 3 ranks) of the FSDP2 engine, one of the
     HF engine (2 processes). Chat: 6 conversations-rows per step, 5 steps on 1, 2, 3 ranks and the HF engine on 2 processes.
     Prompt-completion: the loss on the completion only (the default) and on every token, 30 steps; 5 steps
@@ -65,17 +106,28 @@ def sft_runs(chat_file, pc_file, tmp_path_factory):
     pc = [*base, "--global_batch_size", "8", "--max_steps", "30", "--per_device_train_batch_size", "2"]
     # a global batch of 6 splits over 1, 3 ranks and 2 HF-engine processes: 4 steps each
     six = [*base, "--global_batch_size", "6", "--max_steps", "4", "--per_device_train_batch_size", "1"]
+    # MoE with router loss, LoRA over it (default targets) and LoRA over a dense model: runs named <kind><W>m<m>
+    dense, moe = tmp_path_factory.mktemp("dense-base"), tmp_path_factory.mktemp("moe-base")
+    build_base(dense)
+    build_moe_base(moe, dense)
+    pre = [*PRETRAINED, "--train_file", str(long_chat_file)]
+    kinds = {"moe": [*pre, "--model_name_or_path", str(moe)], "lmoe": [*pre, "--model_name_or_path", str(moe), *LORA],
+             "ldense": [*pre, "--model_name_or_path", str(dense), *LORA]}
+
+    def runs(*names: str) -> list[list[str]]:  # "<kind>_<W>m<micro-batch>"
+        return [[*kinds[n.split("_")[0]], "--per_device_train_batch_size", n[-1], "--output_dir", str(out / n)] for n in names]
+
     fsdp_runs(1, [[*chat, "--per_device_train_batch_size", "3", "--output_dir", str(out / "f1")],
                   [*pc, "--output_dir", str(root / "only")],
                   [*pc, "--completion_only_loss", "false", "--output_dir", str(root / "all")],
-                  [*six, "--output_dir", str(root / "six1")]])
+                  [*six, "--output_dir", str(root / "six1")], *runs("moe_1m4", "moe_1m1", "lmoe_1m4", "ldense_1m2")])
     fsdp_runs(2, [[*chat, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f2")],
-                  [*pc, "--stop_at_step", "5", "--output_dir", str(root / "two")]])
+                  [*pc, "--stop_at_step", "5", "--output_dir", str(root / "two")], *runs("moe_2m2", "lmoe_2m1", "ldense_2m1")])
     fsdp_runs(3, [[*chat, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f3")],
-                  [*six, "--output_dir", str(root / "six3")]])
+                  [*six, "--output_dir", str(root / "six3")], *runs("moe_3m4", "lmoe_3m1", "ldense_3m4")])
     # m = 3: the micro-batches of the 1-rank run (padding_fraction is a property of the split)
     hf_runs(2, [[*chat, "--per_device_train_batch_size", "3", "--output_dir", str(out / "hf2")],
-                [*six, "--output_dir", str(root / "sixhf")]])
+                [*six, "--output_dir", str(root / "sixhf")], *runs("moe_hf2m2", "lmoe_hf2m1")])
     return chat, out, root
 
 
@@ -147,3 +199,28 @@ def test_prompt_completion_loss_is_the_same_on_3_ranks_and_the_hf_engine(complet
     assert sorted(completion_runs["six1"]) == [1, 2, 3, 4]
     assert_close(completion_runs["six1"], completion_runs["six3"], rel=1e-5)
     assert_close(completion_runs["six1"], completion_runs["sixhf"], rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def pretrained_runs(sft_runs):
+    out = sft_runs[1]
+    return {p.name: losses(p) for p in out.iterdir() if "_" in p.name}
+
+
+@pytest.mark.parametrize("kind", ["moe", "lmoe", "ldense"])
+def test_moe_and_lora_losses_are_the_same_on_1_2_3_ranks_and_any_micro_batch(pretrained_runs, kind):
+    """Chat rows of unequal lengths: MoE with its router loss, LoRA over MoE, LoRA over a dense model (1e-5)."""
+    runs = {k.split("_")[1]: v for k, v in pretrained_runs.items() if k.split("_")[0] == kind}
+    ref = min(r for r in runs if r.startswith("1"))
+    assert sorted(runs[ref]) == [1, 2] and len([r for r in runs if not r.startswith("hf")]) >= 3, runs
+    for name, got in runs.items():
+        if not name.startswith("hf"):
+            assert_close(runs[ref], got, rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["moe", "lmoe"])
+def test_moe_and_lora_losses_are_the_same_on_the_hf_engine(pretrained_runs, kind):
+    """The HF engine on 2 processes: its MoE loss is scaled as any loss (× processes), its router loss the same."""
+    runs = {k.split("_")[1]: v for k, v in pretrained_runs.items() if k.split("_")[0] == kind}
+    ref = min(r for r in runs if r.startswith("1"))
+    assert_close(runs[ref], runs[[r for r in runs if r.startswith("hf")][0]], rel=1e-4)

@@ -73,7 +73,7 @@ class ModelArguments:
     lora_alpha: int = field(default=32, metadata={"resume": SAME, "help": "LoRA alpha (the update is scaled by alpha / r)."})
     lora_dropout: float = field(default=0.05, metadata={"resume": SAME, "help": "Dropout on the LoRA input (keyed per sample, as all dropout)."})
     lora_target_modules: list[str] | None = field(
-        default=None, metadata={"resume": SAME, "help": "Module names to adapt, or all-linear. Default: peft's choice for the model type."}
+        default=None, metadata={"resume": SAME, "help": "Module names to adapt, or all-linear. Default: peft's choice for the model type, else the attention's query and value projections, else all-linear."}
     )
     lora_modules_to_save: list[str] | None = field(
         default=None, metadata={"resume": SAME, "help": "Modules trained in full and saved with the adapter (e.g. lm_head)."}

@@ -78,18 +78,30 @@ def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], text: str) -
     return spans
 
 
-def encode_chat(tokenizer, messages: list[dict[str, Any]], assistant_only: bool) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered chat and, per token, whether it is trained on."""
+def encode_chat(tokenizer, messages: list[dict[str, Any]], assistant_only: bool,
+                num_untrained: int = 0) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered chat and, per token, whether it is trained on; the first `num_untrained`
+    messages (a conversational prompt) never are: the tokens before the end of their rendering with the
+    generation prompt."""
     messages = clean_messages(messages)
-    if not assistant_only:
-        ids = tokenizer(render(tokenizer, messages), add_special_tokens=False)["input_ids"]
-        return ids, [True] * len(ids)
-    if has_generation_markers(tokenizer):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        return list(out["input_ids"]), [bool(x) for x in out["assistant_masks"]]
     text = render(tokenizer, messages)
-    spans = assistant_char_spans(tokenizer, messages, text)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    # a token belongs to the turn its first character is in
-    mask = [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]
-    return enc["input_ids"], mask
+    if not assistant_only:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids, [True] * len(ids)
+    markers = has_generation_markers(tokenizer)
+    # character offsets (a fast tokenizer's) where the prompt's end or the turns' spans must be found
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True) if num_untrained or not markers else None
+    if markers:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids, mask = list(out["input_ids"]), [bool(x) for x in out["assistant_masks"]]
+    else:
+        spans = assistant_char_spans(tokenizer, messages, text)
+        # a token belongs to the turn its first character is in
+        ids, mask = enc["input_ids"], [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]
+    if num_untrained:
+        prompt = render(tokenizer, messages[:num_untrained], add_generation_prompt=True)
+        if not text.startswith(prompt) or list(enc["input_ids"]) != ids:
+            raise UsageError("the chat template renders the prompt differently inside the whole conversation: "
+                             "use string prompts and completions, or a 'messages' column.")
+        mask = [m and start >= len(prompt) for m, (start, _) in zip(mask, enc["offset_mapping"])]
+    return ids, mask

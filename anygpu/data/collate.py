@@ -165,3 +165,23 @@ def row_lengths(dataset: Dataset) -> np.ndarray:
 
     column = dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]
     return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(rows, width) 1 on each row's sample tokens, 0 on the padding that fills it to the batch's width.
+
+    Padded rows carry it as their attention mask. In a packed row the padding is the last run of positions
+    from 0 (`Collator.collate`) and the only one without a target: `formats.encode_split` drops samples
+    without one. Raw-text blocks are full.
+    """
+    if "attention_mask" in batch:
+        return batch["attention_mask"]
+    ids = batch["input_ids"]
+    if "position_ids" not in batch:
+        return torch.ones_like(ids)
+    at = torch.arange(ids.shape[1], device=ids.device)
+    last_start = torch.where(batch["position_ids"] == 0, at, 0).amax(dim=1, keepdim=True)
+    tail = at >= last_start
+    tail_trains = ((batch["labels"] != IGNORE) & tail).any(dim=1, keepdim=True)
+    return (~tail | tail_trains).long()
+

@@ -68,15 +68,9 @@ def _encode_prompt_completion(tokenizer, prompt: Any, completion: Any, completio
         # a target, so the model learns where to stop.
         prompt_ids = tokenizer(prompt)["input_ids"]
         completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    else:  # conversational: the prompt's rendering (with the generation prompt) is a prefix of the whole chat's
-        prompt, completion = chat_template.clean_messages(prompt), chat_template.clean_messages(completion)
-        prompt_text = chat_template.render(tokenizer, prompt, add_generation_prompt=True)
-        full_text = chat_template.render(tokenizer, prompt + completion)
-        if not full_text.startswith(prompt_text):
-            raise UsageError("the chat template renders the prompt differently inside the whole conversation: "
-                             "use string prompts and completions, or a 'messages' column.")
-        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-        completion_ids = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
+    else:  # conversational: the messages path's rendering and targets, less the prompt's turns when completion-only
+        return chat_template.encode_chat(tokenizer, prompt + completion, assistant_only=completion_only,
+                                         num_untrained=len(prompt) if completion_only else 0)
     ids = prompt_ids + completion_ids
     return ids, [not completion_only] * len(prompt_ids) + [True] * len(completion_ids)
 

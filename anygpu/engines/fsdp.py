@@ -107,7 +107,7 @@ def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo, cpu
         with dropout.keys(model, step, idx):  # masks keyed by sample, also in checkpointing's recomputation
             # no KV cache: transformers confines attention to packed samples only without one
             out = model(**batch, use_cache=False, num_items_in_batch=num_targets)
-            loss = moe.global_batch_loss(model, out, batch["input_ids"].shape[0], prep.plan.global_batch_size)
+            loss = moe.global_batch_loss(model, out, batch, prep.plan.global_batch_size)
             (loss * info.world_size).backward()
         loss_sum += loss.detach()
     return loss_sum

@@ -8,10 +8,13 @@ layers call) draws each sample's mask from its own generator, seeded by
 
     (seed, step, the sample's index in the data set, the call site).
 
-The call site is the innermost module whose code made the call (its name in the model) and the code
-lines from there to the dropout call, read from the Python stack: activation checkpointing's
-recomputation runs the same code, so it draws exactly the masks of the first pass. (A module that
-calls dropout twice from the same line, in a loop, would reuse one mask; no transformers model does.) Attention
+The call site is the innermost decoder layer (or, outside the layers, the model itself) whose code
+made the call (its name in the model) and the model's code lines from there to the dropout call, read
+from the Python stack (torch's `Module.__call__` frames left out: their lines depend on the hooks a
+wrapper adds). One dropout module called from two places gets two masks (Phi's `resid_dropout`, on the
+attention and on the MLP output of a layer); activation checkpointing recomputes whole decoder layers,
+running the same code, so it draws exactly the masks of the first pass. (A layer that calls dropout
+twice from the same line, in a loop, would reuse one mask; no transformers model does.) Attention
 dropout inside a fused kernel (sdpa's `dropout_p`, flash attention) cannot be keyed: a model whose
 config asks for attention dropout runs eager attention, whose dropout is a plain call (`note` says so).
 The masks come from the device's own generator type: identical across world sizes on the same kind
@@ -30,7 +33,11 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from anygpu.errors import UsageError
+from anygpu.runtime.blocks import decoder_layer_classes
+
 logger = logging.getLogger(__name__)
+_MODULE_CALL_FILE = nn.Module.__call__.__code__.co_filename  # torch/nn/modules/module.py
 
 _ATTENTION_KEYS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
 _IGNORED = ("classifier_dropout", "summary_first_dropout", "summary_last_dropout", "layerdrop")
@@ -52,6 +59,7 @@ class _Keyed:
     step: int = -1
     samples: Sequence[int] = ()
     names: dict[int, str] = field(default_factory=dict)  # id(module) → its name in the model
+    stops: set[int] = field(default_factory=set)  # ids of the decoder layers and the model: where a call site starts
     warned: bool = False
     note: str = ""
 
@@ -64,7 +72,11 @@ def install(model: nn.Module, seed: int) -> str | None:
             rates["lora_dropout"] = module.p
     if not rates:
         return None
-    state = _Keyed(seed, names={id(m): name for name, m in model.named_modules()})
+    state = _Keyed(seed, names={id(m): name for name, m in model.named_modules()}, stops={id(model)})
+    try:
+        state.stops |= {id(m) for m in model.modules() if isinstance(m, decoder_layer_classes(model))}
+    except UsageError:  # no decoder layer class named: call sites start at the model
+        pass
     object.__setattr__(model, ATTR, state)  # not a submodule, not a parameter
     note = "dropout: " + ", ".join(f"{k} {v:g}" for k, v in sorted(rates.items())) + \
            "; masks keyed by (seed, step, sample, call site): the same on any number of ranks"
@@ -83,15 +95,16 @@ def note(model: nn.Module) -> str | None:
 
 
 def _call_site(state: _Keyed) -> str:
-    """The innermost model module on the Python stack and the code lines from it to the dropout call."""
+    """The innermost decoder layer (or the model) on the Python stack and the code lines from it to the dropout call."""
     frame, lines = sys._getframe(2), []
     while frame is not None:
-        lines.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+        if frame.f_code.co_filename != _MODULE_CALL_FILE:
+            lines.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
         owner = frame.f_locals.get("self")
-        if owner is not None and id(owner) in state.names:
+        if owner is not None and id(owner) in state.stops:
             return f"{state.names[id(owner)]}/{'/'.join(lines)}"
         frame = frame.f_back
-    return "/".join(lines[:4])
+    return "/".join(lines[:8])
 
 
 def _seed(*parts) -> int:

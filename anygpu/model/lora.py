@@ -6,6 +6,11 @@ names, and the adapter's own tensors start as peft starts them (A: Kaiming-unifo
 from CPU generators seeded by name: the same on any world size, in both engines. Only parameters that
 require gradients get an optimizer (AdamW state is measured in the tests). `final/` is a PEFT adapter
 (`PeftModel.from_pretrained(base, final)`); `--merge_lora true` also writes `final-merged/`, a full model.
+
+Without `--lora_target_modules` the adapted modules are peft's choice for the model type where peft has one
+(its table covers ~40 types: Llama, Mistral, Mixtral, Qwen2, Gemma, GPT-2, Phi...); for any other type the
+attention's query and value projections, found by name among the model's linear layers (peft's choice for the
+types it lists); where no such name exists, every linear layer but the output head (peft's `all-linear`).
 """
 from __future__ import annotations
 
@@ -16,6 +21,20 @@ import torch
 from torch import nn
 
 PREFIX = "base_model.model."
+# the query and value projections' names across transformers' families (attention inputs, fused or not)
+QUERY_VALUE = {"q_proj", "v_proj", "query", "value", "query_key_value", "qkv_proj", "c_attn", "Wqkv", "qkv"}
+
+
+def default_targets(model: nn.Module) -> list[str] | str:
+    """The modules to adapt when --lora_target_modules is left out (see the module docstring)."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+    from transformers.pytorch_utils import Conv1D
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in PEFT_DEFAULTS:
+        return PEFT_DEFAULTS[model_type]
+    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))}
+    return sorted(linear & QUERY_VALUE) or "all-linear"
 
 
 def wrap(model: nn.Module, args) -> nn.Module:
@@ -27,8 +46,9 @@ def wrap(model: nn.Module, args) -> nn.Module:
     target = args.lora_target_modules
     if target is not None and target != ["all-linear"]:
         check_targets(model, target)
-    if target is not None and len(target) == 1:
-        target = target[0]  # "all-linear" is a string to peft
+    target = target or default_targets(model)
+    if target == ["all-linear"]:
+        target = "all-linear"  # a string to peft (any other string is a regex on the full module name)
     config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=target,
                         modules_to_save=args.lora_modules_to_save, task_type="CAUSAL_LM")
     return get_peft_model(model, config)
@@ -110,5 +130,7 @@ def init_adapter(model: nn.Module, seed: int) -> None:
 def trainable_line(model: nn.Module) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    return f"LoRA: {trainable / 1e6:.3f}M trainable / {total / 1e6:.1f}M parameters ({100 * trainable / total:.2f}%)"
+    targets = model.peft_config["default"].target_modules
+    targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list, tuple)) else targets
+    return f"LoRA: {trainable / 1e6:.3f}M trainable / {total / 1e6:.1f}M parameters ({100 * trainable / total:.2f}%); targets {targets}"
 

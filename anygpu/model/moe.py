@@ -4,10 +4,12 @@ Mixtral, Qwen2-MoE and their kin add `router_aux_loss_coef × aux` to the loss w
 `output_router_logits`; `aux` is computed over whatever batch the forward saw, so with gradient
 accumulation and several ranks the step would sum W·A micro-batch values, each over a different
 set of tokens: the result would depend on the world size and the micro-batch split. Here the aux
-loss is computed per *sample* (the model's own `load_balancing_loss_func` over one sequence's
-tokens) and averaged over the G samples of the global batch, so the step's loss is
-    mean over target tokens of the cross-entropy + coef · mean over samples of the per-sample aux,
-a function of the global batch only.
+loss is computed per *row* of the global batch (the model's own `load_balancing_loss_func` over that
+row's real tokens: its samples, not the padding that fills it to the micro-batch's widest row, whose
+width depends on the split) and averaged over the G rows, so the step's loss is
+    mean over target tokens of the cross-entropy + coef · mean over rows of the per-row aux,
+a function of the global batch only. A LoRA adapter changes nothing: the base model's function and
+numbers are used.
 """
 from __future__ import annotations
 
@@ -16,13 +18,21 @@ import sys
 import torch
 from torch import nn
 
+from anygpu.data.collate import real_tokens
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (the wrapper's class has no router-loss function)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
 
 def aux_loss_coef(model: nn.Module) -> float:
     """The weight of the router loss in the training loss (0 when the config leaves it out)."""
+    model = _base(model)
     config = getattr(model, "config", None)
     if not getattr(config, "output_router_logits", False):
         return 0.0
-    return float(getattr(model, "router_aux_loss_coef", 0.0) or 0.0)
+    return float(getattr(model, "router_aux_loss_coef", None) or getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 def eval_kwargs(model: nn.Module) -> dict[str, bool]:
@@ -39,27 +49,26 @@ def _balancing_fn(model: nn.Module):
                      "set output_router_logits false in the config.")
 
 
-def per_sample_aux(model: nn.Module, router_logits: tuple[torch.Tensor, ...], batch_size: int,
-                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The model's load-balancing loss of each sequence alone, shape (batch_size,)."""
+def per_sample_aux(model: nn.Module, router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor) -> torch.Tensor:
+    """The model's load-balancing loss of each row alone over its real tokens (`mask`, rows × length), shape (rows,)."""
+    model = _base(model)
     fn = _balancing_fn(model)
     num_experts = getattr(model, "num_experts", None) or model.config.num_local_experts
-    top_k = model.num_experts_per_tok
-    per_layer = [logits.reshape(batch_size, -1, logits.shape[-1]) for logits in router_logits]
+    top_k = getattr(model, "num_experts_per_tok", None) or model.config.num_experts_per_tok
+    rows = mask.shape[0]
+    per_layer = [logits.reshape(rows, -1, logits.shape[-1]) for logits in router_logits]
     return torch.stack([
-        torch.as_tensor(fn(tuple(layer[i] for layer in per_layer), num_experts, top_k,
-                           None if attention_mask is None else attention_mask[i:i + 1]))
-        for i in range(batch_size)
+        torch.as_tensor(fn(tuple(layer[i] for layer in per_layer), num_experts, top_k, mask[i:i + 1]))
+        for i in range(rows)
     ])
 
 
-def global_batch_loss(model: nn.Module, output, batch_size: int, global_batch_size: int,
-                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def global_batch_loss(model: nn.Module, output, batch: dict[str, torch.Tensor], global_batch_size: int) -> torch.Tensor:
     """This micro-batch's share of the step's loss: the model's own, with its micro-batch aux loss
-    replaced by the sum of its samples' aux losses / G (see the module docstring)."""
+    replaced by the sum of its rows' aux losses / G (see the module docstring)."""
     coef = aux_loss_coef(model)
     if not coef or getattr(output, "aux_loss", None) is None:
         return output.loss
     cross_entropy = output.loss - coef * output.aux_loss.to(output.loss.device)
-    aux = per_sample_aux(model, output.router_logits, batch_size, attention_mask)
+    aux = per_sample_aux(model, output.router_logits, real_tokens(batch))
     return cross_entropy + coef * aux.sum().to(cross_entropy.device) / global_batch_size

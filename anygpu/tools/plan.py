@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="What the recommendation is for (the table shows both).")
     p.add_argument("--lora_r", type=int, default=16, help="LoRA rank of the LoRA rows (default 16).")
     p.add_argument("--lora_target_modules", default="",
-                   help="Modules that get adapters, comma-separated, or all-linear (default: peft's choice for the "
-                        "model type, as the engines' --lora_target_modules left out).")
+                   help="Modules that get adapters, comma-separated, or all-linear (default: the engines' choice "
+                        "when their --lora_target_modules is left out).")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"Model FLOP utilisation of the step-time "
                                                                   f"estimate (default {DEFAULT_MFU}).")
     p.add_argument("--table", action="store_true", help="Also the full tables: every strategy, precision and "

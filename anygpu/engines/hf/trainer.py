@@ -157,9 +157,14 @@ class AnygpuTrainer(Trainer):
         unwrapped = self.unwrapped(model)
         if not model.training or not moe.aux_loss_coef(unwrapped):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
-        loss = moe.global_batch_loss(unwrapped, outputs, inputs["input_ids"].shape[0], self.prep.plan.global_batch_size)
-        return (loss, outputs) if return_outputs else loss
+
+        def forward(**kwargs):  # the model's outputs, its loss in the global-batch form
+            outputs = model(**kwargs)
+            outputs["loss"] = moe.global_batch_loss(unwrapped, outputs, inputs, self.prep.plan.global_batch_size)
+            return outputs
+
+        # through Trainer's own compute_loss, so its `loss × num_processes` (DDP averages gradients) applies as to any model
+        return super().compute_loss(forward, inputs, return_outputs, num_items_in_batch)
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
