@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Callable
+
+from anygpu.runtime.faults import test_fault
 
 EXIT_FAILURE = 1  # any other failure (a full disk while saving: one line, without a traceback)
 EXIT_USAGE = 2  # bad input, refused before any work
 EXIT_PREEMPTED = 143  # SIGTERM/SIGUSR1: every rank saved a checkpoint of the step it finished, then stopped
 EXIT_NO_CHECKPOINT = 75  # a second signal, or a collective stuck on a dead peer: stopped at once, no new checkpoint
+# How long the other ranks wait before they exit on a refusal that rank 0 prints: torchrun stops every rank
+# (SIGTERM) at the first exit, so a rank that exits first could cut rank 0 off before it prints.
+QUIET_RANK_GRACE_S = 10.0
 
 
 class UsageError(ValueError):
@@ -31,15 +37,30 @@ def run_main(body: Callable[[], object], cleanup: Callable[[], None]) -> None:
     try:
         body()
     except UsageError as e:
-        if rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        cleanup()
-        sys.exit(EXIT_USAGE)
+        exit_refused(e, cleanup)
     except SaveError as e:
         if rank() == 0 or not e.on_every_rank:
             print(f"error: {e}", file=sys.stderr, flush=True)
         cleanup()
+        if e.on_every_rank:
+            _let_rank0_speak()
         sys.exit(EXIT_FAILURE)
+
+
+def exit_refused(e: UsageError, cleanup: Callable[[], None] = lambda: None) -> None:
+    """Print a refusal once (rank 0) and exit 2, every rank."""
+    test_fault("refusal", 0)
+    if rank() == 0:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    cleanup()
+    _let_rank0_speak()
+    sys.exit(EXIT_USAGE)
+
+
+def _let_rank0_speak() -> None:
+    """On a rank other than 0, wait before exiting so that rank 0's exit (after its one line) ends the job."""
+    if rank() != 0:
+        time.sleep(QUIET_RANK_GRACE_S)
 
 
 class SaveError(RuntimeError):

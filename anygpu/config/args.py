@@ -21,7 +21,7 @@ from transformers import HfArgumentParser
 
 from anygpu.config import locate, suggest
 from anygpu.config.ranges import check_ranges
-from anygpu.errors import EXIT_USAGE, UsageError
+from anygpu.errors import UsageError, exit_refused
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 DEFAULT_GLOBAL_BATCH_SIZE = 16  # sequences, when no batch number at all is given
@@ -527,9 +527,7 @@ def preflight(argv: list[str] | None = None, extra: tuple[type, ...] = (), prog:
     try:
         parse_args(argv, extra, prog, warn=False)
     except UsageError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USAGE)
+        exit_refused(e)
     if os.environ.get("ANYGPU_PREFLIGHT_ONLY") == "1":  # the launchers' check before they start the ranks
         sys.exit(0)
 
