@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The README's GPU table on this machine: native FSDP2 engine (bf16; torch.compile off/on; activation
-# checkpointing off/on; HSDP, two replica groups as if this node were two) and the HF engine (DDP, FSDP2, DeepSpeed ZeRO-3), each a short run on every GPU,
-# summarised as one Markdown table of tokens/s, tokens/s/GPU, MFU and peak memory.
+# checkpointing off/on; HSDP, two replica groups as if this node were two; the model's own loss instead of the
+# lean loss) and the HF engine (DDP, FSDP2, DeepSpeed ZeRO-3), each a short run on every GPU, summarised as one
+# Markdown table of tokens/s, tokens/s/GPU, MFU and peak memory; then benchmarks/lean_loss.py on one GPU (the lean
+# loss against the model's own at vocabularies 32k/128k/256k: peak memory and tokens/s ratios).
 #
-#   bash benchmarks/gpu_matrix.sh                 # all GPUs torch sees; table in $OUT/gpu_matrix.md
+#   bash benchmarks/gpu_matrix.sh                 # all GPUs torch sees; tables in $OUT/gpu_matrix.md, $OUT/lean_loss.md
 #   NGPU=2 PRESET=default STEPS=40 bash benchmarks/gpu_matrix.sh
 #   DRY_RUN=1 bash benchmarks/gpu_matrix.sh       # print the commands only
 #
@@ -41,6 +43,7 @@ fi
 # name | command (each writes $OUT/<name>/metrics.jsonl)
 RUNS=(
   "native bf16|$TORCHRUN run_fsdp_standalone.py $COMMON"
+  "native bf16, the model's own loss (--lean_loss false)|$TORCHRUN run_fsdp_standalone.py $COMMON --lean_loss false"
   "native bf16 + activation checkpointing|$TORCHRUN run_fsdp_standalone.py $COMMON --gradient_checkpointing true"
   "native bf16 + torch.compile|$TORCHRUN run_fsdp_standalone.py $COMMON --torch_compile true"
   "native bf16 + torch.compile + activation checkpointing|$TORCHRUN run_fsdp_standalone.py $COMMON --torch_compile true --gradient_checkpointing true"
@@ -49,6 +52,8 @@ RUNS=(
   "HF engine, FSDP2|$ACCEL --config_file accelerate_configs/fsdp.yaml run_hf_standalone.py $COMMON"
   "HF engine, DeepSpeed ZeRO-3|$ACCEL --config_file accelerate_configs/deepspeed_zero3.yaml run_hf_standalone.py $COMMON"
 )
+
+LEAN_LOSS="$PYTHON benchmarks/lean_loss.py --bf16 --hidden 2048 --layers 2 --tokens 8192 --rounds 5"
 
 slug() { echo "$1" | tr 'A-Z' 'a-z' | tr -c 'a-z0-9\n' '-' | sed 's/--*/-/g; s/-$//'; }
 
@@ -59,7 +64,9 @@ if [ "$NGPU" = "0" ] || [ "$DRY_RUN" = "1" ]; then
     if [[ ${run#*|} == SKIP* ]]; then echo "  # skipped: ${run#*|SKIP }"; continue; fi
     echo "  ${run#*|} --output_dir $OUT/$(slug "${run%%|*}")"
   done
-  echo "and writes $OUT/gpu_matrix.md"
+  echo "  # the lean loss against the model's own, one GPU, bf16"
+  echo "  $LEAN_LOSS"
+  echo "and writes $OUT/gpu_matrix.md and $OUT/lean_loss.md"
   exit 0
 fi
 
@@ -105,3 +112,6 @@ table = "\n".join(lines) + "\n"
 (out / "gpu_matrix.md").write_text(table)
 print(table)
 PY
+echo "== lean loss vs the model's own" >&2
+$LEAN_LOSS >"$OUT/lean_loss.md" 2>"$OUT/lean_loss.log" || echo "   failed: see $OUT/lean_loss.log" >&2
+cat "$OUT/lean_loss.md"

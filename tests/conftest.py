@@ -90,6 +90,11 @@ def shared_runs(tmp_path_factory, name: str, launch: Callable[[Path], dict[str, 
     return root, json.loads(stdouts.read_text())
 
 
+def records(output_dir: Path) -> list[dict]:
+    """Every record of metrics.jsonl."""
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses(output_dir: Path) -> dict[int, float]:
     """step → training loss from metrics.jsonl."""
     out = {}

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, TINY, assert_close, env, fsdp_runs, losses, python, shared_runs, torchrun
+from conftest import BIN, ROOT, TINY, assert_close, env, fsdp_runs, losses, python, records, shared_runs, torchrun
 from test_hf_engine import parity_args
 
 pytestmark = pytest.mark.slow  # starts training processes
@@ -21,6 +21,7 @@ TEN = [*TINY, "--max_steps", "10"]
 
 
 EVAL24 = ["--max_eval_samples", "24"]  # the evaluation set the export round trip recomputes
+LEAN_CHUNKS = {"ANYGPU_LEAN_LOSS_CHUNK_TOKENS": "48"}  # a micro-batch of 512 tokens in 11 chunks, the last one short
 
 
 # The 4-rank reference runs as HSDP: 2 replica groups × 2 shards.
@@ -36,18 +37,22 @@ def state_at_step_5(run_dir: Path, dest: Path) -> None:
 
 def fsdp_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """10 steps of the tiny preset on 1, 2 and 4 ranks, the runs that start from them, and the engine-parity runs
-    (test_hf_parity.py), in three launches (once per session): 1 rank: `ws1`, `parity1`; 4 ranks: `ws4` as HSDP
+    (test_hf_parity.py), in three launches (once per session): 1 rank: `ws1`, `parity1`, `own` (ws1 with the
+    model's own loss; the 1- and 4-rank launches cut the lean loss into 48-token chunks); 4 ranks: `ws4` as HSDP
     2 × 2 (saving checkpoint-5); 2 ranks: `ws2` (exporting final/ after its last evaluation), `finetune` (1 step
     from that export), `bf16` (4 steps), `parity2`, `elastic` (ws4's checkpoint-5 resumed on 2 ranks as 1 × 2:
     another world size and mesh), `compile` (--torch_compile on HSDP 2 × 1, 4 of the 10 steps)."""
     def launch(root: Path) -> dict[str, str]:
-        names = ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic", "compile", "parity1", "parity2")
+        names = ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic", "compile", "parity1", "parity2", "own")
         d = {name: root / name for name in names}
         out = {}
-        out["ws1"], out["parity1"] = fsdp_runs(1, [[*TEN, *EVAL24, "--output_dir", str(d["ws1"]), "--export_final", "false"],
-                                                   [*parity_args(1), "--output_dir", str(d["parity1"])]])
+        out["ws1"], out["parity1"], out["own"] = fsdp_runs(1, [
+            [*TEN, *EVAL24, "--output_dir", str(d["ws1"]), "--export_final", "false"],
+            [*parity_args(1), "--output_dir", str(d["parity1"])],
+            [*TEN, *EVAL24, "--output_dir", str(d["own"]), "--export_final", "false", "--lean_loss", "false"]],
+            extra_env=LEAN_CHUNKS)
         out["ws4"], = fsdp_runs(4, [[*TEN, *EVAL24, "--output_dir", str(d["ws4"]), *HSDP_2X2, "--save_steps", "5",
-                                     "--export_final", "false"]])
+                                     "--export_final", "false"]], extra_env=LEAN_CHUNKS)
         state_at_step_5(d["ws4"], d["elastic"])
         assert (d["elastic"] / "checkpoint-5" / "trainer_state.json").exists() and not (d["elastic"] / "final").exists()
         assert sorted(losses(d["elastic"])) == list(range(1, 6))
@@ -68,7 +73,7 @@ def fsdp_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root, stdout = fsdp_reference(tmp_path_factory)
-    names = ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic", "compile")
+    names = ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic", "compile", "own")
     return {"dirs": {name: root / name for name in names}, "stdout": stdout}
 
 
@@ -92,6 +97,17 @@ def test_world_size_invariance(baseline, runs):
     ws4 = runs["stdout"]["ws4"]
     assert "mesh 2 × 2 (dp_replicate × dp_shard): HSDP, state sharded over the 2 ranks of each of 2" in ws4
     assert "global batch 8 = 2 per device × 4 devices × 1 accumulation step" in ws4
+
+
+def test_the_lean_loss_is_the_models_own(baseline, runs):
+    """The default lean loss (in 48-token chunks) against --lean_loss false: the same training and eval losses."""
+    own = runs["dirs"]["own"]
+    assert_close(losses(own), baseline[1], rel=1e-5)
+    evals = [{r["step"]: r["eval_loss"] for r in records(d) if "eval_loss" in r} for d in (own, runs["dirs"]["ws1"])]
+    assert evals[0] and evals[0].keys() == evals[1].keys()
+    assert_close(*evals, rel=1e-5)
+    assert "loss: lean (chunked cross-entropy, 48 tokens ($ANYGPU_LEAN_LOSS_CHUNK_TOKENS) at a time" in runs["stdout"]["ws1"]
+    assert "loss: the model's own (full logits; --lean_loss false)" in runs["stdout"]["own"]
 
 
 def test_elastic_resume_onto_another_world_size_and_mesh(baseline, runs):

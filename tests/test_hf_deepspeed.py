@@ -9,8 +9,8 @@ import math
 from types import SimpleNamespace
 
 import pytest
-from conftest import TINY, assert_close, hf_runs, losses
-from test_hf_engine import accelerate, hf_reference, records
+from conftest import TINY, assert_close, hf_runs, losses, records
+from test_hf_engine import accelerate, hf_reference
 
 pytestmark = pytest.mark.slow  # starts training processes
 
@@ -43,6 +43,8 @@ def test_zero_matches_one_process(runs, stage):
     assert f"strategy: DeepSpeed ZeRO-{stage} over 2 processes, gloo" in out
     split = "2 per device × 2 devices × 2 accumulation steps" if stage == 2 else "4 per device × 2 devices × 1 accumulation step"
     assert f"global batch 8 = {split}" in out  # and DeepSpeed accepted it: its batch numbers are ours
+    lean = "loss: lean" if stage == 2 else "loss: the model's own (full logits): lean loss off, ZeRO-3 gathers lm_head"
+    assert lean in out
     lr_ref = {r["step"]: r["learning_rate"] for r in records(runs["ddp1"]) if "loss" in r}
     lr_got = {r["step"]: r["learning_rate"] for r in records(runs[f"zero{stage}"]) if "loss" in r}
     assert lr_got == pytest.approx(lr_ref)  # the learning rate each step used, not the next step's

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import BIN, ROOT, TINY, assert_close, env, hf_runs, losses, python, run, shared_runs
+from conftest import BIN, ROOT, TINY, assert_close, env, hf_runs, losses, python, records, run, shared_runs
 
 pytestmark = pytest.mark.slow  # starts training processes
 
@@ -29,10 +29,6 @@ def accelerate(config: str, nproc: int, args: list[str], **kw) -> subprocess.Com
                 "--num_processes", str(nproc), SCRIPT, *args], **kw)
 
 
-def records(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 PARITY = [*TINY, "--max_steps", "20", "--max_eval_samples", "24", "--export_final", "false"]
 
 
@@ -46,7 +42,8 @@ def hf_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """The DDP-config runs this file, test_hf_deepspeed.py and test_hf_parity.py read, in two launches of the HF
     engine (once per session): 2 processes: `ws2`, 10 steps (2 per device × 2 × 2 accumulation steps, TensorBoard,
     an evaluation at step 0, checkpoint-5), and `parity2`; 1 process: `ws1`, 10 steps (8 × 1 × 1), `parity1`,
-    and `resumed`: ws2 as it stood after step 5, resumed with latest on 1 process up to 10."""
+    `resumed`: ws2 as it stood after step 5, resumed with latest on 1 process up to 10, and `own`: ws1 with the
+    model's own loss (this launch cuts the lean loss into 48-token chunks)."""
     def launch(root: Path) -> dict[str, str]:
         out = {}
         out["ws2"], out["parity2"] = hf_runs(2, [
@@ -54,10 +51,12 @@ def hf_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
              "--eval_on_start", "true", "--save_steps", "5"],
             [*parity_args(2), "--output_dir", str(root / "parity2")]])
         stopped_copy(root / "ws2", 5, root / "resumed")
-        out["ws1"], out["parity1"], out["resumed"] = hf_runs(1, [
+        out["ws1"], out["parity1"], out["resumed"], out["own"] = hf_runs(1, [
             [*TEN, "--output_dir", str(root / "ws1"), "--export_final", "false"],
             [*parity_args(1), "--output_dir", str(root / "parity1")],
-            [*TEN, "--output_dir", str(root / "resumed"), "--export_final", "false", "--resume_from_checkpoint", "latest"]])
+            [*TEN, "--output_dir", str(root / "resumed"), "--export_final", "false", "--resume_from_checkpoint", "latest"],
+            [*TEN, "--output_dir", str(root / "own"), "--export_final", "false", "--lean_loss", "false"]],
+            extra_env={"ANYGPU_LEAN_LOSS_CHUNK_TOKENS": "48"})
         return out
     return shared_runs(tmp_path_factory, "hf", launch)
 
@@ -76,6 +75,14 @@ def stopped_copy(run_dir: Path, step: int, dest: Path) -> None:
     shutil.copytree(run_dir / f"checkpoint-{step}", dest / f"checkpoint-{step}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     (dest / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= step))
+
+
+def test_the_lean_loss_is_the_models_own(tmp_path_factory):
+    """Through Trainer's compute_loss: the default lean loss (48-token chunks) against --lean_loss false."""
+    root, stdout = hf_reference(tmp_path_factory)
+    assert_close(losses(root / "own"), losses(root / "ws1"), rel=1e-5)
+    assert "loss: lean (chunked cross-entropy, 48 tokens" in stdout["ws1"]
+    assert "loss: the model's own (full logits; --lean_loss false)" in stdout["own"]
 
 
 def test_world_size_invariance(ddp):

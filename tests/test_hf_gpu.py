@@ -3,8 +3,8 @@ single-process DataParallel, bf16. Skipped without a GPU (CI runs on CPU)."""
 from __future__ import annotations
 
 import pytest
-from conftest import TINY, assert_close, losses, python, torchrun
-from test_hf_engine import accelerate, records
+from conftest import TINY, assert_close, losses, python, records, torchrun
+from test_hf_engine import accelerate
 
 torch = pytest.importorskip("torch")
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -8,9 +8,9 @@ import json
 import textwrap
 
 import pytest
-from conftest import assert_close, losses, torchrun
+from conftest import assert_close, losses, records, torchrun
 from test_fsdp_engine import fsdp_reference
-from test_hf_engine import hf_reference, records
+from test_hf_engine import hf_reference
 
 pytestmark = pytest.mark.slow  # starts training processes
 

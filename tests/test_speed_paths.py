@@ -173,7 +173,8 @@ def test_gpu_matrix_without_a_gpu_prints_its_plan_and_exits_0():
     for what in ("run_fsdp_standalone.py", "--torch_compile true", "--gradient_checkpointing true",
                  "accelerate_configs/ddp.yaml", "accelerate_configs/fsdp.yaml", "accelerate_configs/deepspeed_zero3.yaml"):
         assert what in proc.stdout, what
-    assert proc.stdout.count("--bf16 true") == 7
+    assert proc.stdout.count("--bf16 true") == 8
+    assert "--lean_loss false" in proc.stdout and "benchmarks/lean_loss.py --bf16" in proc.stdout
     assert "skipped: HSDP needs at least 2 GPUs (world size 1)" in proc.stdout
     # on a multi-GPU node the HSDP row runs two replica groups (what two nodes would get by default)
     four = subprocess.run(["bash", "benchmarks/gpu_matrix.sh"], cwd=root, capture_output=True, text=True, timeout=120,

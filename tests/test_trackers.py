@@ -5,7 +5,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import TINY, python
+from conftest import TINY, python, records
 
 from anygpu.engines.fsdp import main as fsdp_main
 from anygpu.engines.hf.engine import main as hf_main
@@ -48,10 +48,6 @@ def test_resolve():
 
 
 # ---------------------------------------------------------------------- real runs
-def records(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def per_step(recs: list[dict], key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in recs if key in r]
 

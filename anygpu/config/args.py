@@ -223,6 +223,14 @@ class TrainArguments:
     )
     gradient_checkpointing: bool = field(default=False, metadata={"resume": FREE, "help": "Recompute activations in the backward pass to save memory."})
     torch_compile: bool = field(default=False, metadata={"resume": FREE, "help": "torch.compile each decoder layer."})
+    lean_loss: bool = field(
+        default=True,
+        metadata={"resume": FREE, "help": "Compute the token cross-entropy a chunk of tokens at a time from the final hidden states "
+                          "and the output projection, so the (tokens × vocabulary) logits never exist whole: the same loss, "
+                          "less memory at large vocabularies (docs/lean-loss.md). A family whose forward changes the logits in a "
+                          "way it does not repeat, DataParallel and DeepSpeed ZeRO-3 keep the model's own loss (the banner "
+                          "says so). false: the model's own loss."},
+    )
     dp_replicate: int | None = field(
         default=None,
         metadata={"resume": FREE, "help": "FSDP2 engine, HSDP: replica groups R of the 2-D device mesh (R × --dp_shard = world size); "

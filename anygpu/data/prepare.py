@@ -23,7 +23,7 @@ from anygpu.data.order import GlobalOrder, eval_subset
 from anygpu.data.samples import make_rows
 from anygpu.data.sources import data_format, fingerprint, load_raw_text
 from anygpu.errors import UsageError
-from anygpu.model import dropout, lora, modeling
+from anygpu.model import dropout, lean_loss, lora, modeling
 from anygpu.runtime import distributed, hardware
 from anygpu.runtime.distributed import DistInfo
 
@@ -143,5 +143,6 @@ def summary_lines(prep: Prepared, model, train_args: TrainArguments, tf32: bool)
         prep.plan.banner(),
         f"steps: {prep.total_steps} ({prep.order.steps_per_epoch} per epoch), precision: {precision}"
         + (", TF32 matmuls" if tf32 else ""),
-        *[line for line in (dropout.note(model), lora.is_peft(model) and lora.trainable_line(model)) if line],
+        *[line for line in (dropout.note(model), lean_loss.note(model), lora.is_peft(model) and lora.trainable_line(model))
+          if line],
     ]

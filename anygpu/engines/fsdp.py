@@ -25,7 +25,7 @@ from anygpu.data.loader import StepBatches, read_step, step_loader
 from anygpu.data.order import eval_shards
 from anygpu.data.prepare import Prepared, check_run, prepare, summary_lines
 from anygpu.errors import UsageError
-from anygpu.model import dropout, lora, modeling, moe
+from anygpu.model import dropout, lean_loss, lora, modeling, moe
 from anygpu.planning import auto_batch
 from anygpu.reliability import run_guard
 from anygpu.reliability.preempt import Preemption
@@ -49,6 +49,7 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
         lora.hold_frozen_in(model, torch.bfloat16)  # as the memory plan counts it: 2 bytes per frozen parameter
     modeling.check_loss_kwargs(model)
     dropout.install(model, train_args.seed)
+    lean_loss.install(model, train_args.lean_loss)  # patches lm_head's forward before FSDP2 swaps the classes
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     parallel.shard_model(model, info.device, mesh_shape(train_args, info.world_size), train_args.bf16,
                          train_args.gradient_checkpointing, train_args.torch_compile)
@@ -73,8 +74,9 @@ def evaluate(model, dataset, collator: Collator, batch_size: int, info: distribu
     for idx in eval_shards(len(dataset), info.world_size, info.rank, batch_size):
         batch = {k: v.to(info.device) for k, v in collator.read(dataset, idx or [0]).items()}
         # num_items_in_batch=1 turns the model's loss into a token-loss sum (HF's own loss path)
-        loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=info.device),
-                         **moe.eval_kwargs(model)).loss
+        with lean_loss.active(model):
+            loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=info.device),
+                             **moe.eval_kwargs(model)).loss
         if idx:
             totals += torch.stack([loss_sum.double(), torch.tensor(float(count_targets(batch)), device=info.device, dtype=torch.float64)])
     distributed.all_reduce_sum(totals)
@@ -104,7 +106,8 @@ def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo, cpu
     for j, (batch, idx) in enumerate(zip(got.micro_batches, got.indices)):
         if parallel.is_sharded(model):
             model.set_requires_gradient_sync(j == len(got.micro_batches) - 1)  # reduce-scatter once per step
-        with dropout.keys(model, step, idx):  # masks keyed by sample, also in checkpointing's recomputation
+        # masks keyed by sample, also in checkpointing's recomputation; the lean loss (if installed) on the labels
+        with dropout.keys(model, step, idx), lean_loss.active(model):
             # no KV cache: transformers confines attention to packed samples only without one
             out = model(**batch, use_cache=False, num_items_in_batch=num_targets)
             loss = moe.global_batch_loss(model, out, batch, prep.plan.global_batch_size)

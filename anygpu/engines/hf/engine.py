@@ -132,6 +132,15 @@ def _check_resume_world(resume: Path | None, plan: hf_strategy.Plan) -> None:
         )
 
 
+def lean_loss_off_reason(plan: hf_strategy.Plan) -> str | None:
+    """Strategies the lean loss stays off under: it calls lm_head per chunk, outside the module hooks they rely on."""
+    if plan.kind == "dataparallel":
+        return "DataParallel's replicas would call the first GPU's lm_head"
+    if plan.kind == "deepspeed" and (plan.request.zero_stage or 2) >= 3:
+        return "ZeRO-3 gathers lm_head's weight only for the module's own forward"
+    return None
+
+
 def plan_strategy(plan: hf_strategy.Plan, ds_plugin) -> str:
     """The memory plan's name for the strategy that runs (anygpu/planning/memory_plan.py)."""
     if plan.kind == "fsdp":
@@ -168,7 +177,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
 
     from anygpu.data.prepare import prepare
     from anygpu.engines.hf.trainer import AnygpuTrainer, FlowCallback, MetricsCallback, plain_model_construction, read_anygpu_state, zero3_state_dict
-    from anygpu.model import dropout, lora, modeling
+    from anygpu.model import dropout, lean_loss, lora, modeling
     from anygpu.runtime.progress import protected
     from anygpu.train import metrics
 
@@ -227,6 +236,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
 
             lora.hold_frozen_in(model, torch.bfloat16)  # as the FSDP2 engine and the memory plan
     dropout.install(model, train_args.seed)  # masks keyed by sample, as in the FSDP2 engine
+    lean_loss.install(model, train_args.lean_loss, lean_loss_off_reason(plan))
     if train_args.torch_compile:
         for layer in (m for m in model.modules() if isinstance(m, blocks.decoder_layer_classes(model))):
             layer.compile()

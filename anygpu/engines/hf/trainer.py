@@ -34,7 +34,7 @@ from anygpu.config.batch import BatchPlan
 from anygpu.data.collate import count_targets
 from anygpu.data.order import MicroBatchSampler, eval_shards
 from anygpu.data.prepare import Prepared
-from anygpu.model import dropout, moe
+from anygpu.model import dropout, lean_loss, moe
 from anygpu.reliability.preempt import Preemption
 from anygpu.runtime import distributed
 from anygpu.runtime.faults import test_fault
@@ -153,8 +153,13 @@ class AnygpuTrainer(Trainer):
         super().log(logs, start_time)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Trainer's loss; a MoE router loss in its global-batch form (`anygpu.model.moe`), as the FSDP2 engine."""
+        """Trainer's loss, through the lean loss where it is installed (`anygpu.model.lean_loss`); a MoE router
+        loss in its global-batch form (`anygpu.model.moe`), as the FSDP2 engine."""
         unwrapped = self.unwrapped(model)
+        with lean_loss.active(unwrapped):
+            return self._compute_loss(model, unwrapped, inputs, return_outputs, num_items_in_batch)
+
+    def _compute_loss(self, model, unwrapped, inputs, return_outputs, num_items_in_batch):
         if not model.training or not moe.aux_loss_coef(unwrapped):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
@@ -187,8 +192,9 @@ class AnygpuTrainer(Trainer):
         for idx in eval_shards(len(dataset), self.args.world_size, self.args.process_index, batch_size):
             batch = {k: v.to(device) for k, v in self.prep.collator.read(dataset, idx or [0]).items()}
             # num_items_in_batch=1: the model's loss is the token-loss sum (HF's own loss path).
-            loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=device),
-                             **moe.eval_kwargs(self.unwrapped(model))).loss
+            with lean_loss.active(self.unwrapped(model)):
+                loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=device),
+                                 **moe.eval_kwargs(self.unwrapped(model))).loss
             if idx:
                 totals += torch.stack([loss_sum.double(), torch.tensor(float(count_targets(batch)), device=device,
                                                                         dtype=torch.float64)])

@@ -1,0 +1,309 @@
+"""The lean loss: the token cross-entropy from the final hidden states, a chunk of tokens at a time.
+
+The model's own loss computes the logits of every token, (tokens × vocabulary), upcasts them to fp32
+and keeps them (and their gradient) for the backward: at a 128k-256k vocabulary the largest tensors
+of a step. Here the output projection (`lm_head`, whatever wraps it: tied weights, a LoRA adapter, a
+module to save, FSDP2's unsharded parameter) runs on `CHUNK_BYTES` worth of tokens at a time, and each
+chunk's gradients (to its hidden states and to the head's parameters) are taken at once, while its
+logits exist (Liger's fused linear cross-entropy does the same on GPUs): at most one chunk of fp32
+logits exists at any moment, and none is recomputed (`_ChunkedCrossEntropy` says why).
+
+How it enters the model's forward (the same in both engines, so FSDP2/DDP hooks see a normal forward):
+under `active(model)` the `lm_head` records its input and returns empty logits (…, 0); the model then
+calls its `loss_function` (labels given), which is ours: it shifts the labels as transformers does,
+applies the family's logit soft-capping or scaling per chunk, and returns the token-loss sum over
+`num_items_in_batch` (the global batch's target-token count), the same normalisation as the model's
+own `ForCausalLMLoss`. A MoE router loss is still added by the model on top. Outside `active` the model
+is untouched (full logits, its own loss), e.g. for exports or generation.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from anygpu.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+CHUNK_BYTES = 128 << 20  # fp32 logits of one chunk: 256 tokens at a 128k vocabulary
+CHUNK_TOKENS_ENV = "ANYGPU_LEAN_LOSS_CHUNK_TOKENS"  # tokens per chunk instead (tuning; the tests' many small chunks)
+
+
+def chunk_rows(vocab_size: int) -> int:
+    """Tokens per chunk: `CHUNK_BYTES` of fp32 logits, or $ANYGPU_LEAN_LOSS_CHUNK_TOKENS."""
+    given = os.environ.get(CHUNK_TOKENS_ENV)
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise UsageError(f"{CHUNK_TOKENS_ENV}={given!r}: give a positive number of tokens, e.g. 256")
+        return int(given)
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
+
+
+def _softcap(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    cap = model.config.final_logit_softcapping
+    return (lambda x: torch.tanh(x / cap) * cap) if cap is not None else (lambda x: x)
+
+
+def _multiply(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    scale = model.logit_scale
+    return lambda x: x * scale
+
+
+def _divide(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    scale = model.config.logits_scaling
+    return lambda x: x / scale
+
+
+def _identity(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: x
+
+
+# Families that change the logits between the output projection and `self.loss_function`, and how
+# (tests/test_lean_loss.py checks each against the model's own loss).
+POST: dict[str, Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "gemma2": _softcap, "gemma3_text": _softcap,  # final_logit_softcapping
+    "cohere": _multiply, "cohere2": _multiply,  # logit_scale
+    "granite": _divide, "granitemoe": _divide, "granitemoeshared": _divide,  # logits_scaling
+}
+
+
+def _straight_to_the_loss(base: nn.Module) -> bool:
+    """Whether the model's forward hands the output projection's result to `self.loss_function` untouched:
+    `logits = self.lm_head(hidden_states[...])`, then (blank lines, comments, `loss = None`, `if labels is not
+    None:`) `loss = self.loss_function(logits, ...)`, read from the class's source. Any family that does so
+    (most of transformers') gets the same loss from the chunks; one that scales, caps or reshapes does not match."""
+    head = base.get_output_embeddings()
+    name = next((n for n, m in base.named_children() if m is head), None)
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return False
+    if name is None:
+        return False
+    call = r"(?:[^()\n]|\([^()\n]*\))*"  # arguments with at most one level of parentheses
+    filler = r"(?:[ \t]*(?:#[^\n]*)?\n|[ \t]*loss = None[ \t]*\n|[ \t]*if labels is not None:[ \t]*\n)*"
+    pattern = (rf"\n[ \t]*(\w+) = self\.{re.escape(name)}\({call}\)(?:\.contiguous\(\))?[ \t]*\n{filler}"
+               rf"[ \t]*loss = self\.loss_function\(\s*(?:logits\s*=\s*)?\1\s*[,)]")
+    return re.search(pattern, source) is not None
+
+
+def _post(base: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the family does to the logits before its loss (None: something the lean loss cannot repeat)."""
+    model_type = getattr(base.config, "model_type", None)
+    if model_type in POST:
+        return POST[model_type](base)
+    return _identity(base) if _straight_to_the_loss(base) else None
+
+
+@dataclass
+class _Lean:
+    """What one model's lean loss needs: the head's own forward, the family's logit post-processing."""
+
+    head_forward: Callable[[torch.Tensor], torch.Tensor]
+    post: Callable[[torch.Tensor], torch.Tensor]
+    active: bool = False
+    hidden: torch.Tensor | None = None
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _state(model: nn.Module) -> _Lean | None:
+    return getattr(_base(model), "_anygpu_lean", None)
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why the lean loss cannot serve this model (None: it can)."""
+    base = _base(model)
+    if base.get_output_embeddings() is None:
+        return f"{type(base).__name__} has no output projection"
+    if _post(base) is None:
+        return (f"{type(base).__name__}'s forward changes the logits before its loss_function in a way it does not "
+                f"repeat (or does not call self.loss_function)")
+    return None
+
+
+def install(model: nn.Module, enabled: bool, off_reason: str | None = None) -> str:
+    """Route the model's token cross-entropy through the lean loss (under `active`); returns the banner line,
+    also kept for `note`."""
+    line = _install(model, enabled, off_reason)
+    _base(model)._anygpu_lean_note = line
+    return line
+
+
+def note(model: nn.Module) -> str | None:
+    """The banner line of `install` (None if it was never called)."""
+    return getattr(_base(model), "_anygpu_lean_note", None)
+
+
+def _install(model: nn.Module, enabled: bool, off_reason: str | None) -> str:
+    if not enabled:
+        return "loss: the model's own (full logits; --lean_loss false)"
+    reason = off_reason or unsupported_reason(model)
+    if reason is not None:
+        return f"loss: the model's own (full logits): lean loss off, {reason}"
+    base = _base(model)
+    head = base.get_output_embeddings()
+    state = _Lean(head_forward=head.forward, post=_post(base))
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        if not state.active:
+            return state.head_forward(hidden)
+        state.hidden = hidden  # the loss_function below consumes it; no logits are computed here
+        return hidden.new_empty(*hidden.shape[:-1], 0)
+
+    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
+                      shift_labels=None, **kwargs):
+        hidden, state.hidden = state.hidden, None
+        if hidden is None:  # not under `active`: the model's own loss
+            from transformers.loss.loss_utils import ForCausalLMLoss
+
+            return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+        if shift_labels is None:  # position t predicts token t+1, as transformers shifts them
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        total, count = token_loss_sum(hidden, shift_labels, head, state.head_forward, state.post, vocab_size, ignore_index)
+        if num_items_in_batch is None:
+            return total / count
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
+
+    head.forward = capture  # an instance attribute: the module's class (FSDP2 swaps it) is left alone
+    base.loss_function = loss_function  # PreTrainedModel's setter: this model's loss, not the family's
+    base._anygpu_lean = state
+    size = f"{chunk_rows(base.config.vocab_size)} tokens"
+    size += f" (${CHUNK_TOKENS_ENV})" if os.environ.get(CHUNK_TOKENS_ENV) else f" ({CHUNK_BYTES >> 20} MiB of fp32 logits)"
+    return f"loss: lean (chunked cross-entropy, {size} at a time; --lean_loss false: the model's own)"
+
+
+def is_installed(model: nn.Module) -> bool:
+    return _state(model) is not None
+
+
+@contextlib.contextmanager
+def active(model: nn.Module) -> Iterator[None]:
+    """Forward passes with labels inside compute the lean loss (a no-op where it is not installed)."""
+    state = _state(model)
+    if state is None:
+        yield
+        return
+    state.active = True
+    try:
+        yield
+    finally:
+        state.active, state.hidden = False, None
+
+
+def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, head_forward, post, ignore_index: int) -> torch.Tensor:
+    logits = post(head_forward(hidden).float())  # the model's own order: project, upcast, soft-cap or scale
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """The token-loss sum, its gradients computed chunk by chunk in the forward (no logits kept, none recomputed).
+
+    The loss is a scalar that the backward only scales, so each chunk's gradient (to its hidden rows and to
+    the head's parameters) can be taken while its logits exist: the backward multiplies by the incoming
+    gradient. This costs the model's own FLOPs (recomputing the logits in the backward would add a third of
+    the head's: 0.67× the tokens/s at a 128k vocabulary on CPU) and keeps the head's gradient (fp32) and the
+    hidden states' gradient from the forward to the backward instead of the logits. A plain `nn.Linear`
+    head accumulates its weight gradient inside the matmul (addmm); any other head (LoRA, a module to
+    save) goes through autograd per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, labels, head, head_forward, post, ignore_index, rows, *params):
+        need_hidden, need = ctx.needs_input_grad[0], dict(zip(map(id, params), ctx.needs_input_grad[7:]))
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grads: dict[int, torch.Tensor] = {}  # id(param) → fp32 gradient, summed over the chunks
+        linear = type(head) is nn.Linear and not torch.is_autocast_enabled(hidden.device.type)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], rows):
+            h, y = hidden[start:start + rows], labels[start:start + rows]
+            if linear:
+                loss, grad_h = _linear_chunk(h, y, head, post, ignore_index, need, grads)
+            else:
+                loss, grad_h = _module_chunk(h, y, head_forward, post, ignore_index, need_hidden, params, need, grads)
+            if need_hidden:
+                grad_hidden[start:start + rows] = grad_h
+            total += loss
+        out = [grads[id(p)].to(p.dtype) if id(p) in grads else None for p in params]
+        ctx.save_for_backward(grad_hidden, *out)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, *grad_params = ctx.saved_tensors
+        scale = lambda g: None if g is None else g * grad_total.to(g.dtype)  # noqa: E731
+        return (scale(grad_hidden), None, None, None, None, None, None, *map(scale, grad_params))
+
+
+def _accumulate(grads: dict[int, torch.Tensor], param: torch.Tensor, grad: torch.Tensor) -> None:
+    if id(param) in grads:
+        grads[id(param)] += grad
+    else:
+        grads[id(param)] = grad.float()
+
+
+def _linear_chunk(h, y, head: nn.Linear, post, ignore_index: int, need: dict[int, bool], grads: dict[int, torch.Tensor]):
+    """One chunk through a plain linear head: (loss, gradient to h); the weight's gradient summed into `grads`."""
+    weight, bias = head.weight, head.bias
+    logits = F.linear(h, weight, bias).float().requires_grad_()  # computed without a graph: a leaf
+    with torch.enable_grad():  # autograd is off inside Function.forward
+        loss = F.cross_entropy(post(logits), y, ignore_index=ignore_index, reduction="sum")
+        (grad_logits,) = torch.autograd.grad(loss, logits)
+    g = grad_logits.to(weight.dtype)
+    if need.get(id(weight)):
+        if id(weight) in grads and weight.dtype == torch.float32:
+            grads[id(weight)].addmm_(g.t(), h)  # summed inside the matmul: no extra pass over the weight
+        else:
+            _accumulate(grads, weight, g.t() @ h)
+    if bias is not None and need.get(id(bias)):
+        _accumulate(grads, bias, g.sum(0))
+    return loss.detach(), g @ weight
+
+
+def _module_chunk(h, y, head_forward, post, ignore_index: int, need_hidden: bool, params, need: dict[int, bool],
+                  grads: dict[int, torch.Tensor]):
+    """One chunk through any head (its own forward, under autograd): (loss, gradient to h or None)."""
+    h = h.detach().requires_grad_(need_hidden)
+    wanted = [p for p in params if need[id(p)]]
+    with torch.enable_grad():
+        loss = _chunk_loss(h, y, head_forward, post, ignore_index)
+        got = list(torch.autograd.grad(loss, [h] * need_hidden + wanted)) if need_hidden or wanted else []
+    grad_h = got.pop(0) if need_hidden else None
+    for p, g in zip(wanted, got):
+        _accumulate(grads, p, g)
+    return loss.detach(), grad_h
+
+
+def token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
+                   head_forward: Callable[[torch.Tensor], torch.Tensor], post: Callable[[torch.Tensor], torch.Tensor],
+                   vocab_size: int, ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the token losses, number of target tokens) of hidden (…, H) against already shifted labels (…),
+    computing `CHUNK_BYTES` of fp32 logits at a time; `head_forward` is `head`'s own forward."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1).to(hidden.device)
+    rows = chunk_rows(vocab_size)
+    count = (labels != ignore_index).sum()
+    if not torch.is_grad_enabled():  # evaluation: the chunks' losses alone
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], rows):
+            total += _chunk_loss(hidden[s:s + rows], labels[s:s + rows], head_forward, post, ignore_index)
+        return total, count
+    # The head's parameters as they are now (FSDP2: the unsharded ones of this forward), so their gradients
+    # reach them through autograd as the model's own loss would send them.
+    params = [p for p in head.parameters() if p.requires_grad]
+    return _ChunkedCrossEntropy.apply(hidden, labels, head, head_forward, post, ignore_index, rows, *params), count
