@@ -17,8 +17,10 @@ EXIT_FAILURE = 1  # any other failure (a full disk while saving: one line, witho
 EXIT_USAGE = 2  # bad input, refused before any work
 EXIT_PREEMPTED = 143  # SIGTERM/SIGUSR1: every rank saved a checkpoint of the step it finished, then stopped
 EXIT_NO_CHECKPOINT = 75  # a second signal, or a collective stuck on a dead peer: stopped at once, no new checkpoint
-# How long the other ranks wait before they exit on a refusal that rank 0 prints: torchrun stops every rank
-# (SIGTERM) at the first exit, so a rank that exits first could cut rank 0 off before it prints.
+# How long rank 0's node-mates wait before they exit on a refusal that rank 0 prints: their torchrun agent
+# stops every rank of the node (SIGTERM) at the first exit, so one that exits first could cut rank 0 off
+# before it prints. Rank 0's exit ends the wait (the agent stops the others); other nodes' agents do not
+# stop rank 0 at once, so their ranks exit without waiting.
 QUIET_RANK_GRACE_S = 10.0
 
 
@@ -58,8 +60,9 @@ def exit_refused(e: UsageError, cleanup: Callable[[], None] = lambda: None) -> N
 
 
 def _let_rank0_speak() -> None:
-    """On a rank other than 0, wait before exiting so that rank 0's exit (after its one line) ends the job."""
-    if rank() != 0:
+    """On a rank other than 0 on rank 0's node, wait before exiting so that rank 0's exit (after its one line)
+    ends the job."""
+    if rank() != 0 and os.environ.get("GROUP_RANK", "0") == "0":  # GROUP_RANK: torchrun's node rank
         time.sleep(QUIET_RANK_GRACE_S)
 
 

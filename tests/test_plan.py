@@ -4,6 +4,7 @@ has the documented rows, and the recommendation fits. Activations are estimates:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import subprocess
@@ -132,10 +133,26 @@ def test_states_shard_by_n_and_sum_to_16_bytes_per_parameter():
 
 def test_activations_grow_with_batch_and_shrink_with_checkpointing():
     shapes, _, _ = plan_tool.load_shapes(None, "llama-1b")
-    one = memory_plan.activation_bytes(shapes, 1, 2048, "bf16", False)
-    assert memory_plan.activation_bytes(shapes, 2, 2048, "bf16", False) == 2 * one
-    assert memory_plan.activation_bytes(shapes, 1, 2048, "bf16", True) < one / 1.5
-    assert memory_plan.activation_bytes(shapes, 1, 2048, "fp32", False) > one
+    one = memory_plan.activation_bytes(shapes, 1, 2048, "bf16", False, lean_loss=False)
+    assert memory_plan.activation_bytes(shapes, 2, 2048, "bf16", False, lean_loss=False) == 2 * one
+    assert memory_plan.activation_bytes(shapes, 1, 2048, "bf16", True, lean_loss=False) < one / 1.5
+    assert memory_plan.activation_bytes(shapes, 1, 2048, "fp32", False, lean_loss=False) > one
+
+
+def test_the_lean_loss_holds_one_chunk_of_logits_not_all():
+    """The engines' default: per token the hidden states' gradient instead of (dtype + 2 fp32) logits, plus one
+    chunk's logits; at a 128k vocabulary and 8 × 4096 tokens that is gigabytes less."""
+    from anygpu.model import lean_loss
+
+    assert memory_plan.LEAN_CHUNK_BYTES == lean_loss.CHUNK_BYTES
+    shapes, _, _ = plan_tool.load_shapes(None, "llama-1b")
+    shapes = dataclasses.replace(shapes, vocab_size=128256)
+    own = memory_plan.activation_bytes(shapes, 8, 4096, "bf16", True, lean_loss=False)
+    lean = memory_plan.activation_bytes(shapes, 8, 4096, "bf16", True)
+    tokens, v, h = 8 * 4096, 128256, shapes.hidden_size
+    chunk = memory_plan.LEAN_CHUNK_BYTES // (4 * v)
+    assert own - lean == tokens * (v * 10 - 2 * h) - chunk * v * 10
+    assert own - lean > 10 * 2**30
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess:

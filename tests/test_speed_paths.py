@@ -154,7 +154,15 @@ def test_engines_do_not_import_deepspeed_until_used():
     import sys
 
     code = ("import sys, anygpu.engines.fsdp, anygpu.engines.hf.engine, anygpu.engines.hf.trainer; "
-            "assert 'deepspeed' not in sys.modules, 'deepspeed imported'")
+            "assert 'deepspeed' not in sys.modules, 'deepspeed imported'; "
+            # unwrapping a model (Trainer's start-up, save_pretrained) neither, once the engines' guard is on; a
+            # DeepSpeed engine is still unwrapped once DeepSpeed is in use
+            "import torch; from transformers.modeling_utils import unwrap_model; "
+            "from anygpu.runtime import lazy_deepspeed; lazy_deepspeed.unwrap_without_importing_deepspeed(); "
+            "ddp_like = type('DistributedDataParallel', (torch.nn.parallel.DistributedDataParallel,), {'__init__': lambda self, m: torch.nn.Module.__init__(self) or setattr(self, 'module', m)}); "
+            "inner = torch.nn.Linear(2, 2); assert unwrap_model(ddp_like(inner)) is inner; "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed imported by unwrap_model'; "
+            "import deepspeed; from accelerate.utils import other; assert other.is_deepspeed_available()")
     subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
 
 

@@ -29,7 +29,7 @@ from anygpu.model import dropout, lean_loss, lora, modeling, moe
 from anygpu.planning import auto_batch
 from anygpu.reliability import run_guard
 from anygpu.reliability.preempt import Preemption
-from anygpu.runtime import distributed, hardware, mesh, parallel
+from anygpu.runtime import distributed, hardware, lazy_deepspeed, mesh, parallel
 from anygpu.runtime.faults import test_fault
 from anygpu.runtime.progress import protected
 from anygpu.train import metrics, optim, trackers
@@ -343,6 +343,7 @@ class FSDPTrainer:
 
 
 def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> dict[str, Any]:
+    lazy_deepspeed.unwrap_without_importing_deepspeed()  # the final export's save_pretrained would import it
     trainer = FSDPTrainer(model_args, data_args, train_args)
     try:
         return trainer.train()

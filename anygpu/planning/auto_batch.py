@@ -71,11 +71,12 @@ def choose(per_rank: int, cost: Callable[[int], int], budget_bytes: int, device:
 
 
 def estimate_cost(shapes: memory_plan.Shapes, strategy: str, precision: str, world: int, block_size: int,
-                  checkpointing: bool) -> Callable[[int], int]:
+                  checkpointing: bool, lean_loss: bool = True) -> Callable[[int], int]:
     """Per-device bytes the plan expects at micro-batch m (model states, activations, working copies)."""
     states = sum(memory_plan.model_state_bytes(shapes, strategy, precision, world)[0].values())
     extra = memory_plan.transient_bytes(shapes, strategy, precision, world)
-    return lambda m: states + extra + memory_plan.activation_bytes(shapes, m, block_size, precision, checkpointing)
+    return lambda m: states + extra + memory_plan.activation_bytes(shapes, m, block_size, precision, checkpointing,
+                                                                    lean_loss)
 
 
 def measured_cost(model: torch.nn.Module, vocab_size: int, block_size: int, device: torch.device,
@@ -89,7 +90,11 @@ def measured_cost(model: torch.nn.Module, vocab_size: int, block_size: int, devi
         gen = torch.Generator(device="cpu").manual_seed(m)
         ids = torch.randint(0, vocab_size, (m, block_size), generator=gen).to(device)
         try:
-            model(input_ids=ids, labels=ids).loss.backward()
+            from anygpu.model import lean_loss  # the loss training will use (a no-op where it is not installed)
+
+            with lean_loss.active(model):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
             used = torch.cuda.max_memory_allocated(device) + optimizer_bytes
         except torch.OutOfMemoryError:
             used = 1 << 62
@@ -112,7 +117,8 @@ def budget(max_memory_per_device_gb: float | None, device: torch.device) -> int:
 
 def resolve(plan: BatchPlan, shapes: memory_plan.Shapes, strategy: str, precision: str, block_size: int,
             checkpointing: bool, max_memory_per_device_gb: float | None, device: torch.device,
-            model: torch.nn.Module | None = None, shard_size: int | None = None) -> tuple[BatchPlan, Probe]:
+            model: torch.nn.Module | None = None, shard_size: int | None = None,
+            lean_loss: bool = True) -> tuple[BatchPlan, Probe]:
     """The batch plan with the chosen micro-batch (G and W unchanged) and the probe's report. `shard_size`: the
     ranks the state is sharded over when fewer than W (HSDP's dp_shard)."""
     per_rank = plan.global_batch_size // plan.world_size
@@ -122,7 +128,7 @@ def resolve(plan: BatchPlan, shapes: memory_plan.Shapes, strategy: str, precisio
         states = memory_plan.model_state_bytes(shapes, strategy, precision, shards)[0]
         cost, how = measured_cost(model, shapes.vocab_size, block_size, device, states["optimizer"]), "measured"
     else:
-        cost, how = estimate_cost(shapes, strategy, precision, shards, block_size, checkpointing), "estimated"
+        cost, how = estimate_cost(shapes, strategy, precision, shards, block_size, checkpointing, lean_loss), "estimated"
     probe = choose(per_rank, cost, limit, device, how)
     return plan_batch(plan.global_batch_size, plan.world_size, probe.micro_batch), probe
 
@@ -138,5 +144,5 @@ def apply(prep, model_args, train_args, device: torch.device, strategy: str,
     precision = "bf16" if (train_args.bf16 or train_args.fp16) else "fp32"
     prep.plan, probe = resolve(prep.plan, shapes, strategy, precision, prep.block_size,
                                train_args.gradient_checkpointing, train_args.max_memory_per_device_gb, device, model,
-                               shard_size)
+                               shard_size, lean_loss=train_args.lean_loss and not strategy.startswith("zero3"))
     return probe

@@ -20,7 +20,9 @@ Large Transformer Models"), adapted to a Llama-style block's real shapes: the te
 saves per token of one layer are the two RMSNorm inputs (upcast to fp32 by HF), the q/k/v inputs
 and outputs (GQA: k and v have num_key_value_heads·head_dim), the attention output, and SwiGLU's
 gate, up, SiLU(gate) and product (4·intermediate); attention itself is a fused SDPA kernel (no
-s² scores). The logits are kept in the compute dtype, upcast to fp32 and log-softmaxed in fp32.
+s² scores). The model's own loss keeps the logits in the compute dtype, upcast to fp32 and
+log-softmaxed in fp32; the lean loss (the engines' default, `anygpu.model.lean_loss`) keeps the
+final hidden states' gradient instead, and one chunk's logits (`LEAN_CHUNK_BYTES` of fp32) at a time.
 With activation checkpointing each layer keeps only its input, and one layer is recomputed at a time.
 """
 from __future__ import annotations
@@ -175,7 +177,11 @@ def model_state_bytes(shapes: Shapes, strategy: str, precision: str, world: int,
     return {"parameters": params, "gradients": grads, "optimizer": optim}, cpu
 
 
-def activation_bytes(shapes: Shapes, micro_batch: int, block_size: int, precision: str, checkpointing: bool) -> int:
+LEAN_CHUNK_BYTES = 128 << 20  # anygpu.model.lean_loss.CHUNK_BYTES (this module stays free of torch)
+
+
+def activation_bytes(shapes: Shapes, micro_batch: int, block_size: int, precision: str, checkpointing: bool,
+                     lean_loss: bool = True) -> int:
     """Saved activations of one micro-batch (an estimate; see the module docstring)."""
     e = 2 if precision == "bf16" else 4
     h, i, v = shapes.hidden_size, shapes.intermediate_size, shapes.vocab_size
@@ -183,11 +189,13 @@ def activation_bytes(shapes: Shapes, micro_batch: int, block_size: int, precisio
     kv = shapes.num_kv_heads * shapes.head_dim
     layer = (e * (h + q + 2 * kv + q + h + 4 * i)  # norm outs, q/k/v, attention out, norm out, SwiGLU
              + 2 * 4 * h)  # both RMSNorms' inputs upcast to fp32
-    head = e * h + 4 * h + v * (e + 4 + 4)  # embedding out, final norm, logits: dtype, fp32 copy, log-softmax
     tokens = micro_batch * block_size
-    if checkpointing:
-        return tokens * (shapes.num_layers * e * h + layer + head)
-    return tokens * (shapes.num_layers * layer + head)
+    per_token = shapes.num_layers * (e * h if checkpointing else layer) + (layer if checkpointing else 0)
+    if lean_loss:  # embedding out, final norm, the hidden states' gradient; one chunk's logits at a time
+        chunk = min(tokens, max(1, LEAN_CHUNK_BYTES // (4 * v)))
+        return tokens * (per_token + e * h + 4 * h + e * h) + chunk * v * (e + 4 + 4)
+    # embedding out, final norm, logits: dtype, fp32 copy, log-softmax
+    return tokens * (per_token + e * h + 4 * h + v * (e + 4 + 4))
 
 
 def transient_bytes(shapes: Shapes, strategy: str, precision: str, world: int) -> int:
@@ -235,12 +243,12 @@ def hsdp_command(num_gpus: int, dp_shard: int) -> str:
 
 
 def row_for(shapes: Shapes, machine: Machine, strategy: str, precision: str, checkpointing: bool, lora: bool,
-            micro_batch: int, block_size: int, dp_shard: int | None = None) -> Row:
+            micro_batch: int, block_size: int, dp_shard: int | None = None, lean_loss: bool = True) -> Row:
     """One strategy's per-GPU bytes; `dp_shard`: HSDP's shard group (the ranks its state is divided by)."""
     world = max(1, machine.num_gpus)  # no GPU detected: the plan of one process
     shards = (dp_shard or world) if strategy == HSDP else world
     states, cpu = model_state_bytes(shapes, strategy, precision, shards)
-    acts = activation_bytes(shapes, micro_batch, block_size, precision, checkpointing)
+    acts = activation_bytes(shapes, micro_batch, block_size, precision, checkpointing, lean_loss)
     per_gpu = {**states, "activations": acts,
                "transient": transient_bytes(shapes, strategy, precision, shards),
                "reserved": RESERVED_BYTES if machine.gpu_memory_bytes else 0}

@@ -23,7 +23,7 @@ from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.engines.hf.gpu_count import check_processes_per_node
 from anygpu.errors import UsageError
 from anygpu.reliability import run_guard
-from anygpu.runtime import blocks, distributed, hardware
+from anygpu.runtime import blocks, distributed, hardware, lazy_deepspeed
 from anygpu.train import trackers
 
 if TYPE_CHECKING:
@@ -172,6 +172,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     hf_strategy.apply_env(plan)
     run_guard.claim_output_dir(train_args, errors.rank())  # lock, repairs, used output_dir, rewinds
     # Trainer and the data stack take seconds to import: only once the run is known to go ahead.
+    lazy_deepspeed.unwrap_without_importing_deepspeed()  # Trainer unwraps the model at start-up and export
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from transformers.utils import logging as hf_logging
 
