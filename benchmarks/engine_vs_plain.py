@@ -4,7 +4,8 @@ One process. The plain loop is what you would write by hand: the unsharded model
 forward/backward per micro-batch, clip, step. Both read the same micro-batches from the packed dataset each step; the engine runs them as
 its loop does: `fsdp_engine.train_step` on the step DataLoader's items (a worker process on a GPU or a spare core; token-normalised loss; FSDP2 wrapping
 where it shards, i.e. not on one fp32 process), clipping, and the loss and gradient norm read on logging
-steps only (every 10, the default --logging_steps; the plain loop reads them as often).
+steps only (every 10, the default --logging_steps; the plain loop reads them as often). Both take the
+model's own loss (`--lean_loss false` for the engine): this measures the loop, benchmarks/lean_loss.py the loss.
 Rounds alternate between the two so machine noise hits both alike.
 
     .venv/bin/python benchmarks/engine_vs_plain.py [--config_name tiny] [--steps 20] [--rounds 3] [--block_size 128] [--loader_workers N]
@@ -69,6 +70,9 @@ def main() -> None:
     model_args, data_args, train_args = parse_args([
         "--config_name", a.config_name, "--block_size", a.block_size, "--global_batch_size", a.global_batch_size,
         "--max_corpus_mb", "2", "--output_dir", "/tmp/anygpu-bench",
+        # the loop's cost, not the loss kernel's: both sides take the model's own loss
+        # (the lean loss against it: benchmarks/lean_loss.py)
+        "--lean_loss", "false",
     ])
     info = distributed.init_distributed()
     prep = prepare(model_args, data_args, train_args, info)

@@ -50,8 +50,9 @@ def main() -> None:
     ratios, loop_ms, bare_step_ms = [], {"engine": [], "bare": []}, []
     for r in range(a.rounds):
         out = tempfile.mkdtemp(prefix="anygpu-hfbench-")
+        # --lean_loss false: the bare Trainer takes the model's own loss (the lean one: benchmarks/lean_loss.py)
         engine_cmd = [*timing, "run_hf_standalone.py", *common, "--eval_steps", "0", "--eval_on_start", "false",
-                      "--export_final", "false", "--output_dir", f"{out}/engine"]
+                      "--export_final", "false", "--lean_loss", "false", "--output_dir", f"{out}/engine"]
         bare_cmd = [*timing, "benchmarks/_bare_trainer.py", *common, "--output_dir", f"{out}/bare"]
         # who goes first alternates, so a slow spell of the machine hits both alike
         order = [("engine", engine_cmd), ("bare", bare_cmd)][:: 1 if r % 2 == 0 else -1]
