@@ -218,21 +218,24 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     the head's parameters) can be taken while its logits exist: the backward multiplies by the incoming
     gradient. This costs the model's own FLOPs (recomputing the logits in the backward would add a third of
     the head's: 0.67× the tokens/s at a 128k vocabulary on CPU) and keeps the head's gradient (fp32) and the
-    hidden states' gradient from the forward to the backward instead of the logits. Each chunk goes through
-    autograd (the head's own forward: a plain linear layer, LoRA, a module to save alike), whose kernels for
-    the two gradient matmuls were faster on CPU than hand-written ones (0.87× the model's own tokens/s at
-    the tiny preset with `addmm` into one buffer, 1.0× through autograd).
+    hidden states' gradient from the forward to the backward instead of the logits. A plain `nn.Linear`
+    head accumulates its weight gradient inside the matmul (addmm); any other head (LoRA, a module to
+    save) goes through autograd per chunk.
     """
 
     @staticmethod
-    def forward(ctx, hidden, labels, head_forward, post, ignore_index, rows, *params):
-        need_hidden, need = ctx.needs_input_grad[0], dict(zip(map(id, params), ctx.needs_input_grad[6:]))
+    def forward(ctx, hidden, labels, head, head_forward, post, ignore_index, rows, *params):
+        need_hidden, need = ctx.needs_input_grad[0], dict(zip(map(id, params), ctx.needs_input_grad[7:]))
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grads: dict[int, torch.Tensor] = {}  # id(param) → fp32 gradient, summed over the chunks
+        linear = type(head) is nn.Linear and not torch.is_autocast_enabled(hidden.device.type)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], rows):
             h, y = hidden[start:start + rows], labels[start:start + rows]
-            loss, grad_h = _chunk_grads(h, y, head_forward, post, ignore_index, need_hidden, params, need, grads)
+            if linear:
+                loss, grad_h = _linear_chunk(h, y, head, post, ignore_index, need, grads)
+            else:
+                loss, grad_h = _module_chunk(h, y, head_forward, post, ignore_index, need_hidden, params, need, grads)
             if need_hidden:
                 grad_hidden[start:start + rows] = grad_h
             total += loss
@@ -244,7 +247,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         grad_hidden, *grad_params = ctx.saved_tensors
         scale = lambda g: None if g is None else g * grad_total.to(g.dtype)  # noqa: E731
-        return (scale(grad_hidden), None, None, None, None, None, *map(scale, grad_params))
+        return (scale(grad_hidden), None, None, None, None, None, None, *map(scale, grad_params))
 
 
 def _accumulate(grads: dict[int, torch.Tensor], param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -254,7 +257,25 @@ def _accumulate(grads: dict[int, torch.Tensor], param: torch.Tensor, grad: torch
         grads[id(param)] = grad.float()
 
 
-def _chunk_grads(h, y, head_forward, post, ignore_index: int, need_hidden: bool, params, need: dict[int, bool],
+def _linear_chunk(h, y, head: nn.Linear, post, ignore_index: int, need: dict[int, bool], grads: dict[int, torch.Tensor]):
+    """One chunk through a plain linear head: (loss, gradient to h); the weight's gradient summed into `grads`."""
+    weight, bias = head.weight, head.bias
+    logits = F.linear(h, weight, bias).float().requires_grad_()  # computed without a graph: a leaf
+    with torch.enable_grad():  # autograd is off inside Function.forward
+        loss = F.cross_entropy(post(logits), y, ignore_index=ignore_index, reduction="sum")
+        (grad_logits,) = torch.autograd.grad(loss, logits)
+    g = grad_logits.to(weight.dtype)
+    if need.get(id(weight)):
+        if id(weight) in grads and weight.dtype == torch.float32:
+            grads[id(weight)].addmm_(g.t(), h)  # summed inside the matmul: no extra pass over the weight
+        else:
+            _accumulate(grads, weight, g.t() @ h)
+    if bias is not None and need.get(id(bias)):
+        _accumulate(grads, bias, g.sum(0))
+    return loss.detach(), g @ weight
+
+
+def _module_chunk(h, y, head_forward, post, ignore_index: int, need_hidden: bool, params, need: dict[int, bool],
                   grads: dict[int, torch.Tensor]):
     """One chunk through any head (its own forward, under autograd): (loss, gradient to h or None)."""
     h = h.detach().requires_grad_(need_hidden)
@@ -285,4 +306,4 @@ def token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
     # The head's parameters as they are now (FSDP2: the unsharded ones of this forward), so their gradients
     # reach them through autograd as the model's own loss would send them.
     params = [p for p in head.parameters() if p.requires_grad]
-    return _ChunkedCrossEntropy.apply(hidden, labels, head_forward, post, ignore_index, rows, *params), count
+    return _ChunkedCrossEntropy.apply(hidden, labels, head, head_forward, post, ignore_index, rows, *params), count
