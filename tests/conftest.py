@@ -90,6 +90,10 @@ def shared_runs(tmp_path_factory, name: str, launch: Callable[[Path], dict[str, 
     return root, json.loads(stdouts.read_text())
 
 
+# The lean loss cut into 48-token chunks (a tiny micro-batch of 512 tokens: 11 of them, the last one short)
+LEAN_CHUNKS = {"ANYGPU_LEAN_LOSS_CHUNK_TOKENS": "48"}
+
+
 def records(output_dir: Path) -> list[dict]:
     """Every record of metrics.jsonl."""
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]

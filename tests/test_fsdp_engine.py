@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, TINY, assert_close, env, fsdp_runs, losses, python, records, shared_runs, torchrun
+from conftest import BIN, LEAN_CHUNKS, ROOT, TINY, assert_close, env, fsdp_runs, losses, python, records, shared_runs, torchrun
 from test_hf_engine import parity_args
 
 pytestmark = pytest.mark.slow  # starts training processes
@@ -21,7 +21,6 @@ TEN = [*TINY, "--max_steps", "10"]
 
 
 EVAL24 = ["--max_eval_samples", "24"]  # the evaluation set the export round trip recomputes
-LEAN_CHUNKS = {"ANYGPU_LEAN_LOSS_CHUNK_TOKENS": "48"}  # a micro-batch of 512 tokens in 11 chunks, the last one short
 
 
 # The 4-rank reference runs as HSDP: 2 replica groups × 2 shards.

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import BIN, ROOT, TINY, assert_close, env, hf_runs, losses, python, records, run, shared_runs
+from conftest import BIN, LEAN_CHUNKS, ROOT, TINY, assert_close, env, hf_runs, losses, python, records, run, shared_runs
 
 pytestmark = pytest.mark.slow  # starts training processes
 
@@ -56,7 +56,7 @@ def hf_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
             [*parity_args(1), "--output_dir", str(root / "parity1")],
             [*TEN, "--output_dir", str(root / "resumed"), "--export_final", "false", "--resume_from_checkpoint", "latest"],
             [*TEN, "--output_dir", str(root / "own"), "--export_final", "false", "--lean_loss", "false"]],
-            extra_env={"ANYGPU_LEAN_LOSS_CHUNK_TOKENS": "48"})
+            extra_env=LEAN_CHUNKS)
         return out
     return shared_runs(tmp_path_factory, "hf", launch)
 

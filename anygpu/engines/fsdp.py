@@ -162,7 +162,7 @@ class FSDPTrainer:
         self.auto_probe = None
         if train_args.auto_micro_batch:  # the largest micro-batch that fits on every rank; G unchanged
             self.auto_probe = auto_batch.apply(prep, model_args, train_args, info.device, "fsdp2", self.model,
-                                               shard_size=self.mesh_shape.dp_shard)
+                                               shard_size=self.mesh_shape.dp_shard, lean=lean_loss.is_installed(self.model))
             print(f"rank {info.rank}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
         self.scheduler = optim.build_scheduler(self.optimizer, train_args, prep.total_steps)

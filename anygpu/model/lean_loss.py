@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import os
 import re
 from dataclasses import dataclass
@@ -32,7 +31,6 @@ from torch import nn
 
 from anygpu.errors import UsageError
 
-logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 CHUNK_BYTES = 128 << 20  # fp32 logits of one chunk: 256 tokens at a 128k vocabulary

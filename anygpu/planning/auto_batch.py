@@ -134,8 +134,9 @@ def resolve(plan: BatchPlan, shapes: memory_plan.Shapes, strategy: str, precisio
 
 
 def apply(prep, model_args, train_args, device: torch.device, strategy: str,
-          model: torch.nn.Module | None = None, shard_size: int | None = None) -> Probe:
-    """Choose the micro-batch for a prepared run and put it into ``prep.plan``; return the probe."""
+          model: torch.nn.Module | None = None, shard_size: int | None = None, lean: bool | None = None) -> Probe:
+    """Choose the micro-batch for a prepared run and put it into ``prep.plan``; return the probe. `lean`: whether
+    the lean loss runs (the engine knows: a strategy or a family may keep the model's own; default --lean_loss)."""
     from anygpu.model import lora, modeling
 
     # the model the engines train: with --use_peft the frozen base keeps only its weights (no gradients, no AdamW)
@@ -144,5 +145,5 @@ def apply(prep, model_args, train_args, device: torch.device, strategy: str,
     precision = "bf16" if (train_args.bf16 or train_args.fp16) else "fp32"
     prep.plan, probe = resolve(prep.plan, shapes, strategy, precision, prep.block_size,
                                train_args.gradient_checkpointing, train_args.max_memory_per_device_gb, device, model,
-                               shard_size, lean_loss=train_args.lean_loss and not strategy.startswith("zero3"))
+                               shard_size, lean_loss=train_args.lean_loss if lean is None else lean)
     return probe

@@ -214,7 +214,8 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     if train_args.auto_micro_batch:  # from the plan's estimate (Trainer builds the sharded model later); G unchanged
         from anygpu.planning import auto_batch
 
-        probe = auto_batch.apply(prep, model_args, train_args, targs.device, plan_strategy(plan, ds_plugin))
+        probe = auto_batch.apply(prep, model_args, train_args, targs.device, plan_strategy(plan, ds_plugin),
+                                 lean=train_args.lean_loss and lean_loss_off_reason(plan) is None)
         print(f"rank {targs.process_index}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
     p = prep.plan
     # One process feeds all its GPUs under DataParallel: its micro-batch is m × GPUs, cut by DataParallel.
