@@ -31,10 +31,12 @@ log() { echo "[setup] $*" >&2; }
 
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV (it sees the system's packages, so an installed torch is kept)"
-  "$PYTHON" -m venv --system-site-packages "$VENV"
+  # The system's pip where it has one (it installs into the venv): bootstrapping a pip copy takes ~5 s.
+  "$PYTHON" -m venv --system-site-packages --without-pip "$VENV"
+  "$VENV/bin/python" -m pip --version >/dev/null 2>&1 || "$VENV/bin/python" -m ensurepip -q
 fi
 PY="$VENV/bin/python"
-# --no-compile: pip byte-compiles one file at a time; compileall below uses every core.
+# --no-compile: pip byte-compiles every file, one at a time; the import below compiles what runs use.
 PIP=("$PY" -m pip install --disable-pip-version-check -q --no-compile)
 
 gpu_vendor() {
@@ -58,16 +60,18 @@ else
     "${PIP[@]}" torch --index-url https://download.pytorch.org/whl/rocm6.4
   else
     log "no GPU driver: installing the CPU build of torch (never the multi-GB CUDA wheels)"
-    # The PyTorch CPU index first; where it cannot be reached, a CPU wheel pip already
-    # knows of locally (find-links); never PyPI's default torch, which pulls CUDA.
-    if ! "${PIP[@]}" --timeout 20 --retries 1 torch --index-url https://download.pytorch.org/whl/cpu 2>/dev/null; then
-      if "${PIP[@]}" --no-index --no-deps 'torch>=2.6' 2>/dev/null && "$PY" -c 'import torch, sys; sys.exit("+cpu" not in torch.__version__ and torch.version.cuda is not None)'; then
-        "${PIP[@]}" "torch==$("$PY" -c 'import torch; print(torch.__version__)')"   # its pure-Python dependencies
-      else
-        log "error: could not install a CPU build of torch (download.pytorch.org unreachable, no local wheel)."
-        log "install one yourself, e.g. pip install torch --index-url https://download.pytorch.org/whl/cpu, then rerun."
-        exit 1
-      fi
+    # A CPU wheel pip already knows of locally (find-links, a wheel cache) first: no download and no
+    # network wait (an unreachable index costs ~35 s of retries); otherwise the PyTorch CPU index.
+    # Never PyPI's default torch, which pulls CUDA.
+    local=$("${PIP[@]}" --no-index --no-deps --dry-run --report - 'torch>=2.6' 2>/dev/null \
+      | "$PY" -c 'import json, sys; print(next((i["metadata"]["version"] for i in json.load(sys.stdin)["install"]), ""))' 2>/dev/null || true)
+    if [[ "$local" == *+cpu ]]; then
+      log "a local CPU wheel: torch $local"
+      "${PIP[@]}" --no-index --no-deps "torch==$local" && "${PIP[@]}" "torch==$local"   # then its pure-Python dependencies
+    elif ! "${PIP[@]}" --timeout 20 --retries 1 torch --index-url https://download.pytorch.org/whl/cpu; then
+      log "error: could not install a CPU build of torch (download.pytorch.org unreachable, no local CPU wheel)."
+      log "install one yourself, e.g. pip install torch --index-url https://download.pytorch.org/whl/cpu, then rerun."
+      exit 1
     fi
   fi
 fi
@@ -88,7 +92,13 @@ requirements=(-r requirements.txt)
 if [ "$WITH_TEST" = 1 ]; then requirements+=(-r requirements-test.txt); fi
 "${PIP[@]}" -c "$constraints" "${requirements[@]}" --no-build-isolation   # one resolve for both lists
 "${PIP[@]}" -c "$constraints" --no-deps --no-build-isolation -e .
-# Byte-compile what was installed on all cores (about 15 s of the set-up on 2 cores, against 27 s
-# serially in pip): the tests start ~200 interpreters, and an uncompiled torch would cost each one seconds.
-"$PY" -m compileall -q -j 0 "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
+# Byte-code for what a run imports, written by importing it once (two processes, one per job): ~8 s on
+# 2 cores, against ~24 s for compileall over all of site-packages (mostly modules no run imports). Without
+# it, an environment with PYTHONDONTWRITEBYTECODE set re-compiles torch in every process (~6 s each).
+warm=("anygpu.engines.fsdp, anygpu.engines.hf.engine, anygpu.tools.cli, matplotlib.pyplot, torch.utils.tensorboard")
+if [ "$WITH_TEST" = 1 ]; then warm+=("pytest, xdist, hypothesis, deepspeed, torch._inductor.compile_fx, mlflow"); fi
+for modules in "${warm[@]}"; do
+  env -u PYTHONDONTWRITEBYTECODE HF_HUB_OFFLINE=1 "$PY" -c "import anygpu; anygpu.set_offline_defaults(); import $modules" >/dev/null 2>&1 &
+done
+wait || true
 log "ready: $VENV ($("$PY" -c 'import torch; print("torch", torch.__version__)'))"
