@@ -13,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import BIN, LEAN_CHUNKS, ROOT, TINY, assert_close, env, hf_runs, losses, python, records, run, shared_runs
+from conftest import BIN, LEAN_CHUNKS, ROOT, TINY, accelerate_launch, assert_close, env, hf_runs, losses, python, records, shared_runs
 
 pytestmark = pytest.mark.slow  # starts training processes
 
@@ -24,9 +24,9 @@ RECORD_KEYS = {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second"
 
 
 def accelerate(config: str, nproc: int, args: list[str], **kw) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N run_hf_standalone.py args`."""
-    return run([str(BIN / "accelerate"), "launch", "--config_file", f"accelerate_configs/{config}.yaml",
-                "--num_processes", str(nproc), SCRIPT, *args], **kw)
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N run_hf_standalone.py args`
+    (ranks forked: conftest.accelerate_launch)."""
+    return accelerate_launch(config, nproc, SCRIPT, args, **kw)
 
 
 PARITY = [*TINY, "--max_steps", "20", "--max_eval_samples", "24", "--export_final", "false"]

@@ -28,4 +28,6 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     finally:
         count = sum(1 for p in hashed if p.parent.name == resumed or p.parent.parent.name == resumed)
-        print(f"HASHED rank {os.environ.get('RANK', '0')}: {resumed} {count}", flush=True)
+        # one write of the whole line: print() writes the text and its newline apart, and the ranks end together
+        sys.stdout.write(f"HASHED rank {os.environ.get('RANK', '0')}: {resumed} {count}\n")
+        sys.stdout.flush()

@@ -1,0 +1,81 @@
+"""torchrun or `accelerate launch` whose ranks are forks of a process that has already imported the engines.
+
+    warm_launch.py torchrun [TORCHRUN OPTIONS] SCRIPT [ARGS]
+    warm_launch.py accelerate launch [ACCELERATE OPTIONS] SCRIPT [ARGS]
+
+A training process spends ~4 s of CPU importing torch, transformers and the engines before its first step,
+and the suite starts ~100 ranks on 2 cores. Here the launcher imports them once; then torchrun's own agent
+(torch.distributed.run: rendezvous, the ranks' environment, restarts, failure reports) starts each rank
+the way its `--run-path --start-method fork` options do: a forked process that runs SCRIPT as `__main__`.
+The ranks are real processes talking gloo; only `exec` is skipped. Tests of the launchers themselves
+(signals, restarts, exit codes, torchrun's failure report) use the real `torchrun`/`accelerate` commands.
+"""
+import atexit
+import os
+import runpy
+import signal
+import sys
+import traceback
+
+import anygpu
+
+anygpu.set_offline_defaults()
+anygpu.quiet_library_warnings()
+
+import torch.distributed.run as distrib_run  # noqa: E402
+
+import anygpu.engines.fsdp  # noqa: E402,F401  (the imports every rank would otherwise repeat)
+import anygpu.engines.hf.engine  # noqa: E402,F401
+
+_config_from_args = distrib_run.config_from_args
+
+
+def _as_a_fresh_interpreter(script: str, argv: tuple[str, ...]) -> None:
+    """What `python -u SCRIPT ARGV` sets up that a fork does not: default signal handlers (the agent's are
+    inherited), argv, and the script's folder first on sys.path."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = [script, *argv]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+
+
+def run_rank(script: str, *argv: str) -> None:
+    """One rank: SCRIPT as `__main__`, ending as the interpreter would (exit handlers, exit code)."""
+    _as_a_fresh_interpreter(script, argv)
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # a forked multiprocessing child skips them (it ends in os._exit)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        os._exit(code)  # the agent reads a failed rank from its exit code, as from an exec'd one
+
+
+def _forking_config(args):
+    args.run_path, args.start_method = True, "fork"
+    return _config_from_args(args)
+
+
+if __name__ == "__main__":
+    distrib_run.run_script_path = run_rank  # what --run-path runs in each rank
+    distrib_run.config_from_args = _forking_config  # torchrun's and accelerate's path alike
+    command, rest = sys.argv[1], sys.argv[2:]
+    if command == "torchrun":
+        sys.argv = ["torchrun", *rest]
+        distrib_run.main()
+    elif command == "accelerate":
+        from accelerate.commands.accelerate_cli import main
+
+        sys.argv = ["accelerate", *rest]
+        main()
+    else:
+        sys.exit(f"warm_launch.py: unknown launcher {command!r} (valid: torchrun, accelerate)")
