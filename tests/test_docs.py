@@ -373,6 +373,14 @@ def test_readme_is_a_front_page():
     ci = (ROOT / ".ci" / "run").read_text().strip().split("\n")[-1]
     assert ci in first, f"the test command .ci/run runs ({ci}) is not in README's first screen"
     assert "bash scripts/setup.sh && .venv/bin/python run_fsdp_standalone.py --max_steps 150" in first
+    text = "\n".join(lines)
+    recipes = ["**Pretrain on your own text**", "**Fine-tune a pretrained model on chat data.**", "LoRA", "**8 NVIDIA GPUs.**",
+               "**8 AMD GPUs**", "**Several nodes, or Slurm.**", "**Resume, also on another number of GPUs.**",
+               "**Check a job before launch.**", "## Measured figures", "## Documentation"]
+    assert [r for r in recipes if r not in text] == [], "a recipe or section of the front page is missing"
+    figures = text.split("## Measured figures")[1].split("\n## ")[0]
+    rows = [ln for ln in figures.splitlines() if ln.startswith("| ") and not ln.startswith("| ---")][1:]
+    assert rows and all("`" in ln for ln in rows), "every measured figure names the command that made it"
 
 
 def test_every_docs_page_is_linked_and_every_link_resolves():

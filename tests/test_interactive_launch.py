@@ -7,6 +7,7 @@ import io
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 
@@ -64,11 +65,39 @@ def test_ctrl_c_exits_130_without_traceback(monkeypatch, capsys):
     assert "interrupted, nothing launched" in err and "Traceback" not in err
 
 
+def test_a_real_ctrl_c_and_ctrl_d_in_the_real_command():
+    """The console command in its own process: a SIGINT while it waits for an answer exits 130, closed input
+    (Ctrl-D) exits 1; neither prints a traceback nor a command."""
+    e = {**env(), "PATH": "/usr/bin:/bin"}  # no smi tool: no GPU
+    cmd = [sys.executable, "-m", "anygpu.tools.cli", "launch", "--dry-run"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    out = ""
+    while "engine (" not in out:  # the first question is asked: it now blocks in a read
+        out += proc.stdout.read(1)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err and "interrupted, nothing launched" in err, err
+    eof = subprocess.run(cmd, cwd=ROOT, env=e, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert eof.returncode == 1 and "Traceback" not in eof.stderr and "nothing launched" in eof.stderr, eof.stderr
+    assert "command:" not in out + rest + eof.stdout
+
+
 def test_vendor_without_interactive_is_the_launcher(capsys):
     with pytest.raises(SystemExit) as exit_:  # the launcher's own parser refuses it
         cli.main(["launch", "--vendor", "nvidia", "--bogus"])
     assert exit_.value.code == 2
-    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown option --bogus" in err and "training-script arguments go after --" in err
+
+
+def test_the_launcher_suggests_and_takes_no_abbreviation():
+    """A mistyped launcher option gets 'did you mean', one line, exit 2; a prefix of an option is not taken for it."""
+    for typo in ("--engien", "--engin"):
+        proc = subprocess.run(["bash", str(ROOT / "run_nvidia_all.sh"), typo, "fsdp", "--dry-run"], capture_output=True,
+                              text=True, env=env())
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr.count("\n") == 1 and f"unknown option {typo} (did you mean --engine?)" in proc.stderr
 
 
 @pytest.mark.slow

@@ -68,6 +68,18 @@ def test_world_sizes_agree_and_resume_is_exact(lora):
 
 
 @pytest.mark.slow
+def test_a_target_the_model_lacks_is_one_line(lora, tmp_path):
+    """The engine as a user runs it, with the comma form: one line naming the option and the model's linear modules."""
+    proc = python(SCRIPT, [*ARGS, "--model_name_or_path", str(lora["base"]), "--lora_target_modules", "q_proj,qkv",
+                           "--output_dir", str(tmp_path / "run")], check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "--lora_target_modules qkv: the model has no such module" in errors[0], proc.stderr
+    assert "q_proj" in errors[0].split("Its linear modules: ")[1]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
 def test_only_the_adapter_trains(lora):
     """Banner, and the checkpoint measured: optimizer state for adapter tensors only, no base weights."""
     import torch.distributed.checkpoint as dcp

@@ -91,7 +91,7 @@ def test_a_global_batch_that_follows_the_world_size_is_caught(tmp_path):
     (["--world_sizes", "0,2"], "--world_sizes '0,2': every count must be at least 1"),
     (["--engines", "fsdp,deepspeed"], "'deepspeed' is not an engine (valid: fsdp, hf or fsdp,hf)"),
     (["--resume_at", "3", "--max_steps", "3"], "--resume_at 3: must be a step before the last (valid: 1..2"),
-    (["--world_size", "2"], "unrecognized arguments: --world_size 2 (the job's own arguments go after --)"),
+    (["--world_size", "2"], "unknown option --world_size (did you mean --world_sizes?) (the job's own arguments go after --)"),
     (["--world_sizes", "2"], "one run has nothing to compare with"),
     (["--world_sizes", "1,3", "--", "--global_batch_size", "4"], "world size 3: "),
     (["--", "--learning_rate", "-1"], "--learning_rate -1.0 must be a finite number > 0"),

@@ -19,9 +19,10 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser
 
-from anygpu.config import locate, suggest
+from anygpu.config import locate
 from anygpu.config.ranges import check_ranges
 from anygpu.errors import UsageError, exit_refused
+from anygpu.launch import suggest
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 DEFAULT_GLOBAL_BATCH_SIZE = 16  # sequences, when no batch number at all is given

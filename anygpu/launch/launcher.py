@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from anygpu.launch import detect as gpu_detect
-from anygpu.launch import vendor_env
+from anygpu.launch import suggest, vendor_env
 from anygpu.launch.detect import AMD, NVIDIA, VENDOR_LABEL, Gpu, Runner
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -46,7 +46,7 @@ class LaunchError(Exception):
 
 def build_parser(vendor: str | None = None) -> argparse.ArgumentParser:
     script = SCRIPT_NAME.get(vendor or "", "run_<vendor>_all.sh")
-    p = argparse.ArgumentParser(
+    p = suggest.ArgumentParser(  # one-line errors, 'did you mean', no abbreviations (--engin is refused)
         prog=f"bash {script}",
         usage=f"bash {script} [options] [-- training-script arguments]",
         description="Train on every GPU this job may use (visibility variables honoured), with the vendor's "
@@ -109,8 +109,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = build_parser(vendor if vendor in gpu_detect.VENDORS else None)
     args, unknown = parser.parse_known_args(mine)
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)} (training-script arguments go after --, "
-                     f"e.g. {parser.prog} -- {' '.join(unknown)})")
+        parser.error(f"{suggest.unknown_options_message(unknown, parser)}; training-script arguments go after --, "
+                     f"e.g. {parser.prog} -- {' '.join(unknown)}")
     return args, script_args
 
 

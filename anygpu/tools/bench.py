@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from anygpu.config.suggest import ArgumentParser
+from anygpu.launch.suggest import ArgumentParser
 from anygpu.launch import detect as gpu_detect
 from anygpu.launch import launcher
 

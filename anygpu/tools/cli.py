@@ -40,7 +40,7 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import anygpu
-    from anygpu.config.suggest import did_you_mean
+    from anygpu.launch.suggest import did_you_mean
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):

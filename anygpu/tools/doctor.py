@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from anygpu.config.suggest import ArgumentParser
+from anygpu.launch.suggest import ArgumentParser
 from anygpu.launch import detect as gpu_detect
 from anygpu.launch import launcher
 

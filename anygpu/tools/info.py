@@ -1,7 +1,7 @@
 """`anygpu info`: the accelerators torch sees (vendor, names, memory, capability)."""
 from __future__ import annotations
 
-from anygpu.config.suggest import ArgumentParser
+from anygpu.launch.suggest import ArgumentParser
 
 
 def main(argv: list[str] | None = None) -> int:

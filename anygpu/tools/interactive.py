@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, TextIO
 
-from anygpu.config.suggest import ArgumentParser
+from anygpu.launch.suggest import ArgumentParser
 from anygpu.launch import detect as gpu_detect
 from anygpu.launch import launcher
 

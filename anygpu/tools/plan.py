@@ -14,7 +14,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-from anygpu.config.suggest import ArgumentParser, did_you_mean
+from anygpu.launch.suggest import ArgumentParser, did_you_mean
 from anygpu.planning import memory_plan
 from anygpu.planning.gpus import GPUS
 from anygpu.planning.memory_plan import GIB, Machine, PlanResult, Row, Shapes

@@ -25,6 +25,7 @@ from typing import Any, Mapping
 
 from anygpu.errors import EXIT_USAGE, UsageError
 from anygpu.launch import launcher
+from anygpu.launch.suggest import ArgumentParser
 from anygpu.tools.bench import vendor_here
 
 PREFIX = "[verify]"
@@ -61,7 +62,7 @@ class VerifyError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="anygpu verify",
         usage="anygpu verify [options] -- <job arguments>",
         description="Train a few steps of your job at each world size and/or engine (and, with --resume_at, "
@@ -73,7 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
                "batch, engine options; a YAML/JSON file first is read too). verify sets --output_dir "
                "<output_dir>/verify/<run>, --max_steps, --logging_steps 1, --report_to none, --export_final true, "
                "--eval_on_start false, --eval_steps 0 and --disable_tqdm true itself. See docs/verify.md.",
-        allow_abbrev=False,
     )
     p.add_argument("--world_sizes", default="1,2", help="Comma-separated process counts to compare (default 1,2).")
     p.add_argument("--engines", default="fsdp", help="Comma-separated engines: fsdp, hf or fsdp,hf (default fsdp).")
@@ -386,7 +386,7 @@ def write_result(root: Path, opts: argparse.Namespace, job: list[str], runs: lis
 
 
 def refuse(message: str) -> None:
-    hint = "the job's own arguments go after --" if message.startswith("unrecognized") else "see anygpu verify --help"
+    hint = "the job's own arguments go after --" if message.startswith("unknown option") else "see anygpu verify --help"
     raise UsageError(f"{message} ({hint})")
 
 
