@@ -30,7 +30,7 @@ import anygpu.engines.hf.engine  # noqa: E402,F401
 _config_from_args = distrib_run.config_from_args
 
 
-def _as_a_fresh_interpreter(script: str, argv: tuple[str, ...]) -> None:
+def as_a_fresh_interpreter(script: str, argv) -> None:
     """What `python -u SCRIPT ARGV` sets up that a fork does not: default signal handlers (the agent's are
     inherited), argv, and the script's folder first on sys.path."""
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
@@ -40,24 +40,38 @@ def _as_a_fresh_interpreter(script: str, argv: tuple[str, ...]) -> None:
     sys.path[0] = os.path.dirname(os.path.abspath(script))
 
 
-def run_rank(script: str, *argv: str) -> None:
-    """One rank: SCRIPT as `__main__`, ending as the interpreter would (exit handlers, exit code)."""
-    _as_a_fresh_interpreter(script, argv)
-    code = 0
+def run_script(script: str) -> int:
+    """SCRIPT as `__main__`; its exit code as the interpreter would make it."""
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException:
         traceback.print_exc()
-        code = 1
-    atexit._run_exitfuncs()  # a forked multiprocessing child skips them (it ends in os._exit)
+        return 1
+    return 0
+
+
+def finish(code: int) -> None:
+    """End as the interpreter does: exit handlers (a forked multiprocessing child skips them: it ends in
+    os._exit), flushed output, the exit code."""
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
+    os._exit(code)
+
+
+def run_rank(script: str, *argv: str) -> None:
+    """One rank: SCRIPT as `__main__`, ending as the interpreter would (exit handlers, exit code)."""
+    as_a_fresh_interpreter(script, argv)
+    code = run_script(script)
     if code:
-        os._exit(code)  # the agent reads a failed rank from its exit code, as from an exec'd one
+        finish(code)  # the agent reads a failed rank from its exit code, as from an exec'd one
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def _forking_config(args):

@@ -1,0 +1,51 @@
+"""A process that has imported the engines and forks one child per request to run a script as `__main__`
+(the tests' one-rank runs and warm launchers: conftest.python / torchrun / accelerate_launch).
+
+A one-rank tiny run spends ~4.5 s of its ~6.5 s of CPU importing torch, transformers and the engines; this
+process pays that once per pytest worker. Each child is a fresh process as far as the run can tell: the
+request's environment, folder, argv, stdout/stderr files, default signal handlers, its own process group,
+the interpreter's exit (exit handlers, exit code). conftest only sends requests whose environment differs from
+this process's in variables read at run time, not at import time; others start a real interpreter.
+
+Protocol: one JSON request per line on stdin ({"argv", "env", "cwd", "stdout", "stderr"}); the answers are
+`{"pid": N}` when the child starts and `{"code": C}` when it ends, on the stdout this process started with.
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from warm_launch import as_a_fresh_interpreter, finish, run_script  # noqa: E402  (imports the engines)
+
+
+def child(request: dict) -> None:
+    os.setpgrp()  # a timeout kills the child with whatever it started
+    for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
+                           (2, request["stderr"], os.O_WRONLY)):
+        os.dup2(os.open(path, mode), fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    script, *argv = request["argv"]
+    as_a_fresh_interpreter(script, argv)
+    finish(run_script(script))
+
+
+def serve() -> None:
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a child's stray output never lands in the answers
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                child(request)
+            finally:
+                os._exit(70)  # finish() exits; reaching here means the set-up itself failed
+        answers.write(json.dumps({"pid": pid}) + "\n")
+        _, status = os.waitpid(pid, 0)
+        answers.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
+
+
+if __name__ == "__main__":
+    serve()
