@@ -45,6 +45,23 @@ def env() -> dict[str, str]:
     return e
 
 
+def descendants(pid: int) -> list[int]:
+    """Every descendant of `pid` (torchrun starts its workers in sessions of their own)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parents.items() if p in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
 def run(cmd: list[str], timeout: float = 300, check: bool = True, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**env(), **(extra_env or {})}
     if cmd[0] == sys.executable and cmd[1].endswith(".py") and Zygote.can_run(full_env):

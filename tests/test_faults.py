@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, TINY, assert_close, env, losses, python
+from conftest import BIN, ROOT, TINY, assert_close, descendants, env, losses, python
 
 pytestmark = pytest.mark.slow
 SCRIPT = "run_fsdp_standalone.py"
@@ -81,7 +81,7 @@ def test_sigterm_during_an_evaluation_then_a_worker_killed_under_max_restarts(re
     proc = start(launcher, **cpu)
     wait_until(lambda: 7 in steps_logged(tmp_path) or proc.poll() is not None, what="step 7")
     assert proc.poll() is None, proc.communicate()[0][-3000:]
-    rank1 = [pid for pid in _children(proc.pid) if _environ(pid).get("LOCAL_RANK") == "1"]
+    rank1 = [pid for pid in descendants(proc.pid) if _environ(pid).get("LOCAL_RANK") == "1"]
     assert len(rank1) == 1, rank1
     os.kill(rank1[0], signal.SIGKILL)
     out, _ = proc.communicate(timeout=400)
@@ -100,7 +100,7 @@ def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(referen
     proc = start(torchrun_cmd(2, args), ANYGPU_TEST_SLOW_SAVE="10:120")
     wait_until(lambda: len(list(tmp_path.glob(".checkpoint-10.tmp/rng/*.pt"))) == 2 or proc.poll() is not None,
                what="the write of checkpoint-10")
-    for pid in [proc.pid, *_children(proc.pid)]:  # the agent and its workers (in sessions of their own) at once
+    for pid in [proc.pid, *descendants(proc.pid)]:  # the agent and its workers (in sessions of their own) at once
         os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     assert [c.name for c in tmp_path.glob("checkpoint-*")] == ["checkpoint-5"]
@@ -260,23 +260,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _children(pid: int) -> list[int]:
-    """Every descendant of `pid` (torchrun starts its workers in sessions of their own)."""
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, frontier = [], [pid]
-    while frontier:
-        kids = [c for c, p in parents.items() if p in frontier]
-        found += kids
-        frontier = kids
-    return found
 
 
 def _environ(pid: int) -> dict[str, str]:
