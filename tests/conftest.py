@@ -1,6 +1,8 @@
 """Shared test helpers: real multi-process runs on CPU (gloo), tiny model, small corpus."""
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import fcntl
 import json
 import os
@@ -11,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -60,6 +63,30 @@ def descendants(pid: int) -> list[int]:
         found += kids
         frontier = kids
     return found
+
+
+def outputs(procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """What each process printed (stdout, stderr folded in), read from all of them at once: one left unread
+    while another is waited on could fill its pipe and block, and with it a job they run together.
+
+    Past `timeout`, the failure shows each one's output with the Python stack of every process under it
+    (SIGABRT, for those started with PYTHONFAULTHANDLER=1), and all of them are killed."""
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+        futures = [pool.submit(p.communicate, timeout=timeout) for p in procs]
+        concurrent.futures.wait(futures, timeout=timeout + 5)
+        if all(f.done() and f.exception() is None for f in futures):
+            return [f.result()[0] for f in futures]
+        tree = [pid for p in procs for pid in descendants(p.pid)]
+        for signum in (signal.SIGABRT, signal.SIGKILL):
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+            time.sleep(2)
+        for p in procs:
+            p.kill()
+    logs = [p.communicate()[0] for p in procs]
+    pytest.fail(f"still running after {timeout:.0f} s:\n" + "\n\n".join(
+        f"--- process {i} (exit {p.returncode})\n{log[-8000:]}" for i, (p, log) in enumerate(zip(procs, logs))))
 
 
 def run(cmd: list[str], timeout: float = 300, check: bool = True, extra_env: dict | None = None) -> subprocess.CompletedProcess:

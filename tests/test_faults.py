@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, TINY, assert_close, descendants, env, losses, python
+from conftest import BIN, ROOT, TINY, assert_close, descendants, env, losses, outputs, python
 
 pytestmark = pytest.mark.slow
 SCRIPT = "run_fsdp_standalone.py"
@@ -215,7 +215,7 @@ def test_two_nodes_with_different_arguments_stop_within_seconds(tmp_path):
                "--master-addr=127.0.0.1", f"--master-port={port}", SCRIPT, *TINY, "--max_steps", "50",
                "--learning_rate", lr, "--output_dir", str(tmp_path)]
         procs.append(start(cmd))
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    outs = outputs(procs, timeout=120)
     assert time.time() - start_t < 30 and all(p.returncode != 0 for p in procs)  # process start-up included
     text = "\n".join(outs)
     assert "rank 1 on host" in text and "learning_rate = '0.002' there, '0.001' on rank 0" in text, text[-3000:]
@@ -247,7 +247,7 @@ def test_two_nodes_without_a_shared_output_dir_are_refused(tmp_path):
         if node == 1:
             cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{tmp_path}" && exec "$@"', "sh", *cmd]
         procs.append(start(cmd))
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    outs = outputs(procs, timeout=120)
     assert time.time() - start_t < 60 and all(p.returncode != 0 for p in procs)
     text = "\n".join(outs)
     assert f"--output_dir {tmp_path} is not shared: rank(s) 1" in text and "filesystem every node mounts" in text, text[-3000:]

@@ -7,11 +7,9 @@ training end to end, two "nodes" on one machine matching one node, a failing ran
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -31,7 +29,7 @@ from anygpu.launch.detect import AMD, NVIDIA, Gpu
 ROOT = Path(__file__).resolve().parent.parent
 FAKES = ROOT / "tests" / "fakes"
 sys.path.insert(0, str(FAKES))
-from conftest import descendants  # noqa: E402
+from conftest import outputs  # noqa: E402
 import fake_smi  # noqa: E402  (the fakes' own encoders: an independent check of our decoders)
 
 SCRIPT = {NVIDIA: ROOT / "run_nvidia_all.sh", AMD: ROOT / "run_amd_all.sh"}
@@ -560,29 +558,6 @@ def _losses(output_dir: Path) -> dict[int, float]:
 _CPU_RUNS: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
 
 
-def _outputs(procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    """Every process's output. Past `timeout` the failure shows what each printed, with the Python stack of
-    every process under them (SIGABRT to processes started with PYTHONFAULTHANDLER=1), then all are killed."""
-    deadline = time.monotonic() + timeout
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        tree = [pid for p in procs for pid in descendants(p.pid)]
-        for signum in (signal.SIGABRT, signal.SIGKILL):
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-            time.sleep(2)
-        for p in procs:
-            p.kill()
-        logs = [p.communicate()[0] for p in procs]
-        pytest.fail(f"still running after {timeout:.0f} s:\n" + "\n\n".join(
-            f"--- process {i} (exit {p.returncode})\n{log[-8000:]}" for i, (p, log) in enumerate(zip(procs, logs))))
-    return outs
-
-
 def cpu_run(engine: str, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """One launcher run per engine on a machine with no GPU driver, shared by the tests below."""
     if engine not in _CPU_RUNS:
@@ -622,7 +597,7 @@ def test_two_nodes_on_one_machine_match_one_node(engine, tmp_path, tmp_path_fact
              for rank in (0, 1)]
     one, ref_dir = cpu_run(engine, tmp_path_factory)
     ref_world = 1
-    logs = _outputs(nodes, timeout=240)
+    logs = outputs(nodes, timeout=240)
     assert [n.returncode for n in nodes] == [0, 0], "\n\n".join(log[-3000:] for log in logs)
     assert one.returncode == 0, one.stderr[-4000:]
     assert "node 1 of 2" in logs[1] and ("is_host=false" if engine == "fsdp" else "--machine_rank 1") in logs[1]
