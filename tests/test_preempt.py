@@ -5,14 +5,20 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import ROOT, env
 
+from anygpu.reliability.run_guard import LOCK
+
 SCRIPT = r"""
 import os, signal, sys, time
+from pathlib import Path
+from anygpu.reliability import run_guard
 from anygpu.reliability.preempt import Preemption
 from anygpu.runtime.progress import protected
+run_guard.take_lock(Path(sys.argv[3]))  # the run's --output_dir lock, as the engines take it
 p = Preemption(save_on_preempt=sys.argv[2] == "true")
 mode = sys.argv[1]
 os.kill(os.getpid(), signal.SIGUSR1 if mode == "usr1" else signal.SIGTERM)
@@ -33,32 +39,41 @@ print("step boundary reached after", p.requested, flush=True)
 """
 
 
-def run(mode: str, save_on_preempt: str = "true") -> tuple[subprocess.CompletedProcess, float]:
+def run(mode: str, output_dir: Path, save_on_preempt: str = "true") -> tuple[subprocess.CompletedProcess, float]:
     start = time.time()
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, save_on_preempt], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, save_on_preempt, str(output_dir)], cwd=ROOT,
+                          capture_output=True, text=True,
                           env={**env(), "ANYGPU_SIGTERM_GRACE_S": "1", "PYTHONPATH": str(ROOT)}, timeout=60)
     return proc, time.time() - start
 
 
+def assert_lock_released(output_dir: Path) -> None:
+    """An exit without a checkpoint still gives --output_dir back: the next run starts without a stale-lock warning."""
+    assert not (output_dir / LOCK).exists(), "the exit left the output_dir lock behind"
+
+
 @pytest.mark.parametrize("mode", ["long-step", "long-save", "usr1"])
-def test_a_healthy_job_always_reaches_its_step_boundary(mode):
-    proc, _ = run(mode)
+def test_a_healthy_job_always_reaches_its_step_boundary(mode, tmp_path):
+    proc, _ = run(mode, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"step boundary reached after {'SIGUSR1' if mode == 'usr1' else 'SIGTERM'}" in proc.stdout
 
 
-def test_a_process_stuck_in_a_collective_exits_fast_without_a_checkpoint():
-    proc, seconds = run("stuck")
+def test_a_process_stuck_in_a_collective_exits_fast_without_a_checkpoint(tmp_path):
+    proc, seconds = run("stuck", tmp_path)
     assert proc.returncode == 75 and seconds < 15, (proc.returncode, seconds)
     assert "no progress for 1 s, stuck in a collective" in proc.stderr
+    assert_lock_released(tmp_path)
 
 
-def test_a_second_sigterm_exits_at_once():
-    proc, seconds = run("second")
+def test_a_second_sigterm_exits_at_once(tmp_path):
+    proc, seconds = run("second", tmp_path)
     assert proc.returncode == 75 and seconds < 15
     assert "second SIGTERM: exiting at once" in proc.stderr and "previous checkpoint is intact" in proc.stderr
+    assert_lock_released(tmp_path)
 
 
-def test_save_on_preempt_false_exits_at_the_first_signal():
-    proc, _ = run("long-step", "false")
+def test_save_on_preempt_false_exits_at_the_first_signal(tmp_path):
+    proc, _ = run("long-step", tmp_path, "false")
     assert proc.returncode == 75 and "--save_on_preempt false" in proc.stderr
+    assert_lock_released(tmp_path)

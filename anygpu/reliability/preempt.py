@@ -21,6 +21,7 @@ import threading
 from typing import Any
 
 from anygpu.errors import EXIT_NO_CHECKPOINT
+from anygpu.reliability import run_guard
 from anygpu.runtime import progress
 from anygpu.runtime.blocks import decoder_layer_classes
 
@@ -60,12 +61,12 @@ class Preemption:
         name = signal.Signals(signum).name
         if not self.save_on_preempt:
             _say(f"{name}: --save_on_preempt false: exiting at once (exit {EXIT_NO_CHECKPOINT}); the last checkpoint is kept")
-            os._exit(EXIT_NO_CHECKPOINT)
+            _exit_now()
         if self.requested is not None:
             if signum == signal.SIGTERM:
                 _say(f"second SIGTERM: exiting at once without a new checkpoint (exit {EXIT_NO_CHECKPOINT}); "
                      "the previous checkpoint is intact")
-                os._exit(EXIT_NO_CHECKPOINT)
+                _exit_now()
             return
         self.requested = name
         threading.Thread(target=self._watchdog, daemon=True, name="anygpu-preempt-watchdog").start()
@@ -78,7 +79,14 @@ class Preemption:
                 continue
             _say(f"{self.requested}: no progress for {self.grace_s:.0f} s, stuck in a collective (a peer rank is gone?): "
                  f"exiting without a checkpoint (exit {EXIT_NO_CHECKPOINT})")
-            os._exit(EXIT_NO_CHECKPOINT)
+            _exit_now()
+
+
+def _exit_now() -> None:
+    """Exit 75 at once: no exit handlers (they could wait on a collective that never ends), but the
+    --output_dir lock is given back, so the resumed run does not find a stale lock."""
+    run_guard.release_locks()
+    os._exit(EXIT_NO_CHECKPOINT)
 
 
 def _say(message: str) -> None:
