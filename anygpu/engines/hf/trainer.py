@@ -114,8 +114,8 @@ class AnygpuTrainer(Trainer):
         return self.lr_scheduler
 
     def _own_clipping(self, model: torch.nn.Module) -> bool:
-        """Plain or FSDP2 gradients: the library's float64 norm (both engines log the same norm on any world
-        size); DeepSpeed and FSDP1 clip their own partitions, Trainer's mixed-mesh path stays Trainer's."""
+        """Plain or FSDP2 gradients: the library's sharding-independent norm (both engines log the same norm on any
+        world size); DeepSpeed and FSDP1 clip their own partitions, Trainer's mixed-mesh path stays Trainer's."""
         return not (self.is_deepspeed_enabled or (self.is_fsdp_enabled and not getattr(self.accelerator, "is_fsdp2", False))
                     or self._has_mixed_mesh_grads(model))
 
