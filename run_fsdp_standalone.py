@@ -3,6 +3,7 @@
 
 Also runs under `accelerate launch` or as plain `python` (one process). See --help.
 """
+
 import anygpu
 
 anygpu.set_offline_defaults()

@@ -1,4 +1,5 @@
 """anygpu: train Hugging Face causal LMs on every GPU, with the same math whatever the hardware."""
+
 import os
 
 __version__ = "0.1.0"

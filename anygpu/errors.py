@@ -4,6 +4,7 @@
 alternative, printed once (by rank 0), exit code 2. `SaveError` (a full disk) is one line and exit code 1.
 Every other exception keeps its traceback.
 """
+
 from __future__ import annotations
 
 import os

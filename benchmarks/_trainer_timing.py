@@ -5,6 +5,7 @@ loop around the model (data, optimizer, callbacks, and for the engine its overri
 
     python benchmarks/_trainer_timing.py SCRIPT [script arguments]
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,6 +28,7 @@ def _timed_training_step(original):
             return original(self, *args, **kwargs)
         finally:
             inside[0] += time.perf_counter() - start
+
     return training_step
 
 
@@ -35,6 +37,7 @@ def _marking_log(original):
         if "loss" in logs:
             marks.append((time.perf_counter(), inside[0]))
         return original(self, logs, *args, **kwargs)
+
     return log
 
 

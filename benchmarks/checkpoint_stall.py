@@ -7,6 +7,7 @@ trains `--steps_between` steps, as a run would; each save is committed before th
 
     .venv/bin/python benchmarks/checkpoint_stall.py [--config_name default] [--saves 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,9 +64,11 @@ def main() -> None:
     saver.close()
     nbytes = sum(f.stat().st_size for f in store.checkpoints(out)[-1].rglob("*") if f.is_file())
     sync_s, async_s = statistics.median(sync_stalls), statistics.median(saver.stalls)
-    print(f"{a.config_name} preset, checkpoint {nbytes / 2**20:.0f} MiB, {info.device}: stall per save "
-          f"sync {sync_s * 1000:.0f} ms, async {async_s * 1000:.0f} ms; async/sync = {async_s / sync_s:.3f} "
-          f"(median of {a.saves} saves; target <= 0.25)")
+    print(
+        f"{a.config_name} preset, checkpoint {nbytes / 2**20:.0f} MiB, {info.device}: stall per save "
+        f"sync {sync_s * 1000:.0f} ms, async {async_s * 1000:.0f} ms; async/sync = {async_s / sync_s:.3f} "
+        f"(median of {a.saves} saves; target <= 0.25)"
+    )
     shutil.rmtree(out, ignore_errors=True)
     distributed.destroy()
 

@@ -7,6 +7,7 @@ order as it was before (a whole-corpus randperm every step). Rounds alternate be
 
     .venv/bin/python benchmarks/corpus_scaling.py [--large 700000] [--steps 20] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,11 @@ def main() -> None:
     opt = optim.build_optimizer(model, train_args, info.device)
 
     def variant(ds: Dataset):
-        return dataclasses.replace(prep, datasets={"train": ds, "validation": prep.datasets["validation"]},
-                                   order=GlobalOrder(len(ds), prep.plan.global_batch_size, train_args.seed))
+        return dataclasses.replace(
+            prep,
+            datasets={"train": ds, "validation": prep.datasets["validation"]},
+            order=GlobalOrder(len(ds), prep.plan.global_batch_size, train_args.seed),
+        )
 
     preps = {"small": variant(small), "large": variant(large)}
 
@@ -85,15 +89,20 @@ def main() -> None:
     for r in range(a.rounds):
         sm, lg = timed(preps["small"]), timed(preps["large"])
         ratios.append(lg / sm)
-        print(f"round {r + 1}: {a.small:,} samples {sm:.2f} steps/s, {len(large):,} samples {lg:.2f} steps/s, ratio {lg / sm:.3f}", flush=True)
+        print(
+            f"round {r + 1}: {a.small:,} samples {sm:.2f} steps/s, {len(large):,} samples {lg:.2f} steps/s, ratio {lg / sm:.3f}",
+            flush=True,
+        )
     g = torch.Generator()
     start = time.perf_counter()
     for s in range(5):
         torch.randperm(len(large), generator=g.manual_seed(s))
     old = (time.perf_counter() - start) / 5
-    print(f"{a.config_name} preset, block {prep.block_size}, global batch {prep.plan.global_batch_size}: steps/s at "
-          f"{len(large):,} / at {a.small:,} samples = {statistics.median(ratios):.3f} (median of {a.rounds}; target >= 0.9); "
-          f"the old per-step whole-corpus randperm alone cost {old * 1000:.1f} ms per step at {len(large):,}")
+    print(
+        f"{a.config_name} preset, block {prep.block_size}, global batch {prep.plan.global_batch_size}: steps/s at "
+        f"{len(large):,} / at {a.small:,} samples = {statistics.median(ratios):.3f} (median of {a.rounds}; target >= 0.9); "
+        f"the old per-step whole-corpus randperm alone cost {old * 1000:.1f} ms per step at {len(large):,}"
+    )
     distributed.destroy()
 
 

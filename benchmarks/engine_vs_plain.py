@@ -10,6 +10,7 @@ Rounds alternate between the two so machine noise hits both alike.
 
     .venv/bin/python benchmarks/engine_vs_plain.py [--config_name tiny] [--steps 20] [--rounds 3] [--block_size 128] [--loader_workers N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,9 @@ LOG_EVERY = 10
 
 
 def plain_step(model, opt, prep, micro_batches, device, max_norm: float, step: int) -> None:
-    batches = [{k: v.to(device) for k, v in prep.collator.read(prep.datasets["train"], idx).items()} for idx in micro_batches]
+    batches = [
+        {k: v.to(device) for k, v in prep.collator.read(prep.datasets["train"], idx).items()} for idx in micro_batches
+    ]
     n = sum(b["labels"][:, 1:].numel() for b in batches)
     for b in batches:
         loss = model(input_ids=b["input_ids"], labels=b["labels"], num_items_in_batch=n).loss
@@ -67,13 +70,24 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--loader_workers", type=int, default=None, help="DataLoader workers (default: the engine's choice)")
     a = p.parse_args()
-    model_args, data_args, train_args = parse_args([
-        "--config_name", a.config_name, "--block_size", a.block_size, "--global_batch_size", a.global_batch_size,
-        "--max_corpus_mb", "2", "--output_dir", "/tmp/anygpu-bench",
-        # the loop's cost, not the loss kernel's: both sides take the model's own loss
-        # (the lean loss against it: benchmarks/lean_loss.py)
-        "--lean_loss", "false",
-    ])
+    model_args, data_args, train_args = parse_args(
+        [
+            "--config_name",
+            a.config_name,
+            "--block_size",
+            a.block_size,
+            "--global_batch_size",
+            a.global_batch_size,
+            "--max_corpus_mb",
+            "2",
+            "--output_dir",
+            "/tmp/anygpu-bench",
+            # the loop's cost, not the loss kernel's: both sides take the model's own loss
+            # (the lean loss against it: benchmarks/lean_loss.py)
+            "--lean_loss",
+            "false",
+        ]
+    )
     info = distributed.init_distributed()
     prep = prepare(model_args, data_args, train_args, info)
     engine = fsdp_engine.build_model(prep, model_args, train_args, info)
@@ -106,8 +120,10 @@ def main() -> None:
         pr, er = timed(run_plain), timed(run_engine)
         plain_rates.append(pr), engine_rates.append(er), ratios.append(er / pr)
         print(f"round {r + 1}: plain {pr:.2f} steps/s, engine {er:.2f} steps/s, ratio {er / pr:.3f}", flush=True)
-    print(f"{a.config_name} preset, block {prep.block_size}, {prep.plan.banner()}, {info.device}: "
-          f"{'FSDP2-sharded' if parallel.is_sharded(engine) else 'unsharded'} engine: engine/plain steps/s = {statistics.median(ratios):.3f} (median of {a.rounds} rounds of {a.steps} steps; target ≥ 0.97)")
+    print(
+        f"{a.config_name} preset, block {prep.block_size}, {prep.plan.banner()}, {info.device}: "
+        f"{'FSDP2-sharded' if parallel.is_sharded(engine) else 'unsharded'} engine: engine/plain steps/s = {statistics.median(ratios):.3f} (median of {a.rounds} rounds of {a.steps} steps; target ≥ 0.97)"
+    )
     batches.clear()  # workers, if any, stop
     distributed.destroy()
 

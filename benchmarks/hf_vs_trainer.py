@@ -10,6 +10,7 @@ per-step difference outside the model is the steadier measure of what the engine
 
     .venv/bin/python benchmarks/hf_vs_trainer.py [--config_name tiny] [--steps 150] [--rounds 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,24 @@ def main() -> None:
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
     a = p.parse_args()
-    common = ["--config_name", a.config_name, "--block_size", a.block_size, "--global_batch_size", a.global_batch_size,
-              "--max_corpus_mb", "2", "--max_steps", str(a.steps), "--logging_steps", str(a.every), "--report_to", "none",
-              "--disable_tqdm", "true"]
+    common = [
+        "--config_name",
+        a.config_name,
+        "--block_size",
+        a.block_size,
+        "--global_batch_size",
+        a.global_batch_size,
+        "--max_corpus_mb",
+        "2",
+        "--max_steps",
+        str(a.steps),
+        "--logging_steps",
+        str(a.every),
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+    ]
     steps = a.steps - 2 * a.every  # between the second log and the last
     tokens = int(a.global_batch_size) * int(a.block_size) * steps
     timing = [sys.executable, "benchmarks/_trainer_timing.py"]
@@ -51,8 +67,21 @@ def main() -> None:
     for r in range(a.rounds):
         out = tempfile.mkdtemp(prefix="anygpu-hfbench-")
         # --lean_loss false: the bare Trainer takes the model's own loss (the lean one: benchmarks/lean_loss.py)
-        engine_cmd = [*timing, "run_hf_standalone.py", *common, "--eval_steps", "0", "--eval_on_start", "false",
-                      "--export_final", "false", "--lean_loss", "false", "--output_dir", f"{out}/engine"]
+        engine_cmd = [
+            *timing,
+            "run_hf_standalone.py",
+            *common,
+            "--eval_steps",
+            "0",
+            "--eval_on_start",
+            "false",
+            "--export_final",
+            "false",
+            "--lean_loss",
+            "false",
+            "--output_dir",
+            f"{out}/engine",
+        ]
         bare_cmd = [*timing, "benchmarks/_bare_trainer.py", *common, "--output_dir", f"{out}/bare"]
         # who goes first alternates, so a slow spell of the machine hits both alike
         order = [("engine", engine_cmd), ("bare", bare_cmd)][:: 1 if r % 2 == 0 else -1]
@@ -61,16 +90,22 @@ def main() -> None:
             loop_ms[name].append(1000 * (t[name]["seconds"] - t[name]["model_seconds"]) / steps)
         ratios.append(t["bare"]["seconds"] / t["engine"]["seconds"])
         bare_step_ms.append(1000 * t["bare"]["seconds"] / steps)
-        print(f"round {r + 1}: HF engine {tokens / t['engine']['seconds']:,.0f} tokens/s, bare Trainer "
-              f"{tokens / t['bare']['seconds']:,.0f} tokens/s, ratio {ratios[-1]:.3f}; outside the model's forward and "
-              f"backward: {loop_ms['engine'][-1]:.2f} vs {loop_ms['bare'][-1]:.2f} ms per step", flush=True)
+        print(
+            f"round {r + 1}: HF engine {tokens / t['engine']['seconds']:,.0f} tokens/s, bare Trainer "
+            f"{tokens / t['bare']['seconds']:,.0f} tokens/s, ratio {ratios[-1]:.3f}; outside the model's forward and "
+            f"backward: {loop_ms['engine'][-1]:.2f} vs {loop_ms['bare'][-1]:.2f} ms per step",
+            flush=True,
+        )
     extra = statistics.median(loop_ms["engine"]) - statistics.median(loop_ms["bare"])
     bare_step = statistics.median(bare_step_ms)
-    print(f"{a.config_name} preset, block {a.block_size}, global batch {a.global_batch_size}, CPU: HF engine / bare "
-          f"Trainer tokens/s = {statistics.median(ratios):.3f} (median of {a.rounds}; target >= 0.97). The engine's "
-          f"own cost per step, outside the model: {extra:+.2f} ms over the bare Trainer's loop "
-          f"({extra / bare_step:+.1%} of a {bare_step:.0f} ms step); the model's own time varies from process to "
-          "process by more than that on a shared CPU.")
+    print(
+        f"{a.config_name} preset, block {a.block_size}, global batch {a.global_batch_size}, CPU: HF engine / bare "
+        f"Trainer tokens/s = {statistics.median(ratios):.3f} (median of {a.rounds}; target >= 0.97). The engine's "
+        f"own cost per step, outside the model: {extra:+.2f} ms over the bare Trainer's loop "
+        f"({extra / bare_step:+.1%} of a {bare_step:.0f} ms step); the model's own time varies from process to "
+        "process by more than that on a shared CPU."
+    )
+
 
 if __name__ == "__main__":
     main()

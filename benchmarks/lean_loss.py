@@ -9,6 +9,7 @@ alternating rounds on the same batch (machine noise hits both alike), median tim
     .venv/bin/python benchmarks/lean_loss.py [--vocab 32768 131072 262144] [--tokens 2048] [--hidden 256]
                                              [--layers 2] [--rounds 3] [--memory_only] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,16 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def build(args, vocab: int, lean: bool) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", vocab_size=vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                                  num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=args.tokens)
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=args.tokens,
+    )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if args.bf16 else torch.float32).to(DEVICE)
     lean_loss.install(model, lean)
     return model.train()
@@ -100,8 +108,21 @@ def child(args) -> None:
 
 
 def peak_memory(args, vocab: int, loss: str) -> dict[str, int]:
-    cmd = [sys.executable, __file__, "--child", loss, "--vocab", str(vocab), "--tokens", str(args.tokens),
-           "--hidden", str(args.hidden), "--layers", str(args.layers), *(["--bf16"] if args.bf16 else [])]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        loss,
+        "--vocab",
+        str(vocab),
+        "--tokens",
+        str(args.tokens),
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        *(["--bf16"] if args.bf16 else []),
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -145,20 +166,30 @@ def main() -> None:
         return child(args)
     where = torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else "CPU, 1 thread"
     kind = "max_memory_allocated" if DEVICE.type == "cuda" else "peak RSS of the process"
-    print(f"{where}; Llama body hidden {args.hidden} × {args.layers} layers, {args.tokens} tokens per step; "
-          f"memory: {kind} (whole process / the step's own part)")
+    print(
+        f"{where}; Llama body hidden {args.hidden} × {args.layers} layers, {args.tokens} tokens per step; "
+        f"memory: {kind} (whole process / the step's own part)"
+    )
     print("| vocab | own peak (MiB) | lean peak (MiB) | peak ratio | step ratio | tokens/s ratio |")
     print("|---:|---:|---:|---:|---:|---:|")
     rows = []
     for vocab in args.vocab:
         own, lean = peak_memory(args, vocab, "own"), peak_memory(args, vocab, "lean")
-        row = {"vocab": vocab, "own_peak_mib": own["peak"] / 2**20, "lean_peak_mib": lean["peak"] / 2**20,
-               "peak_memory_ratio": lean["peak"] / own["peak"], "step_memory_ratio": lean["step"] / max(own["step"], 1),
-               "tokens_per_second_ratio": None if args.memory_only else speed(args, vocab)}
+        row = {
+            "vocab": vocab,
+            "own_peak_mib": own["peak"] / 2**20,
+            "lean_peak_mib": lean["peak"] / 2**20,
+            "peak_memory_ratio": lean["peak"] / own["peak"],
+            "step_memory_ratio": lean["step"] / max(own["step"], 1),
+            "tokens_per_second_ratio": None if args.memory_only else speed(args, vocab),
+        }
         rows.append(row)
         tps = "—" if row["tokens_per_second_ratio"] is None else f"{row['tokens_per_second_ratio']:.3f}"
-        print(f"| {vocab:,} | {row['own_peak_mib']:,.0f} | {row['lean_peak_mib']:,.0f} | {row['peak_memory_ratio']:.2f} "
-              f"| {row['step_memory_ratio']:.2f} | {tps} |", flush=True)
+        print(
+            f"| {vocab:,} | {row['own_peak_mib']:,.0f} | {row['lean_peak_mib']:,.0f} | {row['peak_memory_ratio']:.2f} "
+            f"| {row['step_memory_ratio']:.2f} | {tps} |",
+            flush=True,
+        )
     if args.json:
         print(json.dumps(rows))
 

@@ -8,6 +8,7 @@ the training state the mode holds (parameters + gradients + AdamW state), measur
 
     .venv/bin/python benchmarks/lora_vs_full.py [--config_name default] [--steps 5] [--rounds 3] [--lora_r 16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,18 @@ from anygpu.train import optim
 
 def write_base(a, folder: Path, info) -> None:
     """The preset with its seeded initial weights and a tokenizer trained on the corpus, saved as a pretrained folder."""
-    m, d, t = parse_args(["--config_name", a.config_name, "--block_size", a.block_size, "--max_corpus_mb", "2",
-                          "--output_dir", str(folder / "scratch")])
+    m, d, t = parse_args(
+        [
+            "--config_name",
+            a.config_name,
+            "--block_size",
+            a.block_size,
+            "--max_corpus_mb",
+            "2",
+            "--output_dir",
+            str(folder / "scratch"),
+        ]
+    )
     prep = prepare(m, d, t, info)
     model = modeling.build_full_model(prep.config, m, t.seed)
     model.save_pretrained(str(folder))
@@ -60,10 +71,32 @@ def main() -> None:
     info = distributed.init_distributed()
     base = Path(tempfile.mkdtemp(prefix="anygpu-lora-bench-"))
     write_base(a, base, info)
-    common = ["--model_name_or_path", str(base), "--block_size", a.block_size, "--global_batch_size", a.global_batch_size,
-              "--max_corpus_mb", "2", "--output_dir", str(base / "out")]
-    modes = {"full": common, "lora": [*common, "--use_peft", "true", "--lora_r", a.lora_r, "--lora_alpha", str(2 * int(a.lora_r)),
-                                      "--lora_target_modules", "all-linear"]}
+    common = [
+        "--model_name_or_path",
+        str(base),
+        "--block_size",
+        a.block_size,
+        "--global_batch_size",
+        a.global_batch_size,
+        "--max_corpus_mb",
+        "2",
+        "--output_dir",
+        str(base / "out"),
+    ]
+    modes = {
+        "full": common,
+        "lora": [
+            *common,
+            "--use_peft",
+            "true",
+            "--lora_r",
+            a.lora_r,
+            "--lora_alpha",
+            str(2 * int(a.lora_r)),
+            "--lora_target_modules",
+            "all-linear",
+        ],
+    }
     built = {}
     for name, argv in modes.items():
         m, d, t = parse_args(argv)
@@ -83,7 +116,9 @@ def main() -> None:
         if info.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         step(name, 0)
-        memory[name] = torch.cuda.max_memory_allocated() if info.device.type == "cuda" else state_bytes(*built[name][1:3])
+        memory[name] = (
+            torch.cuda.max_memory_allocated() if info.device.type == "cuda" else state_bytes(*built[name][1:3])
+        )
 
     tokens_per_step = int(a.global_batch_size) * int(a.block_size)
     rates = {name: [] for name in built}
@@ -99,11 +134,17 @@ def main() -> None:
     full, lora = (statistics.median(rates[n]) for n in ("full", "lora"))
     kind = "peak allocated" if info.device.type == "cuda" else "training state (params + grads + AdamW)"
     trainable = {n: sum(p.numel() for p in built[n][1].parameters() if p.requires_grad) for n in built}
-    print(f"{a.config_name} preset, block {a.block_size}, global batch {a.global_batch_size}, {info.device}, LoRA r={a.lora_r} all-linear:")
+    print(
+        f"{a.config_name} preset, block {a.block_size}, global batch {a.global_batch_size}, {info.device}, LoRA r={a.lora_r} all-linear:"
+    )
     print(f"  trainable parameters: full {trainable['full'] / 1e6:.2f}M, LoRA {trainable['lora'] / 1e6:.3f}M")
-    print(f"  tokens/s (median of {a.rounds} rounds of {a.steps} steps): full {full:.0f}, LoRA {lora:.0f}, LoRA/full = {lora / full:.2f}")
-    print(f"  memory, {kind}: full {memory['full'] / 2**20:.1f} MiB, LoRA {memory['lora'] / 2**20:.1f} MiB, "
-          f"LoRA/full = {memory['lora'] / memory['full']:.2f}")
+    print(
+        f"  tokens/s (median of {a.rounds} rounds of {a.steps} steps): full {full:.0f}, LoRA {lora:.0f}, LoRA/full = {lora / full:.2f}"
+    )
+    print(
+        f"  memory, {kind}: full {memory['full'] / 2**20:.1f} MiB, LoRA {memory['lora'] / 2**20:.1f} MiB, "
+        f"LoRA/full = {memory['lora'] / memory['full']:.2f}"
+    )
     distributed.destroy()
 
 

@@ -9,6 +9,7 @@ tokens; the padding share is the padding positions over all positions computed. 
 
     .venv/bin/python benchmarks/packed_vs_padded.py [--config_name tiny] [--block_size 512] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,15 +34,17 @@ from anygpu.model import modeling  # noqa: E402
 from anygpu.runtime import distributed
 from anygpu.train import optim
 
-WORDS = ("the a sky is blue green model data token batch train loss rank step layer weight attention sample "
-         "packed padded row length chat user assistant answer question why how what when").split()
+WORDS = (
+    "the a sky is blue green model data token batch train loss rank step layer weight attention sample "
+    "packed padded row length chat user assistant answer question why how what when"
+).split()
 
 
 def write_chat(path: Path, num: int, seed: int = 0) -> None:
     rng = random.Random(seed)
 
     def text() -> str:  # mostly short messages, a few long ones: the usual shape of chat data
-        return " ".join(rng.choice(WORDS) for _ in range(int(rng.paretovariate(1.2) * 6)  % 120 + 2))
+        return " ".join(rng.choice(WORDS) for _ in range(int(rng.paretovariate(1.2) * 6) % 120 + 2))
 
     with path.open("w") as f:
         for _ in range(num):
@@ -85,11 +88,26 @@ def main() -> None:
     info = distributed.init_distributed()
     runs = {}
     for packing in ("true", "false"):
-        model_args, data_args, train_args = parse_args([
-            "--config_name", a.config_name, "--block_size", a.block_size, "--global_batch_size", a.global_batch_size,
-            "--per_device_train_batch_size", str(a.per_device), "--train_file", str(tmp / "chat.jsonl"),
-            "--vocab_size", "1000", "--packing", packing, "--output_dir", str(tmp / "out"),
-        ])
+        model_args, data_args, train_args = parse_args(
+            [
+                "--config_name",
+                a.config_name,
+                "--block_size",
+                a.block_size,
+                "--global_batch_size",
+                a.global_batch_size,
+                "--per_device_train_batch_size",
+                str(a.per_device),
+                "--train_file",
+                str(tmp / "chat.jsonl"),
+                "--vocab_size",
+                "1000",
+                "--packing",
+                packing,
+                "--output_dir",
+                str(tmp / "out"),
+            ]
+        )
         prep = prepare(model_args, data_args, train_args, info)
         model = modeling.build_full_model(prep.config, model_args, train_args.seed).to(info.device)
         runs[packing] = (prep, model, optim.build_optimizer(model, train_args, info.device))
@@ -101,8 +119,10 @@ def main() -> None:
     tps = {k: statistics.median(r / s for r, _, s in v) for k, v in results.items()}
     pad = {k: 1 - v[0][0] / v[0][1] for k, v in results.items()}
     rounds = [(t[0] / t[2]) / (f[0] / f[2]) for t, f in zip(results["true"], results["false"])]
-    print(f"tokens/s   packed {tps['true']:,.0f}   padded {tps['false']:,.0f}   packed/padded {tps['true'] / tps['false']:.2f}× "
-          f"(rounds: {', '.join(f'{r:.2f}' for r in rounds)})")
+    print(
+        f"tokens/s   packed {tps['true']:,.0f}   padded {tps['false']:,.0f}   packed/padded {tps['true'] / tps['false']:.2f}× "
+        f"(rounds: {', '.join(f'{r:.2f}' for r in rounds)})"
+    )
     print(f"padding    packed {pad['true']:.1%}   padded {pad['false']:.1%}")
     distributed.destroy()
 

@@ -17,6 +17,7 @@ is packed by both. Printed per size:
 
     .venv/bin/python benchmarks/packing_vs_trl.py [--samples 20000 200000] [--capacity 1024 2048] [--m 4]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,7 +73,8 @@ def with_positions(ds: Dataset) -> Dataset:
         values = np.arange(flat.sum(), dtype=np.int64) - starts
         row_off = np.concatenate([[0], np.cumsum(pa.compute.list_value_length(batch["input_ids"]).to_numpy())])
         return batch.drop_columns("seq_lengths").append_column(
-            "position_ids", pa.LargeListArray.from_arrays(pa.array(row_off), pa.array(values)))
+            "position_ids", pa.LargeListArray.from_arrays(pa.array(row_off), pa.array(values))
+        )
 
     return ds.with_format("arrow").map(pos, batched=True).with_format(None)
 
@@ -107,19 +109,23 @@ def flattening(ds: Dataset, packed: Dataset, packed_bins: list[list[int]], m: in
     micro = [perm[i : i + m] for i in range(0, min(len(perm) - m + 1, reps * m), m)]
     # the same tokens both ways: m of our packed rows, or the samples they hold as DataCollatorWithFlattening's features
     ours_in = [packed[idx] for idx in micro]
-    flat_in = [[{"input_ids": ds[i]["input_ids"], "labels": ds[i]["labels"]} for r in idx for i in sorted(packed_bins[r])]
-               for idx in micro]
+    flat_in = [
+        [{"input_ids": ds[i]["input_ids"], "labels": ds[i]["labels"]} for r in idx for i in sorted(packed_bins[r])]
+        for idx in micro
+    ]
     t_ours = min(timed(lambda: [ours.collate(c) for c in ours_in])[1] for _ in range(3))
     t_flat = min(timed(lambda: [flat(f) for f in flat_in])[1] for _ in range(3))
     widths = [ours.collate(c)["input_ids"].shape for c in ours_in]
     L = [flat(f)["input_ids"].shape[1] for f in flat_in]
     mask_ours = sum(b * w * w for b, w in widths)
     mask_flat = sum(x * x for x in L)
-    print(f"  DataCollatorWithFlattening, {len(micro)} micro-batches of the samples of m={m} rows: "
-          f"{t_flat / len(micro) * 1e3:.2f} ms vs ours {t_ours / len(micro) * 1e3:.2f} ms per micro-batch "
-          f"(flattening/ours {t_flat / t_ours:.2f}×); padding 0 vs ours (these micro-batches) "
-          f"{1 - sum(L) / sum(b * w for b, w in widths):.1%}; one row of L={np.mean(L):.0f} tokens (max {max(L)}): "
-          f"sdpa/eager mask elements {mask_flat / mask_ours:.1f}× ours (L² vs m·width²)")
+    print(
+        f"  DataCollatorWithFlattening, {len(micro)} micro-batches of the samples of m={m} rows: "
+        f"{t_flat / len(micro) * 1e3:.2f} ms vs ours {t_ours / len(micro) * 1e3:.2f} ms per micro-batch "
+        f"(flattening/ours {t_flat / t_ours:.2f}×); padding 0 vs ours (these micro-batches) "
+        f"{1 - sum(L) / sum(b * w for b, w in widths):.1%}; one row of L={np.mean(L):.0f} tokens (max {max(L)}): "
+        f"sdpa/eager mask elements {mask_flat / mask_ours:.1f}× ours (L² vs m·width²)"
+    )
 
 
 def loss_check(pad_id: int) -> None:
@@ -129,26 +135,43 @@ def loss_check(pad_id: int) -> None:
     from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
 
     ds = synthetic(32, 128, seed=1)
-    ds = Dataset.from_dict({"input_ids": [[t % 1000 for t in x] for x in ds["input_ids"]],
-                            "labels": [[t if t == IGNORE else t % 1000 for t in y] for y in ds["labels"]]})
+    ds = Dataset.from_dict(
+        {
+            "input_ids": [[t % 1000 for t in x] for x in ds["input_ids"]],
+            "labels": [[t if t == IGNORE else t % 1000 for t in y] for y in ds["labels"]],
+        }
+    )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=2048,
-                                         attn_implementation="sdpa")).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1000,
+            max_position_embeddings=2048,
+            attn_implementation="sdpa",
+        )
+    ).eval()
     samples = [{"input_ids": x, "labels": y} for x, y in zip(ds["input_ids"], ds["labels"])]
     res = {}
     with torch.no_grad():
         loss = lambda b: model(**b, num_items_in_batch=torch.tensor(1), use_cache=False).loss.item()  # noqa: E731
         res["padded, one sample per row"] = sum(loss(Collator(pad_id)(samples[i : i + 1])) for i in range(len(samples)))
         packed, col = pack_samples(ds, 256), Collator(pad_id, packed=True)
-        res["ours (capacity 256, m=2)"] = sum(loss(col.read(packed, list(range(i, min(i + 2, len(packed))))))
-                                              for i in range(0, len(packed), 2))
+        res["ours (capacity 256, m=2)"] = sum(
+            loss(col.read(packed, list(range(i, min(i + 2, len(packed)))))) for i in range(0, len(packed), 2)
+        )
         for m in (2, 8, 32):
-            res[f"flattening m={m}"] = sum(loss(DataCollatorWithFlattening()(samples[i : i + m]))
-                                           for i in range(0, len(samples), m))
+            res[f"flattening m={m}"] = sum(
+                loss(DataCollatorWithFlattening()(samples[i : i + m])) for i in range(0, len(samples), m)
+            )
     ref = next(iter(res.values()))
-    print("  token-loss sum over 32 samples (tiny Llama, sdpa): " + "; ".join(
-        f"{k} {v:.4f} (rel {abs(v - ref) / ref:.1e})" for k, v in res.items()))
+    print(
+        "  token-loss sum over 32 samples (tiny Llama, sdpa): "
+        + "; ".join(f"{k} {v:.4f} (rel {abs(v - ref) / ref:.1e})" for k, v in res.items())
+    )
 
 
 def main() -> None:
@@ -170,19 +193,25 @@ def main() -> None:
         print("TRL not installed: pip install trl to compare (only ours and DataCollatorWithFlattening are measured)")
     import transformers
 
-    print(f"trl {trl.__version__ if trl else '-'}, transformers {transformers.__version__}, datasets {datasets.__version__}, "
-          f"torch {torch.__version__}")
+    print(
+        f"trl {trl.__version__ if trl else '-'}, transformers {transformers.__version__}, datasets {datasets.__version__}, "
+        f"torch {torch.__version__}"
+    )
     for cap in a.capacity:
         for n in a.samples:
             ds = synthetic(n, cap)
             lengths = [len(x) for x in ds["input_ids"]]
             tokens = sum(lengths)
-            print(f"{n} samples, capacity {cap}: {tokens:,} tokens (mean {tokens / n:.0f}), "
-                  f"{sum(1 for x in ds['labels'] for t in x if t != IGNORE) if n <= 20_000 else '…'} targets")
+            print(
+                f"{n} samples, capacity {cap}: {tokens:,} tokens (mean {tokens / n:.0f}), "
+                f"{sum(1 for x in ds['labels'] for t in x if t != IGNORE) if n <= 20_000 else '…'} targets"
+            )
             ours, t_ours = timed(pack_samples, ds, cap)
             rl = [len(x) for x in ours["input_ids"]]
-            print(f"  ours:           {t_ours:7.2f} s  {len(ours)} rows, fill {tokens / (len(ours) * cap):.2%}, "
-                  f"padding at m={a.m}: {padding_share(rl, a.m):.2%}")
+            print(
+                f"  ours:           {t_ours:7.2f} s  {len(ours)} rows, fill {tokens / (len(ours) * cap):.2%}, "
+                f"padding at m={a.m}: {padding_share(rl, a.m):.2%}"
+            )
             bins = best_fit_decreasing(lengths, cap)
             if trl is not None:
                 for whole in (False, True):
@@ -192,11 +221,13 @@ def main() -> None:
                     lost = tokens - sum(rl_t)
                     same = set(map(frozenset, bins)) & set(trl_bins(ds, cap, whole)) if n <= 20_000 else None
                     name = "TRL bfd (whole)" if whole else "TRL bfd (map)  "
-                    print(f"  {name}: {t:7.2f} s  {len(out)} rows, fill {tokens / (len(out) * cap):.2%}, "
-                          f"padding at m={a.m}: {padding_share(rl_t, a.m):.2%}; TRL/ours {t / t_ours:.2f}×, "
-                          f"TRL + pos {t + t_pos:.2f} s ({(t + t_pos) / t_ours:.2f}×); columns {out.column_names}; "
-                          f"tokens lost {lost}"
-                          + (f"; same sample sets as ours: {len(same)}/{len(bins)} rows" if same is not None else ""))
+                    print(
+                        f"  {name}: {t:7.2f} s  {len(out)} rows, fill {tokens / (len(out) * cap):.2%}, "
+                        f"padding at m={a.m}: {padding_share(rl_t, a.m):.2%}; TRL/ours {t / t_ours:.2f}×, "
+                        f"TRL + pos {t + t_pos:.2f} s ({(t + t_pos) / t_ours:.2f}×); columns {out.column_names}; "
+                        f"tokens lost {lost}"
+                        + (f"; same sample sets as ours: {len(same)}/{len(bins)} rows" if same is not None else "")
+                    )
             if n <= 20_000:
                 flattening(ds, ours, bins, a.m, 0, a.flatten_reps)
     if not a.no_loss_check:

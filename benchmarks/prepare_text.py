@@ -7,6 +7,7 @@ corpus is: `datasets.map` then streams its output to Arrow cache files). Fresh c
 
     .venv/bin/python benchmarks/prepare_text.py [--base_mb 2] [--extra_mb 24] [--rounds 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,11 +77,16 @@ def main() -> None:
         t_base, t_big = prepare(fresh(base, f"base{r}"), f"base{r}"), prepare(fresh(big, f"big{r}"), f"big{r}")
         added = t_big - t_base
         ratios.append(added / one)
-        print(f"round {r + 1}: {mb(base):.1f} MB in {t_base:.1f} s, {mb(big):.1f} MB in {t_big:.1f} s with {workers} "
-              f"processes: {extra_mb:.1f} MB more cost {added:.1f} s ({extra_mb / added:.2f} MB/s); one-process "
-              f"datasets.map of it {one:.1f} s ({extra_mb / one:.2f} MB/s); ratio {added / one:.2f}", flush=True)
-    print(f"preparing {extra_mb:.1f} MB more text with {workers} processes / one-process datasets.map tokenisation = "
-          f"{statistics.median(ratios):.2f} (median of {a.rounds}; target <= 0.67)")
+        print(
+            f"round {r + 1}: {mb(base):.1f} MB in {t_base:.1f} s, {mb(big):.1f} MB in {t_big:.1f} s with {workers} "
+            f"processes: {extra_mb:.1f} MB more cost {added:.1f} s ({extra_mb / added:.2f} MB/s); one-process "
+            f"datasets.map of it {one:.1f} s ({extra_mb / one:.2f} MB/s); ratio {added / one:.2f}",
+            flush=True,
+        )
+    print(
+        f"preparing {extra_mb:.1f} MB more text with {workers} processes / one-process datasets.map tokenisation = "
+        f"{statistics.median(ratios):.2f} (median of {a.rounds}; target <= 0.67)"
+    )
 
 
 if __name__ == "__main__":

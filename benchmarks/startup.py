@@ -6,6 +6,7 @@ Rounds alternate so machine noise hits both.
 
     .venv/bin/python benchmarks/startup.py [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPORTS = "import torch, transformers; from transformers import AutoModelForCausalLM, LlamaForCausalLM"
-TINY = ["--config_name", "tiny", "--max_corpus_mb", "1", "--block_size", "64", "--global_batch_size", "8",
-        "--logging_steps", "1", "--eval_steps", "0", "--eval_on_start", "false", "--disable_tqdm", "true",
-        "--export_final", "false", "--max_steps", "3"]
+TINY = [
+    "--config_name",
+    "tiny",
+    "--max_corpus_mb",
+    "1",
+    "--block_size",
+    "64",
+    "--global_batch_size",
+    "8",
+    "--logging_steps",
+    "1",
+    "--eval_steps",
+    "0",
+    "--eval_on_start",
+    "false",
+    "--disable_tqdm",
+    "true",
+    "--export_final",
+    "false",
+    "--max_steps",
+    "3",
+]
 
 
 def env() -> dict[str, str]:
@@ -41,7 +61,9 @@ def imports_cost() -> tuple[float, float]:
 def engine_cost(cmd: list[str]) -> tuple[float, float]:
     """(wall, CPU) seconds from the process start to the end of its first step, from the engine's log line."""
     proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True)
-    m = re.search(r"first step done ([\d.]+) s after the process started \(([\d.]+) s of CPU\)", proc.stderr + proc.stdout)
+    m = re.search(
+        r"first step done ([\d.]+) s after the process started \(([\d.]+) s of CPU\)", proc.stderr + proc.stdout
+    )
     if proc.returncode != 0 or not m:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stderr[-3000:]}")
     return float(m.group(1)), float(m.group(2))
@@ -53,18 +75,31 @@ def main() -> None:
     a = p.parse_args()
     out = tempfile.mkdtemp(prefix="anygpu-startup-")
     # the same folder each round (its caches stay warm); each run replaces the last
-    engine_cmd = [sys.executable, "run_fsdp_standalone.py", *TINY, "--output_dir", out, "--overwrite_output_dir", "true"]
+    engine_cmd = [
+        sys.executable,
+        "run_fsdp_standalone.py",
+        *TINY,
+        "--output_dir",
+        out,
+        "--overwrite_output_dir",
+        "true",
+    ]
     engine_cost(engine_cmd)  # fills the data and tokenizer cache, warms the file cache
     imports, engine = [], []
     for r in range(a.rounds):
         imports.append(imports_cost())
         engine.append(engine_cost(engine_cmd))
-        print(f"round {r + 1}: imports {imports[-1][0]:.2f} s ({imports[-1][1]:.2f} s CPU), engine to first step "
-              f"{engine[-1][0]:.2f} s ({engine[-1][1]:.2f} s CPU)", flush=True)
+        print(
+            f"round {r + 1}: imports {imports[-1][0]:.2f} s ({imports[-1][1]:.2f} s CPU), engine to first step "
+            f"{engine[-1][0]:.2f} s ({engine[-1][1]:.2f} s CPU)",
+            flush=True,
+        )
     for k, kind in ((0, "wall"), (1, "CPU")):
         i, e = statistics.median(x[k] for x in imports), statistics.median(x[k] for x in engine)
-        print(f"start-up ({kind}): engine to first step {e:.2f} s, bare torch + transformers imports {i:.2f} s: "
-              f"engine - imports = {e - i:.2f} s (median of {a.rounds}; target <= 3 s)")
+        print(
+            f"start-up ({kind}): engine to first step {e:.2f} s, bare torch + transformers imports {i:.2f} s: "
+            f"engine - imports = {e - i:.2f} s (median of {a.rounds}; target <= 3 s)"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Shared test helpers: real multi-process runs on CPU (gloo), tiny model, small corpus."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -24,9 +25,28 @@ BIN = Path(sys.executable).parent
 
 # The tiny preset on 1 MB of the standard-library corpus, fp32, no exports: seconds per run.
 TINY = [
-    "--config_name", "tiny", "--max_corpus_mb", "1", "--block_size", "64", "--global_batch_size", "8",
-    "--logging_steps", "1", "--eval_steps", "0", "--disable_tqdm", "true", "--report_to", "none",
-    "--warmup_steps", "2", "--learning_rate", "3e-3", "--eval_on_start", "false",
+    "--config_name",
+    "tiny",
+    "--max_corpus_mb",
+    "1",
+    "--block_size",
+    "64",
+    "--global_batch_size",
+    "8",
+    "--logging_steps",
+    "1",
+    "--eval_steps",
+    "0",
+    "--disable_tqdm",
+    "true",
+    "--report_to",
+    "none",
+    "--warmup_steps",
+    "2",
+    "--learning_rate",
+    "3e-3",
+    "--eval_on_start",
+    "false",
 ]
 
 
@@ -85,18 +105,26 @@ def outputs(procs: list[subprocess.Popen], timeout: float) -> list[str]:
         for p in procs:
             p.kill()
     logs = [p.communicate()[0] for p in procs]
-    pytest.fail(f"still running after {timeout:.0f} s:\n" + "\n\n".join(
-        f"--- process {i} (exit {p.returncode})\n{log[-8000:]}" for i, (p, log) in enumerate(zip(procs, logs))))
+    pytest.fail(
+        f"still running after {timeout:.0f} s:\n"
+        + "\n\n".join(
+            f"--- process {i} (exit {p.returncode})\n{log[-8000:]}" for i, (p, log) in enumerate(zip(procs, logs))
+        )
+    )
 
 
-def run(cmd: list[str], timeout: float = 300, check: bool = True, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], timeout: float = 300, check: bool = True, extra_env: dict | None = None
+) -> subprocess.CompletedProcess:
     full_env = {**env(), **(extra_env or {})}
     if cmd[0] == sys.executable and cmd[1].endswith(".py") and Zygote.can_run(full_env):
         proc = Zygote.run(cmd[1:], full_env, timeout)
     else:
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -106,8 +134,13 @@ class Zygote:
     the zygote's in variables read at run time; anything else gets a fresh interpreter."""
 
     proc: subprocess.Popen | None = None
-    RUN_TIME_VARIABLES = ("ANYGPU_TEST_", "ANYGPU_LEAN_LOSS_CHUNK_TOKENS", "ANYGPU_SIGTERM_GRACE_S", "RESUME",
-                          "MLFLOW_TRACKING_URI")
+    RUN_TIME_VARIABLES = (
+        "ANYGPU_TEST_",
+        "ANYGPU_LEAN_LOSS_CHUNK_TOKENS",
+        "ANYGPU_SIGTERM_GRACE_S",
+        "RESUME",
+        "MLFLOW_TRACKING_URI",
+    )
 
     @classmethod
     def can_run(cls, full_env: dict[str, str]) -> bool:
@@ -118,8 +151,14 @@ class Zygote:
     @classmethod
     def run(cls, argv: list[str], full_env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         if cls.proc is None or cls.proc.poll() is not None:
-            cls.proc = subprocess.Popen([sys.executable, "tests/scripts/zygote.py"], cwd=ROOT, env=env(), text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            cls.proc = subprocess.Popen(
+                [sys.executable, "tests/scripts/zygote.py"],
+                cwd=ROOT,
+                env=env(),
+                text=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             out.touch()
@@ -150,8 +189,20 @@ def torchrun(nproc: int, script: str, args: list[str], **kw) -> subprocess.Compl
 def accelerate_launch(config: str, nproc: int, script: str, args: list[str], **kw) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file accelerate_configs/<config>.yaml --num_processes N script args`, ranks
     forked (tests/scripts/warm_launch.py)."""
-    return run([*WARM, "accelerate", "launch", "--config_file", f"accelerate_configs/{config}.yaml",
-                "--num_processes", str(nproc), script, *args], **kw)
+    return run(
+        [
+            *WARM,
+            "accelerate",
+            "launch",
+            "--config_file",
+            f"accelerate_configs/{config}.yaml",
+            "--num_processes",
+            str(nproc),
+            script,
+            *args,
+        ],
+        **kw,
+    )
 
 
 def python(script: str, args: list[str], **kw) -> subprocess.CompletedProcess:
@@ -162,7 +213,11 @@ def fsdp_runs(nproc: int, runs: list[list[str]], **kw) -> list[str]:
     """Several FSDP2-engine runs in one launch (tests/scripts/fsdp_runs.py: plain python for one rank,
     torchrun for more): one process start-up for all of them. Returns each run's part of stdout."""
     args = [a for r in runs for a in (":::", *r)][1:]
-    proc = python("tests/scripts/fsdp_runs.py", args, **kw) if nproc == 1 else torchrun(nproc, "tests/scripts/fsdp_runs.py", args, **kw)
+    proc = (
+        python("tests/scripts/fsdp_runs.py", args, **kw)
+        if nproc == 1
+        else torchrun(nproc, "tests/scripts/fsdp_runs.py", args, **kw)
+    )
     parts = re.split(r"^=== run \d+ ===$", proc.stdout, flags=re.MULTILINE)[1:]
     assert len(parts) == len(runs), proc.stdout[-3000:]
     return parts

@@ -1,6 +1,7 @@
 """Every shipped accelerate config: loaded by accelerate's own loader and launcher, the keys the
 HF engine relies on asserted, unknown keys refused, `num_processes: 8` as typed (overridden by the
 command line), a comment on every non-obvious key. In-process and fast except `accelerate test`."""
+
 from __future__ import annotations
 
 import os
@@ -16,11 +17,27 @@ CONFIG_DIR = ROOT / "accelerate_configs"
 SHIPPED = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 SINGLE_NODE = [name for name in SHIPPED if name != "multi_node"]
 # Keys whose meaning is plain from name and value; every other key carries a comment.
-OBVIOUS = {"compute_environment", "distributed_type", "num_machines", "machine_rank", "use_cpu", "fsdp_config",
-           "deepspeed_config", "zero_stage", "fsdp_offload_params", "offload_optimizer_device", "offload_param_device"}
+OBVIOUS = {
+    "compute_environment",
+    "distributed_type",
+    "num_machines",
+    "machine_rank",
+    "use_cpu",
+    "fsdp_config",
+    "deepspeed_config",
+    "zero_stage",
+    "fsdp_offload_params",
+    "offload_optimizer_device",
+    "offload_param_device",
+}
 # FSDP1 settings accelerate ignores (or rejects) under fsdp_version 2: they would only mislead a reader.
-FSDP1_ONLY = {"fsdp_sharding_strategy", "fsdp_use_orig_params", "fsdp_sync_module_states", "fsdp_forward_prefetch",
-              "fsdp_backward_prefetch"}
+FSDP1_ONLY = {
+    "fsdp_sharding_strategy",
+    "fsdp_use_orig_params",
+    "fsdp_sync_module_states",
+    "fsdp_forward_prefetch",
+    "fsdp_backward_prefetch",
+}
 # DeepSpeed batch numbers must stay "auto" (the engine fills them from the global batch).
 DS_BATCH_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"}
 
@@ -81,8 +98,15 @@ def launched_plugin(name: str):
 
 
 def test_the_expected_configs_ship():
-    assert set(SHIPPED) == {"ddp", "fsdp", "fsdp_offload", "deepspeed_zero2", "deepspeed_zero3",
-                            "deepspeed_zero3_offload", "multi_node"}
+    assert set(SHIPPED) == {
+        "ddp",
+        "fsdp",
+        "fsdp_offload",
+        "deepspeed_zero2",
+        "deepspeed_zero3",
+        "deepspeed_zero3_offload",
+        "multi_node",
+    }
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -130,14 +154,31 @@ def test_accelerate_own_check_forms_one_group(tmp_path):
 
     script = Path(tu.__file__).parent / "scripts" / "test_script.py"
     bindir = Path(sys.executable).parent
-    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
-           "ACCELERATE_USE_CPU": "true"}
+    env = {
+        **os.environ,
+        "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "ACCELERATE_USE_CPU": "true",
+    }
     env.pop("CUDA_VISIBLE_DEVICES", None)
     # 2 processes: accelerate's script checks tensor splits as if there were at most 2
     # (huggingface/accelerate#1722, #2769), whatever the hardware.
-    proc = subprocess.run([str(bindir / "accelerate"), "launch", "--config_file", str(CONFIG_DIR / "ddp.yaml"),
-                           "--num_processes", "2", str(script)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            str(bindir / "accelerate"),
+            "launch",
+            "--config_file",
+            str(CONFIG_DIR / "ddp.yaml"),
+            "--num_processes",
+            "2",
+            str(script),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert out.count("Distributed environment: DistributedType.MULTI_CPU") == 2, out[-6000:]
@@ -173,8 +214,10 @@ def test_fsdp2(name, offload):
     assert type(plugin.cpu_offload).__name__ == ("CPUOffloadPolicy" if offload else "OffloadPolicy")
 
 
-@pytest.mark.parametrize("name, stage, offload", [("deepspeed_zero2", 2, "none"), ("deepspeed_zero3", 3, "none"),
-                                                  ("deepspeed_zero3_offload", 3, "cpu")])
+@pytest.mark.parametrize(
+    "name, stage, offload",
+    [("deepspeed_zero2", 2, "none"), ("deepspeed_zero3", 3, "none"), ("deepspeed_zero3_offload", 3, "cpu")],
+)
 def test_deepspeed(name, stage, offload):
     cfg = load(name)
     assert cfg.distributed_type.value == "DEEPSPEED"
@@ -204,8 +247,17 @@ def test_multi_node():
     # node 1 of 2 with 8 GPUs each: the torchrun arguments accelerate derives from the file + command line
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    args, _, _ = launch_args("multi_node", "--num_processes", "16", "--num_machines", "2", "--machine_rank", "1",
-                             "--main_process_ip", "10.0.0.1")
+    args, _, _ = launch_args(
+        "multi_node",
+        "--num_processes",
+        "16",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        "1",
+        "--main_process_ip",
+        "10.0.0.1",
+    )
     prepare_multi_gpu_env(args)
     assert (args.nnodes, args.nproc_per_node, args.node_rank) == ("2", "8", 1)
     assert args.rdzv_backend == "static" and args.rdzv_endpoint == "10.0.0.1:29500"
@@ -235,11 +287,16 @@ def test_unknown_keys_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown keys"):
         load(top)
     nested = tmp_path / "nested.yaml"
-    nested.write_text(yaml.safe_dump({**raw, "fsdp_config": {**raw["fsdp_config"], "fsdp_backward_prefetch_policy": "BACKWARD_PRE"}}))
+    nested.write_text(
+        yaml.safe_dump({**raw, "fsdp_config": {**raw["fsdp_config"], "fsdp_backward_prefetch_policy": "BACKWARD_PRE"}})
+    )
     assert unknown_nested_keys(load(nested)) == ["fsdp_config.fsdp_backward_prefetch_policy"]
     ds = yaml.safe_load((CONFIG_DIR / "deepspeed_zero3.yaml").read_text())
     typo = tmp_path / "typo.yaml"
     typo.write_text(yaml.safe_dump({**ds, "deepspeed_config": {**ds["deepspeed_config"], "zero_stages": 3}}))
     assert unknown_nested_keys(load(typo)) == ["deepspeed_config.zero_stages"]
     # a key accelerate's loader accepts but the launcher never applies
-    assert dead_top_level_keys({**raw, "same_network": True, "rdzv_backend": "c10d"}) == ["same_network", "rdzv_backend"]
+    assert dead_top_level_keys({**raw, "same_network": True, "rdzv_backend": "c10d"}) == [
+        "same_network",
+        "rdzv_backend",
+    ]

@@ -2,6 +2,7 @@
 memory budget, the same on every rank, the global batch unchanged (so the loss curve equals the run
 with that micro-batch given by hand). On CPU the budget is --max_memory_per_device_gb against the
 plan's estimate; on a GPU the probe measures a forward + backward."""
+
 from __future__ import annotations
 
 import re
@@ -51,9 +52,21 @@ def runs(tmp_path_factory):
     one after the other in one torchrun launch (each run's own stdout)."""
     common = [*TINY, "--max_steps", "4", "--export_final", "false"]
     auto_dir, hand_dir = tmp_path_factory.mktemp("auto"), tmp_path_factory.mktemp("hand")
-    auto, _ = fsdp_runs(2, [[*common, "--output_dir", str(auto_dir), "--per_device_train_batch_size", "auto",
-                             "--max_memory_per_device_gb", str(budget_gb_between(2, 4, 2))],
-                            [*common, "--output_dir", str(hand_dir), "--per_device_train_batch_size", "2"]])
+    auto, _ = fsdp_runs(
+        2,
+        [
+            [
+                *common,
+                "--output_dir",
+                str(auto_dir),
+                "--per_device_train_batch_size",
+                "auto",
+                "--max_memory_per_device_gb",
+                str(budget_gb_between(2, 4, 2)),
+            ],
+            [*common, "--output_dir", str(hand_dir), "--per_device_train_batch_size", "2"],
+        ],
+    )
     return auto, auto_dir, hand_dir
 
 
@@ -77,9 +90,22 @@ def test_hf_engine_auto_under_a_budget(tmp_path):
     """The HF engine (one process, plain python): 8 sequences per rank, a budget that fits 4 but not 8."""
     from conftest import python
 
-    proc = python("run_hf_standalone.py", [*TINY, "--max_steps", "1", "--export_final", "false",
-                                           "--output_dir", str(tmp_path), "--per_device_train_batch_size", "auto",
-                                           "--max_memory_per_device_gb", str(budget_gb_between(4, 8, 1))])
+    proc = python(
+        "run_hf_standalone.py",
+        [
+            *TINY,
+            "--max_steps",
+            "1",
+            "--export_final",
+            "false",
+            "--output_dir",
+            str(tmp_path),
+            "--per_device_train_batch_size",
+            "auto",
+            "--max_memory_per_device_gb",
+            str(budget_gb_between(4, 8, 1)),
+        ],
+    )
     assert "rank 0: micro-batch auto → 4" in proc.stdout
     assert "global batch 8 = 4 per device × 1 device × 2 accumulation steps" in proc.stdout
     assert "8 → " in proc.stdout and "chosen 4 on every rank" in proc.stdout
@@ -95,8 +121,22 @@ def test_auto_counts_a_lora_model_as_the_engines_hold_it(tmp_path):
     from anygpu.model import modeling
 
     build_base(tmp_path)
-    m, _, t = parse_args(["--model_name_or_path", str(tmp_path), "--use_peft", "true", "--lora_target_modules", "all-linear",
-                          "--per_device_train_batch_size", "auto", "--global_batch_size", "4", "--max_memory_per_device_gb", "1"])
+    m, _, t = parse_args(
+        [
+            "--model_name_or_path",
+            str(tmp_path),
+            "--use_peft",
+            "true",
+            "--lora_target_modules",
+            "all-linear",
+            "--per_device_train_batch_size",
+            "auto",
+            "--global_batch_size",
+            "4",
+            "--max_memory_per_device_gb",
+            "1",
+        ]
+    )
     prep = SimpleNamespace(config=modeling.resolve_config(m), plan=plan_batch(4, 1), block_size=64)
     probe = auto_batch.apply(prep, m, t, CPU, "fsdp2")
     lora_shapes, _, _ = load_shapes(str(tmp_path), None, m.lora_r, ("all-linear",))

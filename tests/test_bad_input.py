@@ -1,4 +1,5 @@
 """Bad input is refused up front, with the argument, the value and a valid alternative."""
+
 import json
 
 import pytest
@@ -40,7 +41,18 @@ def test_unwritable_output_dir(capsys, tmp_path):
 
 
 def test_conflicting_batch_arguments(capsys, tmp_path):
-    err = refuse([*TINY, "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "3", "--output_dir", str(tmp_path)], capsys)
+    err = refuse(
+        [
+            *TINY,
+            "--per_device_train_batch_size",
+            "2",
+            "--gradient_accumulation_steps",
+            "3",
+            "--output_dir",
+            str(tmp_path),
+        ],
+        capsys,
+    )
     assert "--gradient_accumulation_steps 3" in err and "--global_batch_size 8" in err and "set it to 4" in err
     err = refuse([*TINY, "--global_batch_tokens", "512", "--output_dir", str(tmp_path)], capsys)
     assert "--global_batch_size 8 and --global_batch_tokens 512" in err
@@ -64,34 +76,60 @@ def test_config_file_with_command_line_override(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("config_name: tiny\nlearning_rate: 0.01\nbf16: true\nreport_to: [none]\n")
     m, d, t = parse_args([str(cfg), "--learning_rate", "0.5"])
-    assert (m.config_name, t.learning_rate, t.bf16, t.report_to) == ("tiny", 0.5, True, ["none"])  # read by trackers.resolve
+    assert (m.config_name, t.learning_rate, t.bf16, t.report_to) == (
+        "tiny",
+        0.5,
+        True,
+        ["none"],
+    )  # read by trackers.resolve
     js = tmp_path / "run.json"
     js.write_text(json.dumps({"block_size": 32, "nonsense": 1}))
     with pytest.raises(ValueError, match="unknown option.*--nonsense"):
         parse_args([str(js)])
 
 
-@pytest.mark.parametrize("extra, expected", [
-    (["--use_peft", "true"], "--use_peft true needs --model_name_or_path"),
-    (["--lora_r", "0"], "--lora_r 0 must be at least 1"),
-    (["--lora_dropout", "1.5"], "--lora_dropout 1.5 must be in [0, 1)"),
-    (["--merge_lora", "true"], "--merge_lora true needs --use_peft true"),
-])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--use_peft", "true"], "--use_peft true needs --model_name_or_path"),
+        (["--lora_r", "0"], "--lora_r 0 must be at least 1"),
+        (["--lora_dropout", "1.5"], "--lora_dropout 1.5 must be in [0, 1)"),
+        (["--merge_lora", "true"], "--merge_lora true needs --use_peft true"),
+    ],
+)
 def test_lora_options(capsys, tmp_path, extra, expected):
     err = refuse([*TINY, *extra, "--output_dir", str(tmp_path)], capsys)
     assert expected in err
 
 
-@pytest.mark.parametrize("extra, expected", [
-    (["--model_name_or_path", "anygpu-test/not-cached"],
-     ["--model_name_or_path anygpu-test/not-cached", "not in the Hugging Face cache",
-      "hf download anygpu-test/not-cached", "HF_HUB_OFFLINE"]),
-    (["--model_name_or_path", "./no/such/model"], ["--model_name_or_path ./no/such/model: no such file or folder"]),
-    (["--config_name", "anygpu-test/no-config"], ["--config_name anygpu-test/no-config", "local folder"]),
-    (["--tokenizer_name", "./no-tokenizer"], ["--tokenizer_name ./no-tokenizer: no such file or folder", "tokenizer folder"]),
-    (["--dataset_name", "anygpu-test/no-data"],
-     ["--dataset_name anygpu-test/no-data", "hf download --repo-type dataset anygpu-test/no-data", "--train_file"]),
-])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (
+            ["--model_name_or_path", "anygpu-test/not-cached"],
+            [
+                "--model_name_or_path anygpu-test/not-cached",
+                "not in the Hugging Face cache",
+                "hf download anygpu-test/not-cached",
+                "HF_HUB_OFFLINE",
+            ],
+        ),
+        (["--model_name_or_path", "./no/such/model"], ["--model_name_or_path ./no/such/model: no such file or folder"]),
+        (["--config_name", "anygpu-test/no-config"], ["--config_name anygpu-test/no-config", "local folder"]),
+        (
+            ["--tokenizer_name", "./no-tokenizer"],
+            ["--tokenizer_name ./no-tokenizer: no such file or folder", "tokenizer folder"],
+        ),
+        (
+            ["--dataset_name", "anygpu-test/no-data"],
+            [
+                "--dataset_name anygpu-test/no-data",
+                "hf download --repo-type dataset anygpu-test/no-data",
+                "--train_file",
+            ],
+        ),
+    ],
+)
 def test_models_and_data_that_are_not_there(capsys, tmp_path, monkeypatch, extra, expected):
     """One line naming the argument, what was looked for and what to do; exit 2, no folder left behind."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -109,8 +147,18 @@ def test_a_refused_run_leaves_no_empty_output_folder(capsys, tmp_path):
 
 
 def test_list_options_take_the_comma_form():
-    m, _, t = parse_args(["--config_name", "tiny", "--lora_target_modules", "q_proj,v_proj", "--lora_modules_to_save",
-                          "lm_head", "--report_to", "tensorboard,none"])
+    m, _, t = parse_args(
+        [
+            "--config_name",
+            "tiny",
+            "--lora_target_modules",
+            "q_proj,v_proj",
+            "--lora_modules_to_save",
+            "lm_head",
+            "--report_to",
+            "tensorboard,none",
+        ]
+    )
     assert m.lora_target_modules == ["q_proj", "v_proj"] and m.lora_modules_to_save == ["lm_head"]
     assert t.report_to == ["tensorboard", "none"]
 
@@ -123,8 +171,14 @@ def test_a_lora_target_the_model_lacks_names_its_linear_modules():
 
     margs = parse_args(["--config_name", "tiny"])[0]
     model = modeling.build_meta_model(modeling.resolve_config(margs), margs)
-    args = SimpleNamespace(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_modules_to_save=None,
-                           lora_target_modules=["q_proj", "qkv"])
+    args = SimpleNamespace(
+        use_peft=True,
+        lora_r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        lora_modules_to_save=None,
+        lora_target_modules=["q_proj", "qkv"],
+    )
     with pytest.raises(UsageError) as e:
         lora.wrap(model, args)
     message = str(e.value)
@@ -144,6 +198,8 @@ def test_warmup_longer_than_the_run_is_warned(capsys):
 def test_a_tokenizer_smaller_than_asked_says_so(capsys, tmp_path):
     from anygpu.data import tokenizer
 
-    tok = tokenizer.load_or_train(None, lambda: ["a tiny corpus, a tiny corpus"] * 20, "fp-small", 1000, str(tmp_path), True)
+    tok = tokenizer.load_or_train(
+        None, lambda: ["a tiny corpus, a tiny corpus"] * 20, "fp-small", 1000, str(tmp_path), True
+    )
     out = capsys.readouterr().out
     assert f"has {len(tok)} tokens, fewer than --vocab_size 1000" in out and out.count("\n") == 1

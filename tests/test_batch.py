@@ -1,4 +1,5 @@
 """Batch math: G = per-device × world × accumulation, always, or a refusal that says why."""
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -58,8 +59,10 @@ def test_tokens_and_sequences_together_are_refused():
 
 
 def test_banner_line():
-    assert plan_batch(64, 8, per_device_train_batch_size=1).banner() == \
-        "global batch 64 = 1 per device × 8 devices × 8 accumulation steps"
+    assert (
+        plan_batch(64, 8, per_device_train_batch_size=1).banner()
+        == "global batch 64 = 1 per device × 8 devices × 8 accumulation steps"
+    )
     assert plan_batch(8, 1).banner() == "global batch 8 = 8 per device × 1 device × 1 accumulation step"
 
 

@@ -1,5 +1,6 @@
 """`anygpu bench --nproc 1,2` on CPU: one short fixed job per process count (the launcher's own
 command), a table of tokens/s, per process and scaling efficiency, and the PNG plot."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,31 @@ from conftest import ROOT, env
 @pytest.mark.slow
 def test_bench_one_and_two_processes(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "anygpu.tools.cli", "bench", "--engine", "fsdp", "--nproc", "1,2",
-                           "--config_name", "tiny", "--block_size", "64", "--max_steps", "3",
-                           "--output_dir", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "anygpu.tools.cli",
+            "bench",
+            "--engine",
+            "fsdp",
+            "--nproc",
+            "1,2",
+            "--config_name",
+            "tiny",
+            "--block_size",
+            "64",
+            "--max_steps",
+            "3",
+            "--output_dir",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [ln.split() for ln in proc.stdout.splitlines() if ln.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["1", "2"] and rows[0][3] == "100.0%"
@@ -24,7 +47,9 @@ def test_bench_one_and_two_processes(tmp_path):
     for r in results:
         assert r["tokens_per_second"] > 0 and r["mfu"] is None  # no MFU on CPU
         assert r["tokens_per_second_per_process"] == pytest.approx(r["tokens_per_second"] / r["nproc"])
-        assert r["scaling_efficiency"] == pytest.approx(r["tokens_per_second_per_process"] / results[0]["tokens_per_second"])
+        assert r["scaling_efficiency"] == pytest.approx(
+            r["tokens_per_second_per_process"] / results[0]["tokens_per_second"]
+        )
     png = out / "bench.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # each run trained the same global batch

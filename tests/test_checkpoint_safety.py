@@ -1,6 +1,7 @@
 """Nothing lost, without training: verified checkpoints, repairs, rotation, rewinds, a used output_dir,
 the output_dir lock, TensorBoard's purge on resume and a full disk. Checkpoint folders here are real folders
 with a real manifest; the engines' own runs are in test_faults.py."""
+
 from __future__ import annotations
 
 import errno
@@ -23,8 +24,9 @@ def fake_checkpoint(root: Path, step: int, payload: bytes = b"weights") -> Path:
     tmp = root / f".checkpoint-{step}.tmp"
     tmp.mkdir(parents=True)
     (tmp / "__0_0.distcp").write_bytes(payload * 100)
-    store.finalize(root, tmp, root / f"checkpoint-{step}", step, 2, "fsdp", None,
-                        {store.STATE_FILE: {"global_step": step}})
+    store.finalize(
+        root, tmp, root / f"checkpoint-{step}", step, 2, "fsdp", None, {store.STATE_FILE: {"global_step": step}}
+    )
     return root / f"checkpoint-{step}"
 
 
@@ -107,13 +109,18 @@ def test_a_rewind_is_refused_naming_the_newer_checkpoints_and_the_option(tmp_pat
     for step in (100, 200, 300):
         fake_checkpoint(tmp_path, step)
     old = str(tmp_path / "checkpoint-100")
-    with pytest.raises(UsageError, match=r"newer checkpoints exist \(checkpoint-200, checkpoint-300\).*--allow_rewind true"):
+    with pytest.raises(
+        UsageError, match=r"newer checkpoints exist \(checkpoint-200, checkpoint-300\).*--allow_rewind true"
+    ):
         run_guard.claim_output_dir(args(tmp_path, resume_from_checkpoint=old), rank=0)
     run_guard.release_locks()
     run_guard.claim_output_dir(args(tmp_path, resume_from_checkpoint=old, allow_rewind=True), rank=0)
     run_guard.release_locks()
     assert names(tmp_path) == ["checkpoint-100"]
-    assert sorted(p.name for p in (tmp_path / "abandoned").glob("*/checkpoint-*")) == ["checkpoint-200", "checkpoint-300"]
+    assert sorted(p.name for p in (tmp_path / "abandoned").glob("*/checkpoint-*")) == [
+        "checkpoint-200",
+        "checkpoint-300",
+    ]
     fake_checkpoint(tmp_path, 110)
     store.rotate(tmp_path, 2, tmp_path / "checkpoint-110")
     assert names(tmp_path) == ["checkpoint-100", "checkpoint-110"]
@@ -165,8 +172,24 @@ def test_tensorboard_events_past_the_resumed_step_are_dropped(tmp_path):
     w.close()
     acc = EventAccumulator(str(tmp_path / "runs"))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 9), (2, 8), (3, 7), (4, 6), (5, 5), (6, 106), (7, 107)]
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6, 7]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (1, 9),
+        (2, 8),
+        (3, 7),
+        (4, 6),
+        (5, 5),
+        (6, 106),
+        (7, 107),
+    ]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+    ]
 
 
 # ---------------------------------------------------------------------- a full disk
@@ -240,7 +263,9 @@ def test_auto_with_only_damaged_checkpoints_stops_naming_them_and_deletes_nothin
     if how != "auto":
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
         resume = None
-    with pytest.raises(UsageError, match=r"no intact checkpoint.*checkpoint-2.*checkpoint-4.*--overwrite_output_dir true"):
+    with pytest.raises(
+        UsageError, match=r"no intact checkpoint.*checkpoint-2.*checkpoint-4.*--overwrite_output_dir true"
+    ):
         claim(tmp_path, resume_from_checkpoint=resume)
     assert names(tmp_path) == ["checkpoint-2", "checkpoint-4"] and (tmp_path / "metrics.jsonl").exists()
 
@@ -374,5 +399,7 @@ def test_both_engines_stop_on_auto_with_only_damaged_checkpoints(tmp_path, engin
     with pytest.raises(SystemExit) as e:
         main([*TINY, "--max_steps", "4", "--output_dir", str(tmp_path), "--resume_from_checkpoint", "auto"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "no intact checkpoint" in err and "checkpoint-2: " in err and "checkpoint-4: " in err, err
+    assert (
+        e.value.code == 2 and "no intact checkpoint" in err and "checkpoint-2: " in err and "checkpoint-4: " in err
+    ), err
     assert names(tmp_path) == ["checkpoint-2", "checkpoint-4"]

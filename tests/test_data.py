@@ -1,4 +1,5 @@
 """Data: every file format, the embedded corpus, caching, tokenizer reuse, the global order."""
+
 import json
 import logging
 
@@ -82,7 +83,9 @@ def test_embedded_corpus_is_the_stdlib_split_deterministically():
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 300), G=st.sampled_from([1, 2, 4, 6, 8, 12, 24]), step=st.integers(0, 50), seed=st.integers(0, 5))
+@given(
+    n=st.integers(1, 300), G=st.sampled_from([1, 2, 4, 6, 8, 12, 24]), step=st.integers(0, 50), seed=st.integers(0, 5)
+)
 def test_global_batch_is_the_same_whatever_the_split(n, G, step, seed):
     if n < G:
         with pytest.raises(ValueError, match="--global_batch_size"):

@@ -5,6 +5,7 @@ HfArgumentParser over the argument dataclasses, the tools' and the launcher's ar
 accelerate's own), so an option added to or removed from the code is seen at once.
 Only the shell entry points are spawned, at `--help` level.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,16 @@ PLACEHOLDERS = ("…", "...")  # an elided tail: check the options before it, no
 PROGRAMS = r"(bash |python |\.venv/bin/python |\.venv/bin/anygpu |torchrun |accelerate launch |anygpu |sbatch )"  # ours, or launching ours
 SKIP = "docs-check: skip"  # an HTML comment on a line that shows a mistake on purpose (`anygpu trian`)
 # Options of programs that are not ours, named in prose (Slurm, pytest); everything else must be in a parser.
-FOREIGN_OPTIONS = {"--signal", "--nodes", "--ntasks-per-node", "--kill-on-bad-exit", "--cpus-per-task",
-                   "--gpus-per-node", "--durations", "--index-url"}
+FOREIGN_OPTIONS = {
+    "--signal",
+    "--nodes",
+    "--ntasks-per-node",
+    "--kill-on-bad-exit",
+    "--cpus-per-task",
+    "--gpus-per-node",
+    "--durations",
+    "--index-url",
+}
 
 
 def doc_files() -> list[Path]:
@@ -38,6 +47,7 @@ def doc_files() -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- the parsers
+
 
 def _options(parser: argparse.ArgumentParser) -> set[str]:
     return {s for action in parser._actions for s in action.option_strings}
@@ -78,9 +88,13 @@ def accelerate_options() -> set[str]:
 def script_options(path: str) -> set[str]:
     """A benchmark's options, read from its add_argument calls (running it would train)."""
     tree = ast.parse((ROOT / path).read_text())
-    return {arg.value for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and getattr(node.func, "attr", "") == "add_argument"
-            for arg in node.args if isinstance(arg, ast.Constant) and str(arg.value).startswith("-")}
+    return {
+        arg.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"
+        for arg in node.args
+        if isinstance(arg, ast.Constant) and str(arg.value).startswith("-")
+    }
 
 
 @cache
@@ -108,6 +122,7 @@ def every_option() -> set[str]:
 
 
 # ------------------------------------------------------------------------ reading the pages
+
 
 @dataclass
 class Command:
@@ -193,6 +208,7 @@ def prose_options(text: str) -> list[tuple[int, str]]:
 
 # -------------------------------------------------------------------------- checking one
 
+
 def _flags(words: list[str]) -> list[str]:
     """The `--options` among the words. `[--merge_lora true]` is an optional part, still an option;
     `[--option value ...]` is the generic form, no option."""
@@ -250,12 +266,12 @@ def _engine(words: list[str], engine: str) -> list[str]:
 
 
 def _after(words: list[str], script: str) -> list[str]:
-    return words[words.index(script) + 1:]
+    return words[words.index(script) + 1 :]
 
 
 def _launcher(words: list[str]) -> list[str]:
     """Launcher options before `--` (the interactive parser with --interactive), the engine's after it."""
-    mine, rest = (words[:words.index("--")], words[words.index("--") + 1:]) if "--" in words else (words, [])
+    mine, rest = (words[: words.index("--")], words[words.index("--") + 1 :]) if "--" in words else (words, [])
     name = "interactive" if "--interactive" in mine else "launcher"
     parser = tool_parser(name)
     bad = _unknown(mine, _options(parser) | {"--interactive", "--vendor"})
@@ -283,7 +299,7 @@ def _cli_answers(argv: list[str]) -> tuple[bool, str]:
 
 def _tool(sub: str, words: list[str]) -> list[str]:
     """`anygpu <sub> …`: the tool's own parser where it has one (a job's arguments after `--`), else its --help."""
-    mine, job = (words[:words.index("--")], words[words.index("--") + 1:]) if "--" in words else (words, [])
+    mine, job = (words[: words.index("--")], words[words.index("--") + 1 :]) if "--" in words else (words, [])
     if importlib.util.find_spec(f"anygpu.tools.{sub}") is not None:
         module = importlib.import_module(f"anygpu.tools.{sub}")
         if hasattr(module, "build_parser"):
@@ -301,7 +317,9 @@ def _tool(sub: str, words: list[str]) -> list[str]:
 def _runnable(module: str) -> bool:
     """`python -m module` works: a module, or a package with a __main__."""
     spec = importlib.util.find_spec(module)
-    return spec is not None and (spec.submodule_search_locations is None or importlib.util.find_spec(f"{module}.__main__") is not None)
+    return spec is not None and (
+        spec.submodule_search_locations is None or importlib.util.find_spec(f"{module}.__main__") is not None
+    )
 
 
 ENGINE_SCRIPTS = {"run_fsdp_standalone.py": "fsdp", "run_hf_standalone.py": "hf"}
@@ -316,7 +334,7 @@ def check(cmd: Command) -> list[str]:
         if script in base:
             i = base.index(script)
             before = w[:i]
-            bad = _engine(w[i + 1:], engine)
+            bad = _engine(w[i + 1 :], engine)
             if any(Path(x).name == "torchrun" for x in before) or "torch.distributed.run" in before:
                 bad += _unknown(before, torchrun_options())
             elif "accelerate" in base[:i] or "accelerate.commands.launch" in before:
@@ -329,7 +347,7 @@ def check(cmd: Command) -> list[str]:
     for script in LAUNCHER_SCRIPTS:
         if any(x.endswith(script) for x in w):
             i = next(k for k, x in enumerate(w) if x.endswith(script))
-            return _launcher(w[i + 1:])
+            return _launcher(w[i + 1 :])
     if "-m" in w[:-1] and w[w.index("-m") + 1].startswith("anygpu"):
         module = w[w.index("-m") + 1]
         if not _runnable(module):
@@ -343,7 +361,11 @@ def check(cmd: Command) -> list[str]:
         if sub == "train":
             return _engine(rest, "fsdp")
         if sub == "launch":
-            return _launcher(rest) if "--vendor" in rest and "--interactive" not in rest else _launcher(["--interactive", *rest])
+            return (
+                _launcher(rest)
+                if "--vendor" in rest and "--interactive" not in rest
+                else _launcher(["--interactive", *rest])
+            )
         return _tool(sub, rest)
     for x in w:
         if x.startswith("benchmarks/") and x.endswith(".py"):
@@ -365,6 +387,7 @@ def problems(text: str, name: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------- tests
 
+
 def test_readme_is_a_front_page():
     """≤ 200 lines, with the CI's test command and the demo command, verbatim, in its first screen."""
     lines = README.read_text().split("\n")
@@ -374,9 +397,18 @@ def test_readme_is_a_front_page():
     assert ci in first, f"the test command .ci/run runs ({ci}) is not in README's first screen"
     assert "bash scripts/setup.sh && .venv/bin/python run_fsdp_standalone.py --max_steps 150" in first
     text = "\n".join(lines)
-    recipes = ["**Pretrain on your own text**", "**Fine-tune a pretrained model on chat data.**", "LoRA", "**8 NVIDIA GPUs.**",
-               "**8 AMD GPUs**", "**Several nodes, or Slurm.**", "**Resume, also on another number of GPUs.**",
-               "**Check a job before launch.**", "## Measured figures", "## Documentation"]
+    recipes = [
+        "**Pretrain on your own text**",
+        "**Fine-tune a pretrained model on chat data.**",
+        "LoRA",
+        "**8 NVIDIA GPUs.**",
+        "**8 AMD GPUs**",
+        "**Several nodes, or Slurm.**",
+        "**Resume, also on another number of GPUs.**",
+        "**Check a job before launch.**",
+        "## Measured figures",
+        "## Documentation",
+    ]
     assert [r for r in recipes if r not in text] == [], "a recipe or section of the front page is missing"
     figures = text.split("## Measured figures")[1].split("\n## ")[0]
     rows = [ln for ln in figures.splitlines() if ln.startswith("| ") and not ln.startswith("| ---")][1:]
@@ -411,21 +443,31 @@ def test_every_command_and_option_in_the_docs_exists(doc):
 
 def test_the_check_flags_a_made_up_option_and_a_bad_value():
     """The checker can fail: made-up options, in a block, a launcher's tail, a tool and prose, are each flagged."""
-    snippet = "\n".join([
-        "```bash",
-        "torchrun --standalone --nproc-per-node 8 run_fsdp_standalone.py --config_name tiny --learning_rat 3e-4",
-        "bash run_nvidia_all.sh --engine fsdp -- --config_name tiny --max_stepz 10",
-        "anygpu plan --config_name tiny --gpu_memory_gigs 80",
-        ".venv/bin/python run_hf_standalone.py --bf16 maybe",
-        "python -m anygpu.launch --vendor nvidia --dry-run",
-        "accelerate launch --config_fil accelerate_configs/ddp.yaml",
-        "```",
-        "The `--no_such_option` switch.",
-        "The form is `anygpu train [--option value ...]`; `--merge_lora` writes final-merged/.",  # generic: not flagged
-        "A typo on purpose: `anygpu trian --lerning_rate 1`. <!-- docs-check: skip -->",  # marked: not flagged
-    ])
+    snippet = "\n".join(
+        [
+            "```bash",
+            "torchrun --standalone --nproc-per-node 8 run_fsdp_standalone.py --config_name tiny --learning_rat 3e-4",
+            "bash run_nvidia_all.sh --engine fsdp -- --config_name tiny --max_stepz 10",
+            "anygpu plan --config_name tiny --gpu_memory_gigs 80",
+            ".venv/bin/python run_hf_standalone.py --bf16 maybe",
+            "python -m anygpu.launch --vendor nvidia --dry-run",
+            "accelerate launch --config_fil accelerate_configs/ddp.yaml",
+            "```",
+            "The `--no_such_option` switch.",
+            "The form is `anygpu train [--option value ...]`; `--merge_lora` writes final-merged/.",  # generic: not flagged
+            "A typo on purpose: `anygpu trian --lerning_rate 1`. <!-- docs-check: skip -->",  # marked: not flagged
+        ]
+    )
     found = problems(snippet, "snippet")
-    for flagged in ("--learning_rat", "--max_stepz", "--gpu_memory_gigs", "maybe", "--no_such_option", "not a runnable module", "--config_fil"):
+    for flagged in (
+        "--learning_rat",
+        "--max_stepz",
+        "--gpu_memory_gigs",
+        "maybe",
+        "--no_such_option",
+        "not a runnable module",
+        "--config_fil",
+    ):
         assert any(flagged in p for p in found), (flagged, found)
     assert len(found) == 7, found
     ok = "```bash\nbash run_amd_all.sh --engine fsdp -- --config_name tiny --max_steps 10\n```\n"

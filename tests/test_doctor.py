@@ -1,6 +1,7 @@
 """`anygpu doctor`: on this CPU machine it runs its checks and exits 0 reporting "no GPU"; with the
 fake smi tools it reports their GPUs and the launchers' commands for them; a failing check (an
 unwritable output folder) exits non-zero with its fix."""
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 cross between plain tensors (1 rank) and DTensors (2 ranks), resume stays exact with the step
 DataLoader and with asynchronous saves, a run killed mid-save resumes from the previous checkpoint,
 and SIGTERM at any moment of a background save loses neither that checkpoint nor the preemption one."""
+
 import json
 import re
 
@@ -15,8 +16,10 @@ TEN = [*TINY, "--max_steps", "10", "--export_final", "false"]
 
 def test_one_rank_unsharded_has_fsdp2_losses(tmp_path):
     # 4 micro-batches of 2 per step: accumulation without FSDP's gradient-sync switch
-    proc = python("tests/scripts/one_rank_paths.py", [*TINY, "--max_steps", "4", "--per_device_train_batch_size", "2",
-                                                     "--output_dir", str(tmp_path)])
+    proc = python(
+        "tests/scripts/one_rank_paths.py",
+        [*TINY, "--max_steps", "4", "--per_device_train_batch_size", "2", "--output_dir", str(tmp_path)],
+    )
     got = json.loads(proc.stdout.split("LOSSES ", 1)[1].splitlines()[0])
     assert len(got["plain"]) == 4 and got["plain"][-1] < got["plain"][0]
     for a, b in zip(got["plain"], got["fsdp"]):
@@ -36,14 +39,22 @@ def async_runs(tmp_path_factory) -> dict:
     crash = python("tests/scripts/crash_in_async_write.py", [*TEN, *saves, "--output_dir", str(crashed)], check=False)
     left = sorted(p.name for p in crashed.iterdir() if "checkpoint" in p.name)
     # counts the checksums each rank computes: the resume checkpoint is verified once, by rank 0
-    after = torchrun(2, "tests/scripts/count_hashes.py", [*TEN, *saves, "--output_dir", str(crashed),
-                                                         "--resume_from_checkpoint", "latest"])
+    after = torchrun(
+        2,
+        "tests/scripts/count_hashes.py",
+        [*TEN, *saves, "--output_dir", str(crashed), "--resume_from_checkpoint", "latest"],
+    )
     return {"base": base, "resumed": resumed, "crashed": crashed, "crash": crash, "left": left, "after": after}
 
 
 def test_async_checkpoints_are_complete_and_resume_exactly(async_runs):
     base = async_runs["base"]
-    assert [p.name for p in sorted(base.glob("checkpoint-*"))] == ["checkpoint-10", "checkpoint-3", "checkpoint-6", "checkpoint-9"]
+    assert [p.name for p in sorted(base.glob("checkpoint-*"))] == [
+        "checkpoint-10",
+        "checkpoint-3",
+        "checkpoint-6",
+        "checkpoint-9",
+    ]
     assert all((base / f"checkpoint-{s}" / "trainer_state.json").exists() for s in (3, 6, 9, 10))
     assert not list(base.glob(".checkpoint-*"))
     resumed = losses(async_runs["resumed"])
@@ -73,10 +84,27 @@ def test_sigterm_at_any_moment_of_a_background_save_loses_nothing(tmp_path):
     commits checkpoint-4, saves the preemption checkpoint and exits 143; then the first run resumes."""
     from anygpu.checkpoint import manifest, store
 
-    args = [*TINY, "--max_steps", "8", "--save_steps", "2", "--save_total_limit", "10", "--async_save", "true",
-            "--export_final", "false", "--output_dir", str(tmp_path)]
-    proc = python("tests/scripts/sigterm_in_async_save.py", [",".join(MOMENTS), *args], check=False,
-                  extra_env={"ANYGPU_SIGTERM_GRACE_S": "1", "RESUME": "1"})
+    args = [
+        *TINY,
+        "--max_steps",
+        "8",
+        "--save_steps",
+        "2",
+        "--save_total_limit",
+        "10",
+        "--async_save",
+        "true",
+        "--export_final",
+        "false",
+        "--output_dir",
+        str(tmp_path),
+    ]
+    proc = python(
+        "tests/scripts/sigterm_in_async_save.py",
+        [",".join(MOMENTS), *args],
+        check=False,
+        extra_env={"ANYGPU_SIGTERM_GRACE_S": "1", "RESUME": "1"},
+    )
     out = proc.stdout
     assert proc.returncode == 0 and "stuck in a collective" not in proc.stderr, (out[-2000:], proc.stderr[-3000:])
     segments = dict(zip(MOMENTS, out.split("RESULT ")))  # each run's lines end with its RESULT line

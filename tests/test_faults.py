@@ -2,6 +2,7 @@
 a random step, SIGKILL during a checkpoint write, a worker killed under the launcher's --max-restarts,
 damaged checkpoints, a changed resume, two nodes that disagree. Every interrupted run must end with the
 uninterrupted run's losses (1e-5). One reference run serves every comparison."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,19 @@ from conftest import BIN, ROOT, TINY, assert_close, descendants, env, losses, ou
 pytestmark = pytest.mark.slow
 SCRIPT = "run_fsdp_standalone.py"
 # 15 steps, checkpoints every 5, evaluations every 4 (4, 8, 12 and the end).
-RUN = [*TINY, "--max_steps", "15", "--save_steps", "5", "--eval_steps", "4", "--max_eval_samples", "32",
-       "--export_final", "false"]
+RUN = [
+    *TINY,
+    "--max_steps",
+    "15",
+    "--save_steps",
+    "5",
+    "--eval_steps",
+    "4",
+    "--max_eval_samples",
+    "32",
+    "--export_final",
+    "false",
+]
 
 
 def evals(output_dir: Path) -> dict[int, float]:
@@ -30,13 +42,20 @@ def evals(output_dir: Path) -> dict[int, float]:
 
 def steps_logged(output_dir: Path) -> list[int]:
     path = output_dir / "metrics.jsonl"
-    return [json.loads(l)["step"] for l in path.read_text().splitlines() if '"loss"' in l] if path.exists() else []
+    return [json.loads(ln)["step"] for ln in path.read_text().splitlines() if '"loss"' in ln] if path.exists() else []
 
 
 def start(cmd: list[str], **extra: str) -> subprocess.Popen:
     """A job in its own process group (so a test can SIGKILL all of it)."""
-    return subprocess.Popen(cmd, cwd=ROOT, env={**env(), **extra}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**env(), **extra},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_until(condition, timeout: float = 240, what: str = "") -> None:
@@ -74,10 +93,27 @@ def test_sigterm_during_an_evaluation_then_a_worker_killed_under_max_restarts(re
     assert [c.name for c in tmp_path.glob("checkpoint-*")] == ["checkpoint-4"]
     assert evals(tmp_path) == pytest.approx({4: evals(reference)[4]}, rel=1e-5)  # the evaluation completed
 
-    launcher = ["bash", str(ROOT / "run_nvidia_all.sh"), "--count-from", "smi", "--engine", "fsdp", "--nproc", "2",
-                "--max-restarts", "1", "--", *args]
-    cpu = {"FAKE_NVIDIA": "absent", "FAKE_AMD": "absent", "CUDA_VISIBLE_DEVICES": "", "PYTHON": str(BIN / "python"),
-           "PATH": os.pathsep.join([str(ROOT / "tests" / "fakes"), str(BIN), os.environ["PATH"]])}
+    launcher = [
+        "bash",
+        str(ROOT / "run_nvidia_all.sh"),
+        "--count-from",
+        "smi",
+        "--engine",
+        "fsdp",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        "--",
+        *args,
+    ]
+    cpu = {
+        "FAKE_NVIDIA": "absent",
+        "FAKE_AMD": "absent",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHON": str(BIN / "python"),
+        "PATH": os.pathsep.join([str(ROOT / "tests" / "fakes"), str(BIN), os.environ["PATH"]]),
+    }
     proc = start(launcher, **cpu)
     wait_until(lambda: 7 in steps_logged(tmp_path) or proc.poll() is not None, what="step 7")
     assert proc.poll() is None, proc.communicate()[0][-3000:]
@@ -98,8 +134,10 @@ def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(referen
     The SIGTERM checkpoint also loads with a changed --max_steps under --allow_changed_args (in a copy)."""
     args = [*RUN, "--output_dir", str(tmp_path)]
     proc = start(torchrun_cmd(2, args), ANYGPU_TEST_SLOW_SAVE="10:120")
-    wait_until(lambda: len(list(tmp_path.glob(".checkpoint-10.tmp/rng/*.pt"))) == 2 or proc.poll() is not None,
-               what="the write of checkpoint-10")
+    wait_until(
+        lambda: len(list(tmp_path.glob(".checkpoint-10.tmp/rng/*.pt"))) == 2 or proc.poll() is not None,
+        what="the write of checkpoint-10",
+    )
     for pid in [proc.pid, *descendants(proc.pid)]:  # the agent and its workers (in sessions of their own) at once
         os.kill(pid, signal.SIGKILL)
     proc.communicate(timeout=60)
@@ -130,8 +168,19 @@ def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(referen
     changed = tmp_path_factory.mktemp("changed") / "run"
     shutil.copytree(tmp_path, changed)
     capsys.readouterr()
-    main([*args[:-2], "--output_dir", str(changed), "--max_steps", str(step + 2), "--resume_from_checkpoint", "latest",
-          "--allow_changed_args", "true"])
+    main(
+        [
+            *args[:-2],
+            "--output_dir",
+            str(changed),
+            "--max_steps",
+            str(step + 2),
+            "--resume_from_checkpoint",
+            "latest",
+            "--allow_changed_args",
+            "true",
+        ]
+    )
     said = "".join(capsys.readouterr())
     assert f"at step {step}" in said and "resuming with changed training math: --max_steps" in said, said[-3000:]
     assert max(losses(changed)) == step + 2
@@ -149,7 +198,9 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(reference
     shutil.copytree(reference, out)
     shard = out / "checkpoint-15" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
-    shard.write_bytes(bytes(data[:-100]) if damage == "truncated" else bytes(data[:50]) + bytes([data[50] ^ 1]) + bytes(data[51:]))
+    shard.write_bytes(
+        bytes(data[:-100]) if damage == "truncated" else bytes(data[:50]) + bytes([data[50] ^ 1]) + bytes(data[51:])
+    )
     args = [*RUN, "--output_dir", str(out)]
     with pytest.raises(SystemExit) as e:
         main([*args, "--resume_from_checkpoint", str(out / "checkpoint-15")])
@@ -168,13 +219,19 @@ def manifest_ok(path: Path) -> bool:
     return manifest.problem(path) is None
 
 
-@pytest.mark.parametrize("change,expected", [
-    (["--block_size", "32"], "--block_size: 64 → 32"), (["--seed", "7"], "--seed: 42 → 7"),
-    (["--max_train_samples", "500"], "--num_train_samples"), (["--max_corpus_mb", "0.9"], "(from --max_corpus_mb 1.0 → 0.9)"),
-    (["--vocab_size", "4000"], "tokenizer fingerprint"), (["--max_steps", "20"], "--max_steps: 15 → 20"),
-    (["--learning_rate", "1e-3"], "--learning_rate: 0.003 → 0.001"),
-    (["--truncation_mode", "drop"], "--truncation_mode: 'keep_start' → 'drop'"),
-])
+@pytest.mark.parametrize(
+    "change,expected",
+    [
+        (["--block_size", "32"], "--block_size: 64 → 32"),
+        (["--seed", "7"], "--seed: 42 → 7"),
+        (["--max_train_samples", "500"], "--num_train_samples"),
+        (["--max_corpus_mb", "0.9"], "(from --max_corpus_mb 1.0 → 0.9)"),
+        (["--vocab_size", "4000"], "tokenizer fingerprint"),
+        (["--max_steps", "20"], "--max_steps: 15 → 20"),
+        (["--learning_rate", "1e-3"], "--learning_rate: 0.003 → 0.001"),
+        (["--truncation_mode", "drop"], "--truncation_mode: 'keep_start' → 'drop'"),
+    ],
+)
 def test_a_resume_that_changes_the_training_math_is_refused(reference, tmp_path, change, expected, capsys):
     from anygpu.engines.fsdp import main
 
@@ -192,7 +249,11 @@ def test_a_model_change_and_the_other_engines_checkpoint_get_a_message(reference
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     cfg = tmp_path / "wider.json"
-    cfg.write_text((ROOT / "anygpu" / "config" / "presets" / "tiny.json").read_text().replace('"intermediate_size": ', '"intermediate_size": 1'))
+    cfg.write_text(
+        (ROOT / "anygpu" / "config" / "presets" / "tiny.json")
+        .read_text()
+        .replace('"intermediate_size": ', '"intermediate_size": 1')
+    )
     with pytest.raises(SystemExit):
         main([*RUN, "--output_dir", str(out), "--resume_from_checkpoint", "latest", "--config_name", str(cfg)])
     assert "model config intermediate_size" in capsys.readouterr().err
@@ -211,9 +272,22 @@ def test_two_nodes_with_different_arguments_stop_within_seconds(tmp_path):
     procs = []
     start_t = time.time()
     for node, lr in ((0, "1e-3"), (1, "2e-3")):
-        cmd = [str(BIN / "torchrun"), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
-               "--master-addr=127.0.0.1", f"--master-port={port}", SCRIPT, *TINY, "--max_steps", "50",
-               "--learning_rate", lr, "--output_dir", str(tmp_path)]
+        cmd = [
+            str(BIN / "torchrun"),
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            SCRIPT,
+            *TINY,
+            "--max_steps",
+            "50",
+            "--learning_rate",
+            lr,
+            "--output_dir",
+            str(tmp_path),
+        ]
         procs.append(start(cmd))
     outs = outputs(procs, timeout=120)
     assert time.time() - start_t < 30 and all(p.returncode != 0 for p in procs)  # process start-up included
@@ -241,16 +315,29 @@ def test_two_nodes_without_a_shared_output_dir_are_refused(tmp_path):
     procs = []
     start_t = time.time()
     for node in (0, 1):
-        cmd = [str(BIN / "torchrun"), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
-               "--master-addr=127.0.0.1", f"--master-port={port}", SCRIPT, *TINY, "--max_steps", "50",
-               "--output_dir", str(tmp_path)]
+        cmd = [
+            str(BIN / "torchrun"),
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            SCRIPT,
+            *TINY,
+            "--max_steps",
+            "50",
+            "--output_dir",
+            str(tmp_path),
+        ]
         if node == 1:
             cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{tmp_path}" && exec "$@"', "sh", *cmd]
         procs.append(start(cmd))
     outs = outputs(procs, timeout=120)
     assert time.time() - start_t < 60 and all(p.returncode != 0 for p in procs)
     text = "\n".join(outs)
-    assert f"--output_dir {tmp_path} is not shared: rank(s) 1" in text and "filesystem every node mounts" in text, text[-3000:]
+    assert f"--output_dir {tmp_path} is not shared: rank(s) 1" in text and "filesystem every node mounts" in text, text[
+        -3000:
+    ]
     assert not steps_logged(tmp_path)
 
 
@@ -277,12 +364,24 @@ def test_hf_engine_sigterm_during_an_evaluation_resumes_exactly(tmp_path):
     args = [*TINY, "--max_steps", "8", "--eval_steps", "4", "--max_eval_samples", "32", "--export_final", "false"]
     python(hf, [*args, "--output_dir", str(tmp_path / "ref")])
     out = tmp_path / "run"
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
-           hf, *args, "--output_dir", str(out)]
+    cmd = [
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        "accelerate_configs/ddp.yaml",
+        "--num_processes",
+        "2",
+        hf,
+        *args,
+        "--output_dir",
+        str(out),
+    ]
     proc = start(cmd, ANYGPU_TEST_SIGTERM_AT="eval:4", ANYGPU_SIGTERM_GRACE_S="1")
     log, _ = proc.communicate(timeout=300)
     assert "SIGTERM: saved checkpoint-4, exiting (exit 143)" in log, log[-3000:]
-    assert [c.name for c in out.glob("checkpoint-*")] == ["checkpoint-4"] and (out / "checkpoint-4" / "manifest.json").exists()
+    assert [c.name for c in out.glob("checkpoint-*")] == ["checkpoint-4"] and (
+        out / "checkpoint-4" / "manifest.json"
+    ).exists()
     python(hf, [*args, "--output_dir", str(out), "--resume_from_checkpoint", "auto"])
     assert sorted(losses(out)) == list(range(1, 9))
     assert_close(losses(tmp_path / "ref"), losses(out), rel=1e-5)
@@ -308,8 +407,14 @@ def test_the_connectivity_check_names_the_backend_and_the_missing_rank(tmp_path)
     script = tmp_path / "connect.py"
     script.write_text(CONNECT)
     start_t = time.time()
-    proc = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(script)], cwd=ROOT,
-                          env={**env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("CHECK:")), proc.stdout + proc.stderr[-2000:])
+    proc = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2", str(script)],
+        cwd=ROOT,
+        env={**env(), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("CHECK:")), proc.stdout + proc.stderr[-2000:])
     assert "connectivity check failed (backend gloo, 2 ranks, 3 s)" in line and "1" in line.split("):", 1)[1], line
     assert time.time() - start_t < 60

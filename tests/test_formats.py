@@ -1,6 +1,7 @@
 """Fine-tuning data in one process: formats detected from the columns, which tokens are trained on (prompt,
 completion, assistant turns, multi-turn), truncation and dropping counted, packing that keeps samples apart
 (the same loss packed as padded), and .txt files with one document per line."""
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,10 @@ def chats(n: int, seed: int = 0) -> list[dict]:
     for _ in range(n):
         msgs = [{"role": "system", "content": "be brief"}] if rng.random() < 0.3 else []
         for _ in range(rng.randint(1, 3)):
-            msgs += [{"role": "user", "content": sentence(rng, 1, 12)}, {"role": "assistant", "content": sentence(rng, 1, 20)}]
+            msgs += [
+                {"role": "user", "content": sentence(rng, 1, 12)},
+                {"role": "assistant", "content": sentence(rng, 1, 20)},
+            ]
         out.append({"messages": msgs})
     return out
 
@@ -51,7 +55,9 @@ def test_format_is_detected_from_the_columns():
     assert formats.detect_format(["messages", "id"], "text", "x") == formats.MESSAGES
     assert formats.detect_format(["prompt", "completion"], "text", "x") == formats.PROMPT_COMPLETION
     assert formats.detect_format(["body"], "body", "x") == formats.TEXT
-    with pytest.raises(ValueError, match="--text_column 'text' is not a column of x.*'prompt' and 'completion'.*'messages'"):
+    with pytest.raises(
+        ValueError, match="--text_column 'text' is not a column of x.*'prompt' and 'completion'.*'messages'"
+    ):
         formats.detect_format(["question", "answer"], "text", "x")
 
 
@@ -73,7 +79,9 @@ def test_multi_turn_trains_exactly_the_assistant_turns(tok):
         expected = "".join(m["content"] + tok.eos_token for m in row["messages"] if m["role"] == "assistant")
         assert trained_text(tok, ids, labels) == expected
         assert formats.encode_sample(no_markers, row, opts)[:2] == (ids, labels)
-        ids_all, labels_all, _ = formats.encode_sample(tok, row, formats.EncodeOptions(formats.MESSAGES, 10_000, assistant_only_loss=False))
+        ids_all, labels_all, _ = formats.encode_sample(
+            tok, row, formats.EncodeOptions(formats.MESSAGES, 10_000, assistant_only_loss=False)
+        )
         assert ids_all == ids and labels_all[1:] == ids[1:]
 
 
@@ -82,7 +90,9 @@ def test_prompt_completion_trains_the_completion_and_eos(tok):
     ids, labels, _ = formats.encode_sample(tok, row, formats.EncodeOptions(formats.PROMPT_COMPLETION, 100))
     assert tok.decode(ids) == "why is the sky blue and green" + tok.eos_token
     assert trained_text(tok, ids, labels) == " blue and green" + tok.eos_token
-    _, labels_all, _ = formats.encode_sample(tok, row, formats.EncodeOptions(formats.PROMPT_COMPLETION, 100, completion_only_loss=False))
+    _, labels_all, _ = formats.encode_sample(
+        tok, row, formats.EncodeOptions(formats.PROMPT_COMPLETION, 100, completion_only_loss=False)
+    )
     assert labels_all[0] == formats.IGNORE and labels_all[1:] == ids[1:]
 
 
@@ -100,18 +110,31 @@ def test_conversational_prompt_completion_is_rendered_and_trained_as_messages(to
             ids_m, labels_m, _ = formats.encode_sample(t, row, msgs)
             assert ids == ids_m
             assert trained_text(t, ids, labels) == completion[0]["content"] + t.eos_token  # no trailing newline
-            assert all(y == y_m for y, y_m in zip(labels, labels_m) if y != formats.IGNORE)  # the messages path's targets
+            assert all(
+                y == y_m for y, y_m in zip(labels, labels_m) if y != formats.IGNORE
+            )  # the messages path's targets
             assert labels[-3:] == labels_m[-3:]  # to the end: EOS a target, the newline after it not
-            ids_all, labels_all, _ = formats.encode_sample(t, {"prompt": prompt, "completion": completion},
-                                                           formats.EncodeOptions(formats.PROMPT_COMPLETION, 10_000, completion_only_loss=False))
+            ids_all, labels_all, _ = formats.encode_sample(
+                t,
+                {"prompt": prompt, "completion": completion},
+                formats.EncodeOptions(formats.PROMPT_COMPLETION, 10_000, completion_only_loss=False),
+            )
             assert ids_all == ids and labels_all[1:] == ids[1:]
 
 
 @pytest.mark.parametrize("mode", ["keep_start", "keep_end", "drop"])
 def test_overlong_samples_are_truncated_or_dropped_and_counted(tok, mode):
     rows = [{"prompt": "why", "completion": " " + " ".join(["blue"] * n)} for n in (2, 30, 3, 40)]
-    rows.append({"prompt": " ".join(["sky"] * 40), "completion": " cat"})  # nothing of the completion survives keep_start
-    enc, stats = formats.encode_split(Dataset.from_list(rows), tok, formats.EncodeOptions(formats.PROMPT_COMPLETION, 16, truncation_mode=mode), None, "train")
+    rows.append(
+        {"prompt": " ".join(["sky"] * 40), "completion": " cat"}
+    )  # nothing of the completion survives keep_start
+    enc, stats = formats.encode_split(
+        Dataset.from_list(rows),
+        tok,
+        formats.EncodeOptions(formats.PROMPT_COMPLETION, 16, truncation_mode=mode),
+        None,
+        "train",
+    )
     assert all(len(x) <= 16 for x in enc["input_ids"])
     if mode == "drop":
         assert (stats.samples, stats.dropped_too_long, stats.truncated) == (2, 3, 0)
@@ -121,9 +144,14 @@ def test_overlong_samples_are_truncated_or_dropped_and_counted(tok, mode):
         assert (stats.samples, stats.truncated, stats.dropped_no_target) == (5, 3, 0)
     # the banner's count is the rows written, and it names what was cut or left out
     assert stats.samples == len(enc["input_ids"])
-    assert stats.describe() == {"drop": "2 samples, 3 too long, dropped",
-                                "keep_start": "4 samples, 3 truncated, 1 without target tokens, dropped",
-                                "keep_end": "5 samples, 3 truncated"}[mode]
+    assert (
+        stats.describe()
+        == {
+            "drop": "2 samples, 3 too long, dropped",
+            "keep_start": "4 samples, 3 truncated, 1 without target tokens, dropped",
+            "keep_end": "5 samples, 3 truncated",
+        }[mode]
+    )
 
 
 def test_best_fit_decreasing_packs_every_sample_once():
@@ -138,15 +166,28 @@ def test_best_fit_decreasing_packs_every_sample_once():
 def test_packed_rows_give_the_same_loss_and_gradients_as_padded_rows(tok):
     """The same samples, packed several per row (position ids restarting, no attention mask) or one per row
     padded per micro-batch: the same token-loss sum, target count and gradients (1e-5)."""
-    enc, _ = formats.encode_split(Dataset.from_list(chats(24, seed=3)), tok, formats.EncodeOptions(formats.MESSAGES, 512), None, "train")
+    enc, _ = formats.encode_split(
+        Dataset.from_list(chats(24, seed=3)), tok, formats.EncodeOptions(formats.MESSAGES, 512), None, "train"
+    )
     packed = collate.pack_samples(enc, 512)
     assert len(packed) < len(enc) / 2  # several samples per row
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tok),
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     results = []
-    for ds, collator in ((enc, collate.Collator(tok.pad_token_id, packed=False)), (packed, collate.Collator(tok.pad_token_id, packed=True))):
+    for ds, collator in (
+        (enc, collate.Collator(tok.pad_token_id, packed=False)),
+        (packed, collate.Collator(tok.pad_token_id, packed=True)),
+    ):
         model.zero_grad()
         total, count = 0.0, 0
         for start in range(0, len(ds), 5):  # micro-batches of 5 rows: padded ones have uneven widths
@@ -166,11 +207,15 @@ def test_packing_is_refused_where_attention_ignores_boundaries():
     assert not collate.packing_supported("no-such-model", "sdpa")
 
 
-@pytest.mark.parametrize("layout, sample_by, docs", [("lines", "auto", 6), ("paragraphs", "auto", 3), ("lines", "document", 1)])
+@pytest.mark.parametrize(
+    "layout, sample_by, docs", [("lines", "auto", 6), ("paragraphs", "auto", 3), ("lines", "document", 1)]
+)
 def test_txt_documents(tmp_path, layout, sample_by, docs):
     sep = "\n" if layout == "lines" else "\n\n"
     path = tmp_path / "a.txt"
-    path.write_text(sep.join(f"document {i} is about the {WORDS[i]}" for i in range(docs if layout == "paragraphs" else 6)) + "\n")
+    path.write_text(
+        sep.join(f"document {i} is about the {WORDS[i]}" for i in range(docs if layout == "paragraphs" else 6)) + "\n"
+    )
     args = parse_args(["--train_file", str(path), "--txt_sample_by", sample_by])[1]
     raw, _ = sources.load_raw_text(args)
     assert len(raw["train"]) + len(raw.get("validation", [])) == docs
@@ -183,13 +228,33 @@ def test_one_document_per_line_txt_prepares_with_a_carved_validation_split(tmp_p
     rng = random.Random(0)
     path = tmp_path / "lines.txt"
     path.write_text("".join(sentence(rng, 5, 30) + "\n" for _ in range(15)))
-    m, d, t = parse_args(["--train_file", str(path), "--config_name", "tiny", "--block_size", "32", "--global_batch_size", "2",
-                          "--vocab_size", "300", "--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "c")])
+    m, d, t = parse_args(
+        [
+            "--train_file",
+            str(path),
+            "--config_name",
+            "tiny",
+            "--block_size",
+            "32",
+            "--global_batch_size",
+            "2",
+            "--vocab_size",
+            "300",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--data_cache_dir",
+            str(tmp_path / "c"),
+        ]
+    )
     prep = prepare(m, d, t, DistInfo(0, 0, 1, torch.device("cpu")))
     assert len(prep.datasets["validation"]) >= 1 and len(prep.datasets["train"]) >= 2
     assert "carved" in prep.data_lines[0]
     text = path.read_text()
-    eos_count = sum(row.count(prep.tokenizer.eos_token_id) for split in ("train", "validation") for row in prep.datasets[split]["input_ids"])
+    eos_count = sum(
+        row.count(prep.tokenizer.eos_token_id)
+        for split in ("train", "validation")
+        for row in prep.datasets[split]["input_ids"]
+    )
     assert eos_count >= 0.8 * len(text.splitlines()) - 2  # an EOS after (nearly) every line: one document each
 
 

@@ -2,6 +2,7 @@
 (also onto another mesh), torch.compile as eager, real sharding, a final export that Hugging Face loads, a dead rank ends the job. (SIGTERM's checkpoint and its
 resume with a changed --max_steps: test_faults.py; the plain-python run and --save_total_limit: test_trackers.py,
 on runs those files make anyway.)"""
+
 import json
 import math
 import shutil
@@ -11,7 +12,20 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, LEAN_CHUNKS, ROOT, TINY, assert_close, env, fsdp_runs, losses, python, records, shared_runs, torchrun
+from conftest import (
+    BIN,
+    LEAN_CHUNKS,
+    ROOT,
+    TINY,
+    assert_close,
+    env,
+    fsdp_runs,
+    losses,
+    python,
+    records,
+    shared_runs,
+    torchrun,
+)
 from test_hf_engine import parity_args
 
 pytestmark = pytest.mark.slow  # starts training processes
@@ -29,9 +43,11 @@ HSDP_2X2 = ["--dp_replicate", "2", "--dp_shard", "2"]
 
 def state_at_step_5(run_dir: Path, dest: Path) -> None:
     """A run as it stood after step 5: checkpoint-5, metrics up to step 5 (what --stop_at_step 5 leaves)."""
-    shutil.copytree(run_dir, dest, dirs_exist_ok=True, ignore=lambda d, names: [n for n in names if n in ("checkpoint-10", "final")])
+    shutil.copytree(
+        run_dir, dest, dirs_exist_ok=True, ignore=lambda d, names: [n for n in names if n in ("checkpoint-10", "final")]
+    )
     metrics = dest / "metrics.jsonl"
-    metrics.write_text("".join(l + "\n" for l in metrics.read_text().splitlines() if json.loads(l)["step"] <= 5))
+    metrics.write_text("".join(ln + "\n" for ln in metrics.read_text().splitlines() if json.loads(ln)["step"] <= 5))
 
 
 def fsdp_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
@@ -41,31 +57,86 @@ def fsdp_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     2 × 2 (saving checkpoint-5); 2 ranks: `ws2` (exporting final/ after its last evaluation), `finetune` (1 step
     from that export), `bf16` (4 steps), `parity2`, `elastic` (ws4's checkpoint-5 resumed on 2 ranks as 1 × 2:
     another world size and mesh), `compile` (--torch_compile on HSDP 2 × 1, 4 of the 10 steps)."""
+
     def launch(root: Path) -> dict[str, str]:
         names = ("ws1", "ws2", "ws4", "finetune", "bf16", "elastic", "compile", "parity1", "parity2", "own")
         d = {name: root / name for name in names}
         out = {}
-        out["ws1"], out["parity1"], out["own"] = fsdp_runs(1, [
-            [*TEN, *EVAL24, "--output_dir", str(d["ws1"]), "--export_final", "false"],
-            [*parity_args(1), "--output_dir", str(d["parity1"])],
-            [*TEN, *EVAL24, "--output_dir", str(d["own"]), "--export_final", "false", "--lean_loss", "false"]],
-            extra_env=LEAN_CHUNKS)
-        out["ws4"], = fsdp_runs(4, [[*TEN, *EVAL24, "--output_dir", str(d["ws4"]), *HSDP_2X2, "--save_steps", "5",
-                                     "--export_final", "false"]], extra_env=LEAN_CHUNKS)
+        out["ws1"], out["parity1"], out["own"] = fsdp_runs(
+            1,
+            [
+                [*TEN, *EVAL24, "--output_dir", str(d["ws1"]), "--export_final", "false"],
+                [*parity_args(1), "--output_dir", str(d["parity1"])],
+                [*TEN, *EVAL24, "--output_dir", str(d["own"]), "--export_final", "false", "--lean_loss", "false"],
+            ],
+            extra_env=LEAN_CHUNKS,
+        )
+        (out["ws4"],) = fsdp_runs(
+            4,
+            [[*TEN, *EVAL24, "--output_dir", str(d["ws4"]), *HSDP_2X2, "--save_steps", "5", "--export_final", "false"]],
+            extra_env=LEAN_CHUNKS,
+        )
         state_at_step_5(d["ws4"], d["elastic"])
         assert (d["elastic"] / "checkpoint-5" / "trainer_state.json").exists() and not (d["elastic"] / "final").exists()
         assert sorted(losses(d["elastic"])) == list(range(1, 6))
-        out["ws2"], out["finetune"], out["bf16"], out["parity2"], out["elastic"], out["compile"] = fsdp_runs(2, [
-            [*TEN, *EVAL24, "--output_dir", str(d["ws2"]), "--save_steps", "5"],
-            [*TINY, "--model_name_or_path", str(d["ws2"] / "final"), "--max_steps", "1", "--eval_on_start", "true",
-             "--output_dir", str(d["finetune"]), *EVAL24, "--export_final", "false"],
-            [*TINY, "--max_steps", "4", "--bf16", "true", "--output_dir", str(d["bf16"]), "--export_final", "false"],
-            [*parity_args(2), "--output_dir", str(d["parity2"])],
-            [*TEN, *EVAL24, "--output_dir", str(d["elastic"]), "--save_steps", "5", "--resume_from_checkpoint", "latest",
-             "--export_final", "false"],
-            # --stop_at_step 4 keeps the schedule of 10 steps and skips the final evaluation's no-grad recompile
-            [*TEN, "--stop_at_step", "4", "--dp_replicate", "2", "--torch_compile", "true", "--output_dir", str(d["compile"])]])
+        out["ws2"], out["finetune"], out["bf16"], out["parity2"], out["elastic"], out["compile"] = fsdp_runs(
+            2,
+            [
+                [*TEN, *EVAL24, "--output_dir", str(d["ws2"]), "--save_steps", "5"],
+                [
+                    *TINY,
+                    "--model_name_or_path",
+                    str(d["ws2"] / "final"),
+                    "--max_steps",
+                    "1",
+                    "--eval_on_start",
+                    "true",
+                    "--output_dir",
+                    str(d["finetune"]),
+                    *EVAL24,
+                    "--export_final",
+                    "false",
+                ],
+                [
+                    *TINY,
+                    "--max_steps",
+                    "4",
+                    "--bf16",
+                    "true",
+                    "--output_dir",
+                    str(d["bf16"]),
+                    "--export_final",
+                    "false",
+                ],
+                [*parity_args(2), "--output_dir", str(d["parity2"])],
+                [
+                    *TEN,
+                    *EVAL24,
+                    "--output_dir",
+                    str(d["elastic"]),
+                    "--save_steps",
+                    "5",
+                    "--resume_from_checkpoint",
+                    "latest",
+                    "--export_final",
+                    "false",
+                ],
+                # --stop_at_step 4 keeps the schedule of 10 steps and skips the final evaluation's no-grad recompile
+                [
+                    *TEN,
+                    "--stop_at_step",
+                    "4",
+                    "--dp_replicate",
+                    "2",
+                    "--torch_compile",
+                    "true",
+                    "--output_dir",
+                    str(d["compile"]),
+                ],
+            ],
+        )
         return out
+
     return shared_runs(tmp_path_factory, "fsdp", launch)
 
 
@@ -105,7 +176,10 @@ def test_the_lean_loss_is_the_models_own(baseline, runs):
     evals = [{r["step"]: r["eval_loss"] for r in records(d) if "eval_loss" in r} for d in (own, runs["dirs"]["ws1"])]
     assert evals[0] and evals[0].keys() == evals[1].keys()
     assert_close(*evals, rel=1e-5)
-    assert "loss: lean (chunked cross-entropy, 48 tokens ($ANYGPU_LEAN_LOSS_CHUNK_TOKENS) at a time" in runs["stdout"]["ws1"]
+    assert (
+        "loss: lean (chunked cross-entropy, 48 tokens ($ANYGPU_LEAN_LOSS_CHUNK_TOKENS) at a time"
+        in runs["stdout"]["ws1"]
+    )
     assert "loss: the model's own (full logits; --lean_loss false)" in runs["stdout"]["own"]
 
 
@@ -132,7 +206,11 @@ def test_sharding_halves_per_rank_state():
     args = [*TINY, "--max_steps", "1", "--output_dir", "/tmp/unused"]
     per_rank = {}
     for n in (1, 2):  # 1 rank: plain python (a one-rank group, the same FSDP2 wrapping)
-        proc = python("tests/scripts/shard_bytes.py", args) if n == 1 else torchrun(n, "tests/scripts/shard_bytes.py", args)
+        proc = (
+            python("tests/scripts/shard_bytes.py", args)
+            if n == 1
+            else torchrun(n, "tests/scripts/shard_bytes.py", args)
+        )
         per_rank[n] = json.loads(proc.stdout.split("BYTES ", 1)[1].splitlines()[0])
     full = per_rank[1][0]
     for b in per_rank[2]:
@@ -152,7 +230,9 @@ def test_final_export_round_trip(baseline_dirs, runs):
     args = [*TEN, *EVAL24, "--output_dir", str(run_dir), "--save_steps", "5"]
     final = run_dir / "final"
     assert (final / "model.safetensors").exists() and (final / "config.json").exists()
-    engine_eval = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval_loss" in l][-1]
+    engine_eval = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval_loss" in ln][
+        -1
+    ]
     assert engine_eval["step"] == 10
 
     model = AutoModelForCausalLM.from_pretrained(final).eval()
@@ -174,14 +254,54 @@ def test_final_export_round_trip(baseline_dirs, runs):
 def test_other_architecture_and_corpus_on_an_odd_world_size(tmp_path):
     """A GPT-2 config.json and a jsonl corpus: same losses on 1 and 3 ranks."""
     cfg = tmp_path / "gpt2.json"
-    cfg.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 48, "n_head": 3, "n_positions": 128,
-                               "vocab_size": 500, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_layer": 2,
+                "n_embd": 48,
+                "n_head": 3,
+                "n_positions": 128,
+                "vocab_size": 500,
+                "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0,
+                "attn_pdrop": 0.0,
+            }
+        )
+    )
     corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"body": f"record {i}: " + "lorem ipsum dolor sit amet " * (i % 9 + 1)}) + "\n"
-                              for i in range(400)))
-    args = ["--config_name", str(cfg), "--train_file", str(corpus), "--text_column", "body", "--vocab_size", "400",
-            "--block_size", "32", "--global_batch_size", "6", "--max_steps", "4", "--logging_steps", "1",
-            "--eval_steps", "0", "--eval_on_start", "false", "--report_to", "none", "--disable_tqdm", "true"]
+    corpus.write_text(
+        "".join(
+            json.dumps({"body": f"record {i}: " + "lorem ipsum dolor sit amet " * (i % 9 + 1)}) + "\n"
+            for i in range(400)
+        )
+    )
+    args = [
+        "--config_name",
+        str(cfg),
+        "--train_file",
+        str(corpus),
+        "--text_column",
+        "body",
+        "--vocab_size",
+        "400",
+        "--block_size",
+        "32",
+        "--global_batch_size",
+        "6",
+        "--max_steps",
+        "4",
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "0",
+        "--eval_on_start",
+        "false",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+    ]
     runs = {}
     for n in (1, 3):  # 1 rank: plain python (a one-rank group)
         out = ["--output_dir", str(tmp_path / f"r{n}")]
@@ -224,10 +344,22 @@ def test_a_dead_rank_brings_the_job_down_fast(tmp_path):
     """SIGKILL rank 1 mid-run: torchrun exits non-zero within seconds, no half-written checkpoint."""
     import os
 
-    args = [*TINY, "--max_steps", "100000", "--save_steps", "2", "--output_dir", str(tmp_path), "--export_final", "false"]
+    args = [
+        *TINY,
+        "--max_steps",
+        "100000",
+        "--save_steps",
+        "2",
+        "--output_dir",
+        str(tmp_path),
+        "--export_final",
+        "false",
+    ]
     proc = start_and_wait_for_steps(args, tmp_path / "metrics.jsonl", 3)
     ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    rank1 = [p for p in ranks if "LOCAL_RANK=1" in Path(f"/proc/{p}/environ").read_bytes().replace(b"\0", b" ").decode()]
+    rank1 = [
+        p for p in ranks if "LOCAL_RANK=1" in Path(f"/proc/{p}/environ").read_bytes().replace(b"\0", b" ").decode()
+    ]
     assert len(rank1) == 1, ranks
     killed = time.time()
     os.kill(int(rank1[0]), signal.SIGKILL)

@@ -1,6 +1,7 @@
 """More processes per node than visible GPUs (e.g. the configs' `num_processes: 8` typed on a
 2-GPU node): the HF engine stops before loading anything and says which --num_processes to pass.
 The GPU count is faked with the launcher tests' fake nvidia-smi (torch here is a CPU build)."""
+
 from __future__ import annotations
 
 import os
@@ -49,12 +50,25 @@ def test_two_nodes_name_the_total():
 @pytest.mark.slow
 def test_hf_engine_stops_before_loading_anything(tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable,
-           "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "accelerate_configs" / "ddp.yaml"),
-           "--num_processes", "3", str(ROOT / "run_hf_standalone.py"), "--config_name", "tiny",
-           "--output_dir", str(out), "--max_steps", "1"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=fake_env(CUDA_VISIBLE_DEVICES="0,1"), capture_output=True,
-                          text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "ddp.yaml"),
+        "--num_processes",
+        "3",
+        str(ROOT / "run_hf_standalone.py"),
+        "--config_name",
+        "tiny",
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "1",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=fake_env(CUDA_VISIBLE_DEVICES="0,1"), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode != 0
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert len(lines) == 1 and "3 processes on this node but only 2 visible GPU(s)" in lines[0]

@@ -1,5 +1,6 @@
 """The gradient norm both engines log and clip with (anygpu.train.optim.clip_grad_norm): the true norm, the
 same however the gradients are split into row shards (FSDP2's layout on any world size), and clipping to it."""
+
 from __future__ import annotations
 
 import subprocess
@@ -81,8 +82,14 @@ dist.destroy_process_group()
 
 def test_fsdp2_dtensors_and_plain_tensors_agree():
     """The FSDP2 engine (DTensors) and one process / DDP (plain tensors) take different paths to the same norm."""
-    p = subprocess.run([sys.executable, "-c", DTENSOR_PATH], cwd=ROOT, env={**env(), "PYTHONPATH": str(ROOT)},
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-c", DTENSOR_PATH],
+        cwd=ROOT,
+        env={**env(), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     plain, sharded = map(float, p.stdout.split())
     assert plain == pytest.approx(sharded, rel=1e-6)

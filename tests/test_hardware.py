@@ -1,4 +1,5 @@
 """Hardware facts: vendor, backend, TF32 switch, MFU arithmetic."""
+
 import pytest
 import torch
 
@@ -25,8 +26,16 @@ def test_tf32_flag_follows_the_request_on_the_torch_api_in_use():
         assert torch.backends.cuda.matmul.allow_tf32 is False
 
 
-@pytest.mark.parametrize("name,tflops", [("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H200", 989), ("NVIDIA A100-SXM4-80GB", 312),
-                                         ("AMD Instinct MI300X", 1307), ("NVIDIA H100 PCIe", 756)])
+@pytest.mark.parametrize(
+    "name,tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H200", 989),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("AMD Instinct MI300X", 1307),
+        ("NVIDIA H100 PCIe", 756),
+    ],
+)
 def test_peak_table(name, tflops):
     assert hardware.peak_bf16_flops(name) == tflops * 1e12
 

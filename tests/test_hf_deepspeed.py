@@ -2,6 +2,7 @@
 accelerator over gloo): the same losses as 1-process DDP, DeepSpeed's batch numbers filled from
 the engine's batch math, exact resume under ZeRO-3, and a final export gathered from the
 partitions that Hugging Face loads."""
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,21 @@ def runs(tmp_path_factory) -> dict:
     then in the same launch the same run stopped at step 5 (`zero3r`) and resumed from its checkpoint-5 by path."""
     out = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3", "zero3r")}
     out["ddp1"] = hf_reference(tmp_path_factory)[0] / "ws1"  # the same run as test_hf_engine.py's 1-process one
-    out["zero2_proc"] = accelerate("deepspeed_zero2", 2, [*TEN, "--output_dir", str(out["zero2"]),
-                                                         "--per_device_train_batch_size", "2", "--export_final", "false"])
+    out["zero2_proc"] = accelerate(
+        "deepspeed_zero2",
+        2,
+        [*TEN, "--output_dir", str(out["zero2"]), "--per_device_train_batch_size", "2", "--export_final", "false"],
+    )
     resumed = [*TEN, "--output_dir", str(out["zero3r"]), "--export_final", "false"]
-    zero3, _, out["resume_stdout"] = hf_runs(2, [
-        [*TEN, "--output_dir", str(out["zero3"]), "--save_steps", "5"],
-        [*resumed, "--save_steps", "5", "--stop_at_step", "5"],
-        [*resumed, "--resume_from_checkpoint", str(out["zero3r"] / "checkpoint-5")]], config="deepspeed_zero3")
+    zero3, _, out["resume_stdout"] = hf_runs(
+        2,
+        [
+            [*TEN, "--output_dir", str(out["zero3"]), "--save_steps", "5"],
+            [*resumed, "--save_steps", "5", "--stop_at_step", "5"],
+            [*resumed, "--resume_from_checkpoint", str(out["zero3r"] / "checkpoint-5")],
+        ],
+        config="deepspeed_zero3",
+    )
     out["zero3_proc"] = SimpleNamespace(stdout=zero3)
     return out
 
@@ -41,7 +50,11 @@ def test_zero_matches_one_process(runs, stage):
     assert_close(ref, got, rel=1e-4)
     out = runs[f"zero{stage}_proc"].stdout
     assert f"strategy: DeepSpeed ZeRO-{stage} over 2 processes, gloo" in out
-    split = "2 per device × 2 devices × 2 accumulation steps" if stage == 2 else "4 per device × 2 devices × 1 accumulation step"
+    split = (
+        "2 per device × 2 devices × 2 accumulation steps"
+        if stage == 2
+        else "4 per device × 2 devices × 1 accumulation step"
+    )
     assert f"global batch 8 = {split}" in out  # and DeepSpeed accepted it: its batch numbers are ours
     lean = "loss: lean" if stage == 2 else "loss: the model's own (full logits): lean loss off, ZeRO-3 gathers lm_head"
     assert lean in out

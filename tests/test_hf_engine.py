@@ -1,6 +1,7 @@
 """The HF Trainer engine with the DDP config, real processes (gloo on CPU): the same loss on 1 and
 2 processes, exact resume (also on another number of processes), a final export that Hugging
 Face loads with the trained weights, atomic checkpoints, the FSDP2 engine's outputs, SIGTERM saves."""
+
 from __future__ import annotations
 
 import json
@@ -13,14 +14,36 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import BIN, LEAN_CHUNKS, ROOT, TINY, accelerate_launch, assert_close, env, hf_runs, losses, python, records, shared_runs
+from conftest import (
+    BIN,
+    LEAN_CHUNKS,
+    ROOT,
+    TINY,
+    accelerate_launch,
+    assert_close,
+    env,
+    hf_runs,
+    losses,
+    python,
+    records,
+    shared_runs,
+)
 
 pytestmark = pytest.mark.slow  # starts training processes
 
 SCRIPT = "run_hf_standalone.py"
 TEN = [*TINY, "--max_steps", "10", "--max_eval_samples", "24"]
-RECORD_KEYS = {"step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "tokens_per_second_per_device",
-               "world_size", "global_batch_size", "epoch"}
+RECORD_KEYS = {
+    "step",
+    "loss",
+    "learning_rate",
+    "grad_norm",
+    "tokens_per_second",
+    "tokens_per_second_per_device",
+    "world_size",
+    "global_batch_size",
+    "epoch",
+}
 
 
 def accelerate(config: str, nproc: int, args: list[str], **kw) -> subprocess.CompletedProcess:
@@ -35,7 +58,13 @@ PARITY = [*TINY, "--max_steps", "20", "--max_eval_samples", "24", "--export_fina
 def parity_args(nproc: int) -> list[str]:
     """The engine-parity runs (test_hf_parity.py), the same arguments in both engines: 1 process: 4 per device
     × 2 accumulation steps, logged every 3 steps; 2 processes: 2 × 2 × 2, logged every step."""
-    return [*PARITY, "--per_device_train_batch_size", "4" if nproc == 1 else "2", "--logging_steps", "3" if nproc == 1 else "1"]
+    return [
+        *PARITY,
+        "--per_device_train_batch_size",
+        "4" if nproc == 1 else "2",
+        "--logging_steps",
+        "3" if nproc == 1 else "1",
+    ]
 
 
 def hf_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
@@ -44,29 +73,63 @@ def hf_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     an evaluation at step 0, checkpoint-5), and `parity2`; 1 process: `ws1`, 10 steps (8 × 1 × 1), `parity1`,
     `resumed`: ws2 as it stood after step 5, resumed with latest on 1 process up to 10, and `own`: ws1 with the
     model's own loss (this launch cuts the lean loss into 48-token chunks)."""
+
     def launch(root: Path) -> dict[str, str]:
         out = {}
-        out["ws2"], out["parity2"] = hf_runs(2, [
-            [*TEN, "--output_dir", str(root / "ws2"), "--per_device_train_batch_size", "2", "--report_to", "tensorboard",
-             "--eval_on_start", "true", "--save_steps", "5"],
-            [*parity_args(2), "--output_dir", str(root / "parity2")]])
+        out["ws2"], out["parity2"] = hf_runs(
+            2,
+            [
+                [
+                    *TEN,
+                    "--output_dir",
+                    str(root / "ws2"),
+                    "--per_device_train_batch_size",
+                    "2",
+                    "--report_to",
+                    "tensorboard",
+                    "--eval_on_start",
+                    "true",
+                    "--save_steps",
+                    "5",
+                ],
+                [*parity_args(2), "--output_dir", str(root / "parity2")],
+            ],
+        )
         stopped_copy(root / "ws2", 5, root / "resumed")
-        out["ws1"], out["parity1"], out["resumed"], out["own"] = hf_runs(1, [
-            [*TEN, "--output_dir", str(root / "ws1"), "--export_final", "false"],
-            [*parity_args(1), "--output_dir", str(root / "parity1")],
-            [*TEN, "--output_dir", str(root / "resumed"), "--export_final", "false", "--resume_from_checkpoint", "latest"],
-            [*TEN, "--output_dir", str(root / "own"), "--export_final", "false", "--lean_loss", "false"]],
-            extra_env=LEAN_CHUNKS)
+        out["ws1"], out["parity1"], out["resumed"], out["own"] = hf_runs(
+            1,
+            [
+                [*TEN, "--output_dir", str(root / "ws1"), "--export_final", "false"],
+                [*parity_args(1), "--output_dir", str(root / "parity1")],
+                [
+                    *TEN,
+                    "--output_dir",
+                    str(root / "resumed"),
+                    "--export_final",
+                    "false",
+                    "--resume_from_checkpoint",
+                    "latest",
+                ],
+                [*TEN, "--output_dir", str(root / "own"), "--export_final", "false", "--lean_loss", "false"],
+            ],
+            extra_env=LEAN_CHUNKS,
+        )
         return out
+
     return shared_runs(tmp_path_factory, "hf", launch)
 
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory) -> dict:
     root, stdout = hf_reference(tmp_path_factory)
-    return {"ws1": root / "ws1", "ws2": root / "ws2", "resumed": root / "resumed",
-            "proc1": SimpleNamespace(stdout=stdout["ws1"]), "proc2": SimpleNamespace(stdout=stdout["ws2"]),
-            "resume_stdout": stdout["resumed"]}
+    return {
+        "ws1": root / "ws1",
+        "ws2": root / "ws2",
+        "resumed": root / "resumed",
+        "proc1": SimpleNamespace(stdout=stdout["ws1"]),
+        "proc2": SimpleNamespace(stdout=stdout["ws2"]),
+        "resume_stdout": stdout["resumed"],
+    }
 
 
 def stopped_copy(run_dir: Path, step: int, dest: Path) -> None:
@@ -120,12 +183,26 @@ def test_checkpoints_are_complete_and_atomic(ddp):
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-5"]  # --save_steps 5
     for step in (5, 10):
         ckpt = out / f"checkpoint-{step}"
-        for name in ("trainer_state.json", "anygpu_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
-                     "rng_state_0.pth", "rng_state_1.pth"):
+        for name in (
+            "trainer_state.json",
+            "anygpu_state.json",
+            "model.safetensors",
+            "optimizer.pt",
+            "scheduler.pt",
+            "rng_state_0.pth",
+            "rng_state_1.pth",
+        ):
             assert (ckpt / name).exists(), name
         state = json.loads((ckpt / "anygpu_state.json").read_text())
-        assert state == {"global_step": step, "global_batch_size": 8, "world_size": 2, "seed": 42,
-                         "num_train_samples": state["num_train_samples"], "total_steps": 10, "strategy": "ddp"}
+        assert state == {
+            "global_step": step,
+            "global_batch_size": 8,
+            "world_size": 2,
+            "seed": 42,
+            "num_train_samples": state["num_train_samples"],
+            "total_steps": 10,
+            "strategy": "ddp",
+        }
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging folder left behind
 
 
@@ -169,8 +246,16 @@ def test_resume_at_the_exact_position_on_another_world_size(ddp):
 
 def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
     args = [*TINY, "--max_steps", "100000", "--output_dir", str(tmp_path), "--export_final", "false"]
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", "accelerate_configs/ddp.yaml", "--num_processes", "2",
-           SCRIPT, *args]
+    cmd = [
+        str(BIN / "accelerate"),
+        "launch",
+        "--config_file",
+        "accelerate_configs/ddp.yaml",
+        "--num_processes",
+        "2",
+        SCRIPT,
+        *args,
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 120
@@ -184,9 +269,22 @@ def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
     step = int(ckpts[0].name.split("-")[1])
     assert step >= 3
     # it loads and goes on from exactly there, here as plain python (one process)
-    proc = python(SCRIPT, [*TINY, "--max_steps", str(step + 2), "--output_dir", str(tmp_path),
-                           "--resume_from_checkpoint", "latest", "--export_final", "false",
-                           "--allow_changed_args", "true"])  # a shorter --max_steps: another schedule
+    proc = python(
+        SCRIPT,
+        [
+            *TINY,
+            "--max_steps",
+            str(step + 2),
+            "--output_dir",
+            str(tmp_path),
+            "--resume_from_checkpoint",
+            "latest",
+            "--export_final",
+            "false",
+            "--allow_changed_args",
+            "true",
+        ],
+    )  # a shorter --max_steps: another schedule
     assert f"at step {step}" in proc.stdout and "resuming with changed training math: --max_steps" in proc.stdout
     assert max(losses(tmp_path)) == step + 2
 
@@ -211,11 +309,24 @@ def test_a_full_disk_while_saving_is_one_error_and_the_previous_checkpoint_stays
 
     monkeypatch.setattr(torch, "save", save)
     with pytest.raises(SystemExit) as e:
-        main([*TINY, "--max_steps", "4", "--save_steps", "2", "--max_eval_samples", "8", "--output_dir", str(tmp_path),
-              "--export_final", "false"])
+        main(
+            [
+                *TINY,
+                "--max_steps",
+                "4",
+                "--save_steps",
+                "2",
+                "--max_eval_samples",
+                "8",
+                "--output_dir",
+                str(tmp_path),
+                "--export_final",
+                "false",
+            ]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 1 and "Traceback" not in err, err[-3000:]
-    line = next(l for l in err.splitlines() if l.startswith("error: "))
+    line = next(ln for ln in err.splitlines() if ln.startswith("error: "))
     assert f"no space left on the device of {tmp_path} while writing checkpoint-4 (it needs about " in line, line
     assert "checkpoint-2 is intact" in line
     assert [p.name for p in tmp_path.glob("*checkpoint-*")] == ["checkpoint-2"]

@@ -1,5 +1,6 @@
 """The HF engine where it needs a GPU: accelerate's FSDP2 really in effect, DeepSpeed on CUDA/ROCm,
 single-process DataParallel, bf16. Skipped without a GPU (CI runs on CPU)."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,11 +22,14 @@ def fsdp_engine(tmp_path_factory):
     return losses(out)
 
 
-@pytest.mark.parametrize("config, banner", [
-    ("fsdp", "strategy: FSDP2 (accelerate) over"),
-    ("ddp", "strategy: DDP over"),
-    ("deepspeed_zero3", "strategy: DeepSpeed ZeRO-3 over"),
-])
+@pytest.mark.parametrize(
+    "config, banner",
+    [
+        ("fsdp", "strategy: FSDP2 (accelerate) over"),
+        ("ddp", "strategy: DDP over"),
+        ("deepspeed_zero3", "strategy: DeepSpeed ZeRO-3 over"),
+    ],
+)
 def test_strategy_in_effect_and_same_losses(config, banner, fsdp_engine, tmp_path):
     n = NUM_GPUS
     proc = accelerate(config, n, [*EXACT, "--output_dir", str(tmp_path)])

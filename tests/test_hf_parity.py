@@ -2,6 +2,7 @@
 data: the same losses for 20 steps on 1 and on 2 processes. And the loss normalisation under
 Trainer is the global-batch token mean even when ranks and micro-batches hold different numbers
 of target tokens (which the packed corpus above never has)."""
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from test_fsdp_engine import fsdp_reference
 from test_hf_engine import hf_reference
 
 pytestmark = pytest.mark.slow  # starts training processes
+
 
 @pytest.mark.parametrize("nproc, every", [(1, 3), (2, 1)])
 def test_same_losses_as_the_fsdp2_engine(nproc, every, tmp_path_factory):

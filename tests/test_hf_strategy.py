@@ -1,6 +1,7 @@
 """Strategy honesty: the HF engine never trains with another strategy than the one the launcher
 asked for without saying so. Unit tests of the decision, and the real thing: fsdp.yaml on a
 CPU-only host stops with the message (or, with --allow_strategy_fallback, trains DDP and says so)."""
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,18 @@ from anygpu.engines.hf.strategy import Request, check_in_effect, plan, requested
 def test_what_the_launcher_asked_for():
     assert requested({}, num_gpus=0) == Request("single", 1)
     assert requested({"WORLD_SIZE": "4", "LOCAL_RANK": "0"}, num_gpus=0) == Request("ddp", 4)
-    assert requested({"WORLD_SIZE": "2", "LOCAL_RANK": "1", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"},
-                     num_gpus=0) == Request("fsdp", 2, fsdp_version=2)
-    assert requested({"WORLD_SIZE": "2", "LOCAL_RANK": "0", "ACCELERATE_USE_DEEPSPEED": "true",
-                      "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, num_gpus=0) == Request("deepspeed", 2, zero_stage=3)
+    assert requested(
+        {"WORLD_SIZE": "2", "LOCAL_RANK": "1", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}, num_gpus=0
+    ) == Request("fsdp", 2, fsdp_version=2)
+    assert requested(
+        {
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "ACCELERATE_USE_DEEPSPEED": "true",
+            "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+        },
+        num_gpus=0,
+    ) == Request("deepspeed", 2, zero_stage=3)
     # plain `python` on a host with several GPUs: Trainer's nn.DataParallel
     assert requested({}, num_gpus=4) == Request("dataparallel", 1)
     # one process started by a launcher on that host uses one GPU
@@ -32,8 +41,13 @@ def test_fsdp_on_cpu_is_refused_with_what_runs_instead():
     with pytest.raises(ValueError) as err:
         plan(req, on_cpu=True, allow_fallback=False)
     msg = str(err.value)
-    for hint in ("cannot run FSDP on CPU", "accelerate_configs/ddp.yaml", "deepspeed_zero3.yaml",
-                 "run_fsdp_standalone.py", "--allow_strategy_fallback"):
+    for hint in (
+        "cannot run FSDP on CPU",
+        "accelerate_configs/ddp.yaml",
+        "deepspeed_zero3.yaml",
+        "run_fsdp_standalone.py",
+        "--allow_strategy_fallback",
+    ):
         assert hint in msg
     p = plan(req, on_cpu=True, allow_fallback=True)
     assert p.kind == "ddp" and p.use_cpu and p.ddp_backend == "gloo"
@@ -88,24 +102,42 @@ def test_fsdp_config_on_cpu_stops_before_training(tmp_path):
 
 
 def test_fsdp_config_with_explicit_fallback_trains_ddp_and_says_so(tmp_path):
-    proc = accelerate("fsdp", 2, [*TINY, "--max_steps", "2", "--output_dir", str(tmp_path), "--export_final", "false",
-                                  "--allow_strategy_fallback", "true"])
+    proc = accelerate(
+        "fsdp",
+        2,
+        [
+            *TINY,
+            "--max_steps",
+            "2",
+            "--output_dir",
+            str(tmp_path),
+            "--export_final",
+            "false",
+            "--allow_strategy_fallback",
+            "true",
+        ],
+    )
     assert "strategy: DDP over 2 processes, gloo (FALLBACK: FSDP was requested" in proc.stdout
     assert sorted(losses(tmp_path)) == [1, 2]
 
 
-@pytest.mark.parametrize("saved, saved_world, now, now_world, error", [
-    ("ddp", 2, Request("ddp", 4), 4, None),  # whole tensors: any world size
-    ("ddp", 2, Request("single", 1), 1, None),
-    ("deepspeed", 2, Request("deepspeed", 2, zero_stage=3), 2, None),
-    ("deepspeed", 2, Request("deepspeed", 4, zero_stage=3), 4, "partitions its checkpoints over 2 processes"),
-    ("deepspeed", 2, Request("ddp", 2), 2, "a DeepSpeed checkpoint cannot be resumed with DDP"),
-    ("ddp", 2, Request("deepspeed", 2, zero_stage=2), 2, "a DDP checkpoint cannot be resumed with DeepSpeed"),
-])
+@pytest.mark.parametrize(
+    "saved, saved_world, now, now_world, error",
+    [
+        ("ddp", 2, Request("ddp", 4), 4, None),  # whole tensors: any world size
+        ("ddp", 2, Request("single", 1), 1, None),
+        ("deepspeed", 2, Request("deepspeed", 2, zero_stage=3), 2, None),
+        ("deepspeed", 2, Request("deepspeed", 4, zero_stage=3), 4, "partitions its checkpoints over 2 processes"),
+        ("deepspeed", 2, Request("ddp", 2), 2, "a DeepSpeed checkpoint cannot be resumed with DDP"),
+        ("ddp", 2, Request("deepspeed", 2, zero_stage=2), 2, "a DDP checkpoint cannot be resumed with DeepSpeed"),
+    ],
+)
 def test_resume_refuses_another_strategy_family(tmp_path, saved, saved_world, now, now_world, error):
     ckpt = tmp_path / "checkpoint-5"
     ckpt.mkdir()
-    (ckpt / "anygpu_state.json").write_text(json.dumps({"global_step": 5, "world_size": saved_world, "strategy": saved}))
+    (ckpt / "anygpu_state.json").write_text(
+        json.dumps({"global_step": 5, "world_size": saved_world, "strategy": saved})
+    )
     p = plan(now, on_cpu=False, allow_fallback=False)
     if error is None:
         _check_resume_world(ckpt, p)

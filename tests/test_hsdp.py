@@ -3,6 +3,7 @@ replicate across nodes), bad --dp_replicate/--dp_shard refused before any proces
 `anygpu plan` counts (states divided by the shard group S, not the world size). Real runs (4 ranks as
 2 × 2 against 1 rank; a 2 × 2 checkpoint resumed as 1 × 2): test_fsdp_engine.py; the default mesh of two
 nodes under the real launcher: test_launch.py."""
+
 import json
 
 import pytest
@@ -18,27 +19,40 @@ from anygpu.runtime.mesh import MeshShape, resolve
 from anygpu.tools import plan as plan_tool
 
 
-@pytest.mark.parametrize("replicate, shard, world, per_node, expected", [
-    (None, None, 8, 8, (1, 8)),    # one node: shard over all
-    (None, None, 16, 8, (2, 8)),   # two nodes of 8: shard within a node, replicate across nodes
-    (None, None, 2, 1, (2, 1)),    # two nodes of one process
-    (None, None, 1, 1, (1, 1)),    # plain python
-    (2, None, 8, 8, (2, 4)),       # one given, the other derived
-    (None, 2, 8, 8, (4, 2)),
-    (2, 2, 4, 4, (2, 2)),
-    (1, None, 16, 8, (1, 16)),     # several nodes, plain FSDP2 over all of them
-])
+@pytest.mark.parametrize(
+    "replicate, shard, world, per_node, expected",
+    [
+        (None, None, 8, 8, (1, 8)),  # one node: shard over all
+        (None, None, 16, 8, (2, 8)),  # two nodes of 8: shard within a node, replicate across nodes
+        (None, None, 2, 1, (2, 1)),  # two nodes of one process
+        (None, None, 1, 1, (1, 1)),  # plain python
+        (2, None, 8, 8, (2, 4)),  # one given, the other derived
+        (None, 2, 8, 8, (4, 2)),
+        (2, 2, 4, 4, (2, 2)),
+        (1, None, 16, 8, (1, 16)),  # several nodes, plain FSDP2 over all of them
+    ],
+)
 def test_the_mesh_given_derived_or_by_default(replicate, shard, world, per_node, expected):
     assert resolve(replicate, shard, world, per_node) == MeshShape(*expected)
 
 
-@pytest.mark.parametrize("extra, expected", [
-    (["--dp_replicate", "3"], "--dp_replicate 3 does not divide the world size 4 (--dp_replicate × --dp_shard must "
-                              "equal it): use one of (R × S) 4 × 1, 2 × 2, 1 × 4."),
-    (["--dp_replicate", "2", "--dp_shard", "4"], "--dp_replicate 2 × --dp_shard 4 = 8, not the world size 4: give "
-                                                 "R × S = 4, e.g. (R × S) 4 × 1, 2 × 2, 1 × 4."),
-    (["--dp_shard", "0"], "--dp_shard 0 must be a finite number ≥ 1"),
-], ids=["indivisible", "product", "zero"])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (
+            ["--dp_replicate", "3"],
+            "--dp_replicate 3 does not divide the world size 4 (--dp_replicate × --dp_shard must "
+            "equal it): use one of (R × S) 4 × 1, 2 × 2, 1 × 4.",
+        ),
+        (
+            ["--dp_replicate", "2", "--dp_shard", "4"],
+            "--dp_replicate 2 × --dp_shard 4 = 8, not the world size 4: give "
+            "R × S = 4, e.g. (R × S) 4 × 1, 2 × 2, 1 × 4.",
+        ),
+        (["--dp_shard", "0"], "--dp_shard 0 must be a finite number ≥ 1"),
+    ],
+    ids=["indivisible", "product", "zero"],
+)
 def test_a_mesh_that_does_not_fit_is_refused_before_any_process_group(extra, expected, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")  # what torchrun --nproc-per-node 4 sets
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
@@ -58,8 +72,21 @@ def test_the_hf_engine_names_the_engine_that_has_hsdp(capsys, tmp_path):
 
 def test_plan_divides_hsdp_states_by_the_shard_group():
     """Two nodes of 8 GPUs: the hsdp rows (2 × 8) hold what FSDP2 holds on 8 GPUs, twice FSDP2's over 16."""
-    proc = run_plan("--config_name", "default", "--num_nodes", "2", "--num_gpus", "16", "--gpu_memory_gb", "80",
-                    "--block_size", "256", "--global_batch_size", "64", "--json")
+    proc = run_plan(
+        "--config_name",
+        "default",
+        "--num_nodes",
+        "2",
+        "--num_gpus",
+        "16",
+        "--gpu_memory_gb",
+        "80",
+        "--block_size",
+        "256",
+        "--global_batch_size",
+        "64",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["hsdp"] == {"dp_replicate": 2, "dp_shard": 8}
@@ -87,9 +114,12 @@ def test_auto_micro_batch_counts_the_states_over_the_shard_group():
     shapes, _, _ = plan_tool.load_shapes(None, "default")
     cost = {}
     for shard_size in (None, 2):
-        _, probe = auto_batch.resolve(plan_batch(16, 4), shapes, "fsdp2", "fp32", 64, False, 8.0, torch.device("cpu"),
-                                      shard_size=shard_size)
+        _, probe = auto_batch.resolve(
+            plan_batch(16, 4), shapes, "fsdp2", "fp32", 64, False, 8.0, torch.device("cpu"), shard_size=shard_size
+        )
         cost[shard_size] = dict((m, b) for m, b, _ in probe.tried)[4]  # the largest candidate, tried first
     states_on = {n: sum(memory_plan.model_state_bytes(shapes, "fsdp2", "fp32", n)[0].values()) for n in (2, 4)}
     assert cost[2] - cost[None] == states_on[2] - states_on[4] + (
-        memory_plan.transient_bytes(shapes, "fsdp2", "fp32", 2) - memory_plan.transient_bytes(shapes, "fsdp2", "fp32", 4))
+        memory_plan.transient_bytes(shapes, "fsdp2", "fp32", 2)
+        - memory_plan.transient_bytes(shapes, "fsdp2", "fp32", 4)
+    )

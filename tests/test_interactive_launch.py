@@ -1,6 +1,7 @@
 """Interactive `anygpu launch`: detects the GPUs, offers the plan's recommendation as each default,
 reads answers from standard input when it is not a terminal, and prints (with --dry-run) the command
 the answers imply. `anygpu launch --vendor V` without --interactive stays the vendor launcher."""
+
 from __future__ import annotations
 
 import io
@@ -34,7 +35,9 @@ def test_cpu_defaults_and_scripted_answers(monkeypatch, tmp_path, capsys):
     assert "CPU processes [1]: 2" in out and "global batch (sequences per optimizer step) [16]: 8" in out
     cmd = command(out)
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and cmd[cmd.index("--nproc-per-node") + 1] == "2"
-    assert cmd[cmd.index("--global_batch_size") + 1] == "8" and cmd[cmd.index("--output_dir") + 1] == str(tmp_path / "run")
+    assert cmd[cmd.index("--global_batch_size") + 1] == "8" and cmd[cmd.index("--output_dir") + 1] == str(
+        tmp_path / "run"
+    )
 
 
 def test_a_wrong_answer_is_asked_again_and_end_of_input_aborts(monkeypatch, capsys):
@@ -70,8 +73,9 @@ def test_a_real_ctrl_c_and_ctrl_d_in_the_real_command():
     (Ctrl-D) exits 1; neither prints a traceback nor a command."""
     e = {**env(), "PATH": "/usr/bin:/bin"}  # no smi tool: no GPU
     cmd = [sys.executable, "-m", "anygpu.tools.cli", "launch", "--dry-run"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     out = ""
     while "engine (" not in out:  # the first question is asked: it now blocks in a read
         out += proc.stdout.read(1)
@@ -94,8 +98,12 @@ def test_vendor_without_interactive_is_the_launcher(capsys):
 def test_the_launcher_suggests_and_takes_no_abbreviation():
     """A mistyped launcher option gets 'did you mean', one line, exit 2; a prefix of an option is not taken for it."""
     for typo in ("--engien", "--engin"):
-        proc = subprocess.run(["bash", str(ROOT / "run_nvidia_all.sh"), typo, "fsdp", "--dry-run"], capture_output=True,
-                              text=True, env=env())
+        proc = subprocess.run(
+            ["bash", str(ROOT / "run_nvidia_all.sh"), typo, "fsdp", "--dry-run"],
+            capture_output=True,
+            text=True,
+            env=env(),
+        )
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr
         assert proc.stderr.count("\n") == 1 and f"unknown option {typo} (did you mean --engine?)" in proc.stderr
 
@@ -106,9 +114,25 @@ def test_fake_gpus_offer_the_plans_recommendation(tmp_path):
     answers = f"\n\n4\n32\n{tmp_path / 'out'}\n"  # keep engine and config, then 4 GPUs, global batch 32
     # the vendor script's --interactive (the same dialogue as `anygpu launch`, which the CPU test drives)
     # the run's own options after -- are read for the plan and passed on once
-    proc = subprocess.run(["bash", str(ROOT / "run_nvidia_all.sh"), "--interactive", "--dry-run", "--", "--config_name",
-                           "llama-1b", "--block_size", "2048"], input=answers, cwd=ROOT,
-                          env={**e, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "run_nvidia_all.sh"),
+            "--interactive",
+            "--dry-run",
+            "--",
+            "--config_name",
+            "llama-1b",
+            "--block_size",
+            "2048",
+        ],
+        input=answers,
+        cwd=ROOT,
+        env={**e, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Warning" not in proc.stderr  # the plan's libraries' FutureWarnings say nothing to the user
     rec = plan_tool.recommend(None, "llama-1b", 2048, 16, num_gpus=8, gpu_memory_gb=81559 / 1024)
@@ -123,5 +147,5 @@ def test_fake_gpus_offer_the_plans_recommendation(tmp_path):
     assert cmd.count("--block_size") == 1 and cmd[cmd.index("--block_size") + 1] == "2048"
     assert cmd.count("--config_name") == 1
     # the header says what was found, not a command the answers have not chosen yet
-    header = out[:out.index("engine (")]
+    header = out[: out.index("engine (")]
     assert "8 NVIDIA GPU(s)" in header and "plain python" not in header and "torchrun" not in header

@@ -2,6 +2,7 @@
 split and under activation checkpointing's recomputation, and different for each call of one dropout module
 (Phi's `resid_dropout`) (in one process; the 1-vs-2-rank runs of GPT-2 and OPT with their shipped dropout are
 in test_model_families.py)."""
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -11,13 +12,35 @@ from anygpu.model import dropout, modeling
 
 CONFIGS = {
     "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64),  # nn.Dropout modules, attention dropout
-    "opt": dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
-                word_embed_proj_dim=32),  # functional dropout, on (batch·seq, hidden) rows in the MLP
+    "opt": dict(
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+    ),  # functional dropout, on (batch·seq, hidden) rows in the MLP
     # phi-2's layout (partial rotary, parallel attention and MLP): one resid_dropout module for both outputs
-    "phi": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, partial_rotary_factor=0.5,
-                max_position_embeddings=64, resid_pdrop=0.1, embd_pdrop=0.1, attention_dropout=0.1),
-    "gpt_neox": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     max_position_embeddings=64, hidden_dropout=0.1, attention_dropout=0.1),
+    "phi": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        partial_rotary_factor=0.5,
+        max_position_embeddings=64,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attention_dropout=0.1,
+    ),
+    "gpt_neox": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+    ),
 }
 
 
@@ -88,7 +111,9 @@ def test_one_module_called_twice_draws_two_masks(monkeypatch):
     monkeypatch.setattr(dropout, "_masks", lambda *a: drawn.append((a[1], real(*a))) or drawn[-1][1])
     with dropout.keys(model, 0, [5]):
         model(input_ids=torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0)))
-    layer0 = [mask for site, mask in drawn if site.startswith("model.layers.0") and mask.shape[-1] == 32]  # (1, 16, hidden)
+    layer0 = [
+        mask for site, mask in drawn if site.startswith("model.layers.0") and mask.shape[-1] == 32
+    ]  # (1, 16, hidden)
     assert len(layer0) == 2, [site for site, _ in drawn]  # attention output, MLP output
     assert not torch.equal(layer0[0], layer0[1])
     assert len({site for site, _ in drawn}) == len(drawn)  # every call its own site

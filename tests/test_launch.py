@@ -5,6 +5,7 @@ tools' formats for 8 GPUs; the visibility rules are checked against torch's own 
 launch commands are checked from --dry-run; and real CPU runs (gloo) check what no dry run can:
 training end to end, two "nodes" on one machine matching one node, a failing rank ending the job.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,9 +35,28 @@ import fake_smi  # noqa: E402  (the fakes' own encoders: an independent check of
 
 SCRIPT = {NVIDIA: ROOT / "run_nvidia_all.sh", AMD: ROOT / "run_amd_all.sh"}
 TINY = [
-    "--config_name", "tiny", "--max_corpus_mb", "1", "--block_size", "64", "--global_batch_size", "8",
-    "--logging_steps", "1", "--eval_steps", "0", "--disable_tqdm", "true", "--report_to", "none",
-    "--warmup_steps", "2", "--learning_rate", "3e-3", "--export_final", "false",
+    "--config_name",
+    "tiny",
+    "--max_corpus_mb",
+    "1",
+    "--block_size",
+    "64",
+    "--global_batch_size",
+    "8",
+    "--logging_steps",
+    "1",
+    "--eval_steps",
+    "0",
+    "--disable_tqdm",
+    "true",
+    "--report_to",
+    "none",
+    "--warmup_steps",
+    "2",
+    "--learning_rate",
+    "3e-3",
+    "--export_final",
+    "false",
 ]
 
 
@@ -67,13 +87,13 @@ class DryRun:
 
     @property
     def exports(self) -> dict[str, str]:
-        pairs = [shlex.split(ln[len("export "):])[0] for ln in self.out.splitlines() if ln.startswith("export ")]
+        pairs = [shlex.split(ln[len("export ") :])[0] for ln in self.out.splitlines() if ln.startswith("export ")]
         return dict(p.split("=", 1) for p in pairs)
 
     @property
     def kept(self) -> dict[str, str]:
         tag = "# kept (set by the caller): "
-        pairs = [shlex.split(ln[len(tag):])[0] for ln in self.out.splitlines() if ln.startswith(tag)]
+        pairs = [shlex.split(ln[len(tag) :])[0] for ln in self.out.splitlines() if ln.startswith(tag)]
         return dict(p.split("=", 1) for p in pairs)
 
     @property
@@ -101,14 +121,20 @@ class DryRun:
 
 
 def dry(vendor: str, *args: str, **env: str) -> DryRun:
-    p = subprocess.run(["bash", str(SCRIPT[vendor]), "--dry-run", *args], env=base_env(**env),
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        ["bash", str(SCRIPT[vendor]), "--dry-run", *args],
+        env=base_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return DryRun(p.returncode, p.stdout, p.stderr)
 
 
 def launch_real(vendor: str, *args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(SCRIPT[vendor]), *args], env=base_env(**env), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", str(SCRIPT[vendor]), *args], env=base_env(**env), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def free_port() -> int:
@@ -123,9 +149,11 @@ def tool_output(*argv: str, **env: str) -> str:
 
 # ------------------------------------------------------------------- parsing the real formats
 
+
 def test_nvidia_parsers_read_the_fakes_and_agree():
-    query = gpu_detect.parse_nvidia_query(tool_output(
-        "nvidia-smi", "--query-gpu=index,name,uuid,memory.total", "--format=csv,noheader,nounits"))
+    query = gpu_detect.parse_nvidia_query(
+        tool_output("nvidia-smi", "--query-gpu=index,name,uuid,memory.total", "--format=csv,noheader,nounits")
+    )
     listed, migs = gpu_detect.parse_nvidia_list(tool_output("nvidia-smi", "-L"))
     assert [g.index for g in query] == list(range(8))
     assert {g.name for g in query} == {"NVIDIA H100 80GB HBM3"} and {g.memory_mib for g in query} == {81559}
@@ -134,10 +162,12 @@ def test_nvidia_parsers_read_the_fakes_and_agree():
 
 
 def test_nvidia_list_with_mig_instances():
-    text = ("GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77)\n"
-            "  MIG 1g.5gb      Device  0: (UUID: MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f)\n"
-            "  MIG 1g.5gb      Device  1: (UUID: MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb)\n"
-            "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-4a2e7c33-2a4f-0fb7-d9d8-3d0d1b3c33a1)\n")
+    text = (
+        "GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77)\n"
+        "  MIG 1g.5gb      Device  0: (UUID: MIG-c6d4f1ef-42e4-5de3-91c7-45d71c87eb3f)\n"
+        "  MIG 1g.5gb      Device  1: (UUID: MIG-cba663e8-9bed-5b25-b243-5985ef7c9beb)\n"
+        "GPU 1: NVIDIA A100-SXM4-40GB (UUID: GPU-4a2e7c33-2a4f-0fb7-d9d8-3d0d1b3c33a1)\n"
+    )
     gpus, migs = gpu_detect.parse_nvidia_list(text)
     assert [g.index for g in gpus] == [0, 1]
     assert [(m.index, m.uuid[:12]) for m in migs] == [(0, "MIG-c6d4f1ef"), (0, "MIG-cba663e8")]
@@ -150,8 +180,11 @@ def test_amd_parsers_read_the_fakes_and_agree():
     text = gpu_detect.parse_rocm_showid(tool_output("rocm-smi", "--showid", FAKE_AMD="ok"))
     listed = gpu_detect.parse_amd_smi_list(tool_output("amd-smi", "list", FAKE_AMD="ok"))
     vram = gpu_detect.parse_rocm_vram_csv(tool_output("rocm-smi", "--showmeminfo", "vram", "--csv", FAKE_AMD="ok"))
-    assert [(g.index, g.name) for g in csv_] == [(g.index, g.name) for g in text] == \
-        [(i, "AMD Instinct MI300X") for i in range(8)]
+    assert (
+        [(g.index, g.name) for g in csv_]
+        == [(g.index, g.name) for g in text]
+        == [(i, "AMD Instinct MI300X") for i in range(8)]
+    )
     assert [g.index for g in listed] == list(range(8))
     assert vram == {i: fake_smi.AMD_VRAM_B // 2**20 for i in range(8)}
     # amd-smi's UUID encodes the serial ROCr/HIP accept as GPU-<serial>; decoding it gives the
@@ -170,15 +203,20 @@ def test_rocm_smi_real_layouts_with_other_columns():
     # Older rocm-smi prints only "GPU ID" lines (no name); the CSV may carry more columns.
     old = "==== ROCm System Management Interface ====\nGPU[0]\t\t: GPU ID: 0x738c\nGPU[1]\t\t: GPU ID: 0x738c\n"
     assert [(g.index, g.name) for g in gpu_detect.parse_rocm_showid(old)] == [(0, ""), (1, "")]
-    wide = "device,Device Name,Device ID,Device Rev,Subsystem ID,GUID\ncard0,AMD Instinct MI210,0x740f,0x02,0x0c34,36198\n"
+    wide = (
+        "device,Device Name,Device ID,Device Rev,Subsystem ID,GUID\ncard0,AMD Instinct MI210,0x740f,0x02,0x0c34,36198\n"
+    )
     assert [(g.index, g.name) for g in gpu_detect.parse_rocm_showid_csv(wide)] == [(0, "AMD Instinct MI210")]
 
 
-@pytest.mark.parametrize("mode, count, problem", [
-    ("ok", 8, ""),
-    ("driver-fail", 0, "exit 9: NVIDIA driver not loaded"),
-    ("absent", 0, "nvidia-smi not found"),
-])
+@pytest.mark.parametrize(
+    "mode, count, problem",
+    [
+        ("ok", 8, ""),
+        ("driver-fail", 0, "exit 9: NVIDIA driver not loaded"),
+        ("absent", 0, "nvidia-smi not found"),
+    ],
+)
 def test_probe_nvidia_tells_no_driver_from_failure(monkeypatch, mode, count, problem):
     monkeypatch.setenv("PATH", base_env()["PATH"])
     monkeypatch.setenv("FAKE_NVIDIA", mode)
@@ -186,11 +224,14 @@ def test_probe_nvidia_tells_no_driver_from_failure(monkeypatch, mode, count, pro
     assert len(found.gpus) == count and problem in found.problem and bool(found.problem) == bool(problem)
 
 
-@pytest.mark.parametrize("mode, count, problem", [
-    ("ok", 8, ""),
-    ("driver-fail", 0, "amd-smi failed with exit 255"),
-    ("absent", 0, "rocm-smi not found"),
-])
+@pytest.mark.parametrize(
+    "mode, count, problem",
+    [
+        ("ok", 8, ""),
+        ("driver-fail", 0, "amd-smi failed with exit 255"),
+        ("absent", 0, "rocm-smi not found"),
+    ],
+)
 def test_probe_amd_parses_output_not_exit_codes(monkeypatch, mode, count, problem):
     # Without the driver rocm-smi exits 0 and prints nothing: only parsing tells.
     monkeypatch.setenv("PATH", base_env()["PATH"])
@@ -213,35 +254,41 @@ def _ids(gpus) -> list[int]:
     return [g.index for g in gpus]
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, list(range(8))),
-    ({"CUDA_VISIBLE_DEVICES": ""}, []),
-    ({"CUDA_VISIBLE_DEVICES": "0,2"}, [0, 2]),
-    ({"CUDA_VISIBLE_DEVICES": "0,2,-1,1"}, [0, 2]),  # an invalid entry ends the list
-    ({"CUDA_VISIBLE_DEVICES": "3,1"}, [3, 1]),  # order is the runtime's numbering
-    ({"CUDA_VISIBLE_DEVICES": "0,9,1"}, [0]),  # out of range ends it too
-    ({"CUDA_VISIBLE_DEVICES": "1,1"}, []),  # a repeat hides everything
-    ({"CUDA_VISIBLE_DEVICES": fake_smi.nvidia_uuid(5)[:12] + "," + fake_smi.nvidia_uuid(2)}, [5, 2]),
-    ({"CUDA_VISIBLE_DEVICES": fake_smi.nvidia_uuid(5) + ",1"}, [5]),  # a UUID list stops at an index
-    ({"HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}, list(range(8))),  # not read by CUDA
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, list(range(8))),
+        ({"CUDA_VISIBLE_DEVICES": ""}, []),
+        ({"CUDA_VISIBLE_DEVICES": "0,2"}, [0, 2]),
+        ({"CUDA_VISIBLE_DEVICES": "0,2,-1,1"}, [0, 2]),  # an invalid entry ends the list
+        ({"CUDA_VISIBLE_DEVICES": "3,1"}, [3, 1]),  # order is the runtime's numbering
+        ({"CUDA_VISIBLE_DEVICES": "0,9,1"}, [0]),  # out of range ends it too
+        ({"CUDA_VISIBLE_DEVICES": "1,1"}, []),  # a repeat hides everything
+        ({"CUDA_VISIBLE_DEVICES": fake_smi.nvidia_uuid(5)[:12] + "," + fake_smi.nvidia_uuid(2)}, [5, 2]),
+        ({"CUDA_VISIBLE_DEVICES": fake_smi.nvidia_uuid(5) + ",1"}, [5]),  # a UUID list stops at an index
+        ({"HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}, list(range(8))),  # not read by CUDA
+    ],
+)
 def test_nvidia_visibility(env, expected):
     assert _ids(gpu_detect.visible_gpus(NVIDIA, NV8, env).gpus) == expected
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, list(range(8))),
-    ({"HIP_VISIBLE_DEVICES": ""}, []),
-    ({"ROCR_VISIBLE_DEVICES": ""}, []),
-    ({"HIP_VISIBLE_DEVICES": "0,2"}, [0, 2]),
-    ({"CUDA_VISIBLE_DEVICES": "0,2,-1,1"}, [0, 2]),
-    ({"ROCR_VISIBLE_DEVICES": "1,3,5", "HIP_VISIBLE_DEVICES": "0,2"}, [1, 5]),  # HIP indexes ROCR's rest
-    ({"ROCR_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "1"}, []),
-    ({"ROCR_VISIBLE_DEVICES": "1,3,5,7", "HIP_VISIBLE_DEVICES": "3", "CUDA_VISIBLE_DEVICES": "0,1"}, [7]),
-    ({"HIP_VISIBLE_DEVICES": "2", "CUDA_VISIBLE_DEVICES": ""}, [2]),  # HIP overrides CUDA
-    ({"ROCR_VISIBLE_DEVICES": f"GPU-{fake_smi.amd_serial(6):016x},GPU-{fake_smi.amd_serial(3):016x}"}, [6, 3]),
-    ({"ROCR_VISIBLE_DEVICES": "4,5,6", "HIP_VISIBLE_DEVICES": f"GPU-{fake_smi.amd_serial(6):016x}"}, [6]),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, list(range(8))),
+        ({"HIP_VISIBLE_DEVICES": ""}, []),
+        ({"ROCR_VISIBLE_DEVICES": ""}, []),
+        ({"HIP_VISIBLE_DEVICES": "0,2"}, [0, 2]),
+        ({"CUDA_VISIBLE_DEVICES": "0,2,-1,1"}, [0, 2]),
+        ({"ROCR_VISIBLE_DEVICES": "1,3,5", "HIP_VISIBLE_DEVICES": "0,2"}, [1, 5]),  # HIP indexes ROCR's rest
+        ({"ROCR_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "1"}, []),
+        ({"ROCR_VISIBLE_DEVICES": "1,3,5,7", "HIP_VISIBLE_DEVICES": "3", "CUDA_VISIBLE_DEVICES": "0,1"}, [7]),
+        ({"HIP_VISIBLE_DEVICES": "2", "CUDA_VISIBLE_DEVICES": ""}, [2]),  # HIP overrides CUDA
+        ({"ROCR_VISIBLE_DEVICES": f"GPU-{fake_smi.amd_serial(6):016x},GPU-{fake_smi.amd_serial(3):016x}"}, [6, 3]),
+        ({"ROCR_VISIBLE_DEVICES": "4,5,6", "HIP_VISIBLE_DEVICES": f"GPU-{fake_smi.amd_serial(6):016x}"}, [6]),
+    ],
+)
 def test_amd_visibility(env, expected):
     assert _ids(gpu_detect.visible_gpus(AMD, AMD8, env).gpus) == expected
 
@@ -269,18 +316,24 @@ def test_index_lists_match_torchs_parser(value):
 
 # ------------------------------------------------------------------ dry runs: counts and env
 
-@pytest.mark.parametrize("vendor, env, gpus", [
-    (NVIDIA, {}, "0-7"),
-    (NVIDIA, {"CUDA_VISIBLE_DEVICES": "0,2"}, "0,2"),
-    (NVIDIA, {"CUDA_VISIBLE_DEVICES": "0,2,-1,1"}, "0,2"),
-    (NVIDIA, {"CUDA_VISIBLE_DEVICES": "6,7,5"}, "6-7,5"),
-    (AMD, {}, "0-7"),
-    (AMD, {"HIP_VISIBLE_DEVICES": "0,2,-1,1"}, "0,2"),
-    (AMD, {"ROCR_VISIBLE_DEVICES": "1,3,5", "HIP_VISIBLE_DEVICES": "0,2"}, "1,5"),
-    (AMD, {"ROCR_VISIBLE_DEVICES": "2,4", "CUDA_VISIBLE_DEVICES": "1"}, "4"),
-])
+
+@pytest.mark.parametrize(
+    "vendor, env, gpus",
+    [
+        (NVIDIA, {}, "0-7"),
+        (NVIDIA, {"CUDA_VISIBLE_DEVICES": "0,2"}, "0,2"),
+        (NVIDIA, {"CUDA_VISIBLE_DEVICES": "0,2,-1,1"}, "0,2"),
+        (NVIDIA, {"CUDA_VISIBLE_DEVICES": "6,7,5"}, "6-7,5"),
+        (AMD, {}, "0-7"),
+        (AMD, {"HIP_VISIBLE_DEVICES": "0,2,-1,1"}, "0,2"),
+        (AMD, {"ROCR_VISIBLE_DEVICES": "1,3,5", "HIP_VISIBLE_DEVICES": "0,2"}, "1,5"),
+        (AMD, {"ROCR_VISIBLE_DEVICES": "2,4", "CUDA_VISIBLE_DEVICES": "1"}, "4"),
+    ],
+)
 def test_dry_run_process_count_follows_visibility(vendor, env, gpus):
-    fake = {"FAKE_NVIDIA": "ok", "FAKE_AMD": "absent"} if vendor == NVIDIA else {"FAKE_NVIDIA": "absent", "FAKE_AMD": "ok"}
+    fake = (
+        {"FAKE_NVIDIA": "ok", "FAKE_AMD": "absent"} if vendor == NVIDIA else {"FAKE_NVIDIA": "absent", "FAKE_AMD": "ok"}
+    )
     r = dry(vendor, "--engine", "fsdp", "--count-from", "smi", **fake, **env)
     assert r.rc == 0, r.err
     count = sum(len(range(int(a), int(b) + 1)) if b else 1 for a, _, b in (p.partition("-") for p in gpus.split(",")))
@@ -296,33 +349,80 @@ def test_dry_run_vendor_variables():
     nv = dry(NVIDIA, "--engine", "fsdp", "--count-from", "smi")
     amd = dry(AMD, "--engine", "fsdp", "--count-from", "smi", FAKE_NVIDIA="absent", FAKE_AMD="ok")
     assert nv.rc == amd.rc == 0, nv.err + amd.err
-    common = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(max(1, vendor_env.cpu_count() // 8)),
-              "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": "WARN"}
-    assert nv.exports == {**common, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                          "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert amd.exports == {**common, "HSA_NO_SCRATCH_RECLAIM": "1", "HIP_FORCE_DEV_KERNARG": "1",
-                           "RCCL_MSCCL_ENABLE": "0", "HSA_FORCE_FINE_GRAIN_PCIE": "1", "GPU_MAX_HW_QUEUES": "2",
-                           "TORCH_NCCL_HIGH_PRIORITY": "1", "NCCL_MIN_NCHANNELS": "112"}
+    common = {
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": str(max(1, vendor_env.cpu_count() // 8)),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "NCCL_DEBUG": "WARN",
+    }
+    assert nv.exports == {
+        **common,
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+    assert amd.exports == {
+        **common,
+        "HSA_NO_SCRATCH_RECLAIM": "1",
+        "HIP_FORCE_DEV_KERNARG": "1",
+        "RCCL_MSCCL_ENABLE": "0",
+        "HSA_FORCE_FINE_GRAIN_PCIE": "1",
+        "GPU_MAX_HW_QUEUES": "2",
+        "TORCH_NCCL_HIGH_PRIORITY": "1",
+        "NCCL_MIN_NCHANNELS": "112",
+    }
 
 
 def test_callers_values_survive_dry_run():
-    r = dry(NVIDIA, "--engine", "fsdp", "--count-from", "smi", NCCL_DEBUG="INFO", OMP_NUM_THREADS="3",
-            PYTORCH_ALLOC_CONF="max_split_size_mb:512", NCCL_ASYNC_ERROR_HANDLING="3")
+    r = dry(
+        NVIDIA,
+        "--engine",
+        "fsdp",
+        "--count-from",
+        "smi",
+        NCCL_DEBUG="INFO",
+        OMP_NUM_THREADS="3",
+        PYTORCH_ALLOC_CONF="max_split_size_mb:512",
+        NCCL_ASYNC_ERROR_HANDLING="3",
+    )
     assert r.rc == 0, r.err
-    assert r.kept == {"NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "3", "PYTORCH_ALLOC_CONF": "max_split_size_mb:512",
-                      "NCCL_ASYNC_ERROR_HANDLING": "3"}
+    assert r.kept == {
+        "NCCL_DEBUG": "INFO",
+        "OMP_NUM_THREADS": "3",
+        "PYTORCH_ALLOC_CONF": "max_split_size_mb:512",
+        "NCCL_ASYNC_ERROR_HANDLING": "3",
+    }
     # Nor is an alias of theirs shadowed by the other name of the same knob.
-    assert not {"NCCL_DEBUG", "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_NCCL_ASYNC_ERROR_HANDLING"} & set(r.exports)
+    assert not {"NCCL_DEBUG", "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_NCCL_ASYNC_ERROR_HANDLING"} & set(
+        r.exports
+    )
 
 
 @pytest.mark.parametrize("vendor", [NVIDIA, AMD])
 def test_real_exec_environment_and_arguments(vendor, tmp_path):
     """Not a dry run: the script the launcher execs sees the presets, the caller's values and its
     arguments unchanged, and the launcher's exit code is the script's."""
-    fake = {"FAKE_NVIDIA": "ok", "FAKE_AMD": "absent"} if vendor == NVIDIA else {"FAKE_NVIDIA": "absent", "FAKE_AMD": "ok"}
-    p = launch_real(vendor, "--count-from", "smi", "--gpus", "3", "--script", str(FAKES / "show_env.py"),
-                    "--", "--output_dir", "a b", "--nproc", "5", "--", "x",
-                    NCCL_DEBUG="INFO", ANYGPU_TEST_EXIT="7", **fake)
+    fake = (
+        {"FAKE_NVIDIA": "ok", "FAKE_AMD": "absent"} if vendor == NVIDIA else {"FAKE_NVIDIA": "absent", "FAKE_AMD": "ok"}
+    )
+    p = launch_real(
+        vendor,
+        "--count-from",
+        "smi",
+        "--gpus",
+        "3",
+        "--script",
+        str(FAKES / "show_env.py"),
+        "--",
+        "--output_dir",
+        "a b",
+        "--nproc",
+        "5",
+        "--",
+        "x",
+        NCCL_DEBUG="INFO",
+        ANYGPU_TEST_EXIT="7",
+        **fake,
+    )
     assert p.returncode == 7, p.stderr
     seen = json.loads(p.stdout.strip().splitlines()[-1])
     assert seen["argv"] == ["--output_dir", "a b", "--nproc", "5", "--", "x"]
@@ -336,11 +436,14 @@ def test_real_exec_environment_and_arguments(vendor, tmp_path):
     assert "one process: plain python" in p.stderr
 
 
-@pytest.mark.parametrize("visible, args, pinned, nproc", [
-    (None, ["--gpus", "0,1,3"], "0,1,3", 3),
-    ("4,5,6,7", ["--gpus", "0,2"], "4,6", 2),  # indices into the usable GPUs, as printed
-    (None, ["--nproc", "3"], None, 3),
-])
+@pytest.mark.parametrize(
+    "visible, args, pinned, nproc",
+    [
+        (None, ["--gpus", "0,1,3"], "0,1,3", 3),
+        ("4,5,6,7", ["--gpus", "0,2"], "4,6", 2),  # indices into the usable GPUs, as printed
+        (None, ["--nproc", "3"], None, 3),
+    ],
+)
 def test_gpus_and_nproc(visible, args, pinned, nproc):
     env = {"CUDA_VISIBLE_DEVICES": visible} if visible else {}
     r = dry(NVIDIA, "--engine", "fsdp", "--count-from", "smi", *args, **env)
@@ -351,8 +454,19 @@ def test_gpus_and_nproc(visible, args, pinned, nproc):
 def test_amd_gpus_index_what_rocr_leaves():
     # usable: ROCR leaves 1,3,5,7; CUDA's 3,2,1 index that -> 7,5,3; --gpus 1,2 picks 5,3, which
     # HIP_VISIBLE_DEVICES (preferred over CUDA's) must name by their place in ROCR's list: 2,1.
-    r = dry(AMD, "--engine", "fsdp", "--count-from", "smi", "--gpus", "1,2", FAKE_NVIDIA="absent", FAKE_AMD="ok",
-            ROCR_VISIBLE_DEVICES="1,3,5,7", CUDA_VISIBLE_DEVICES="3,2,1")
+    r = dry(
+        AMD,
+        "--engine",
+        "fsdp",
+        "--count-from",
+        "smi",
+        "--gpus",
+        "1,2",
+        FAKE_NVIDIA="absent",
+        FAKE_AMD="ok",
+        ROCR_VISIBLE_DEVICES="1,3,5,7",
+        CUDA_VISIBLE_DEVICES="3,2,1",
+    )
     assert r.rc == 0, r.err
     assert r.exports["HIP_VISIBLE_DEVICES"] == "2,1" and "ROCR_VISIBLE_DEVICES" not in r.exports
     assert "GPUs: 5,3: AMD Instinct MI300X" in r.notes
@@ -360,16 +474,19 @@ def test_amd_gpus_index_what_rocr_leaves():
     assert _ids(gpu_detect.visible_gpus(AMD, AMD8, env).gpus) == [5, 3]  # what the job will see
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nproc", "9"], "only 8 NVIDIA GPU(s) usable here (valid: 1..8)"),
-    (["--gpus", "0,8"], "'8' is not a usable GPU (valid: indices 0..7"),
-    (["--gpus", "1,1"], "GPU 1 is named twice"),
-    (["--gpus", "0,1", "--nproc", "3"], "--nproc 3 disagrees with --gpus 0,1"),
-    (["--max_steps", "3"], "training-script arguments go after --"),
-    (["--engine", "fsdp", "--accelerate-config", "ddp"], "only applies to --engine hf"),
-    (["--accelerate-config", "nope"], "valid names: ddp, deepspeed_zero2, deepspeed_zero3"),
-    (["--script", "/no/such/train.py"], "training script not found"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nproc", "9"], "only 8 NVIDIA GPU(s) usable here (valid: 1..8)"),
+        (["--gpus", "0,8"], "'8' is not a usable GPU (valid: indices 0..7"),
+        (["--gpus", "1,1"], "GPU 1 is named twice"),
+        (["--gpus", "0,1", "--nproc", "3"], "--nproc 3 disagrees with --gpus 0,1"),
+        (["--max_steps", "3"], "training-script arguments go after --"),
+        (["--engine", "fsdp", "--accelerate-config", "ddp"], "only applies to --engine hf"),
+        (["--accelerate-config", "nope"], "valid names: ddp, deepspeed_zero2, deepspeed_zero3"),
+        (["--script", "/no/such/train.py"], "training script not found"),
+    ],
+)
 def test_bad_options_are_refused_with_a_reason(args, message):
     engine = [] if "--engine" in args or "--accelerate-config" in args else ["--engine", "fsdp"]
     r = dry(NVIDIA, "--count-from", "smi", *engine, *args)
@@ -391,6 +508,7 @@ def test_port_and_restarts():
 
 # -------------------------------------------------------------------- no GPU, wrong vendor
 
+
 def test_driver_failure_falls_back_to_cpu_and_torch_agrees():
     # --count-from auto: torch is asked too, under the same environment; with no driver it must see
     # no GPU either (the visibility variables keep that true on a machine that has GPUs).
@@ -405,14 +523,19 @@ def test_driver_failure_falls_back_to_cpu_and_torch_agrees():
 def test_hidden_by_a_variable_is_not_no_driver(value):
     r = dry(NVIDIA, "--engine", "fsdp", CUDA_VISIBLE_DEVICES=value)
     assert r.rc == 0, r.err
-    assert f"8 NVIDIA GPUs present, but CUDA_VISIBLE_DEVICES={value!r} hides all of them: training on the CPU" in r.notes
+    assert (
+        f"8 NVIDIA GPUs present, but CUDA_VISIBLE_DEVICES={value!r} hides all of them: training on the CPU" in r.notes
+    )
     assert r.nproc == 1 and "warning" not in r.notes  # torch, asked under the same env, agrees: 0
 
 
-@pytest.mark.parametrize("vendor, other, fakes", [
-    (AMD, "run_nvidia_all.sh", {"FAKE_NVIDIA": "ok", "FAKE_AMD": "driver-fail"}),
-    (NVIDIA, "run_amd_all.sh", {"FAKE_NVIDIA": "absent", "FAKE_AMD": "ok"}),
-])
+@pytest.mark.parametrize(
+    "vendor, other, fakes",
+    [
+        (AMD, "run_nvidia_all.sh", {"FAKE_NVIDIA": "ok", "FAKE_AMD": "driver-fail"}),
+        (NVIDIA, "run_amd_all.sh", {"FAKE_NVIDIA": "absent", "FAKE_AMD": "ok"}),
+    ],
+)
 def test_wrong_vendor_script_says_what_to_run(vendor, other, fakes):
     r = dry(vendor, "--engine", "fsdp", "--count-from", "smi", **fakes)
     assert r.rc == 2 and f"run `bash {other}` instead" in r.err, r.err
@@ -436,8 +559,11 @@ def test_cpu_only_torch_refuses_listed_gpus():
 @pytest.mark.slow
 def test_detection_and_dry_run_need_only_the_standard_library(tmp_path):
     bare = tmp_path / "bare"  # a virtualenv with no packages at all
-    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(bare)],
-                   check=True, timeout=120)
+    subprocess.run(
+        [getattr(sys, "_base_executable", sys.executable), "-m", "venv", "--without-pip", str(bare)],
+        check=True,
+        timeout=120,
+    )
     python = str(bare / "bin" / "python")
     r = dry(NVIDIA, "--engine", "fsdp", "--gpus", "0,1", PYTHON=python)
     assert r.rc == 0, r.err
@@ -448,6 +574,7 @@ def test_detection_and_dry_run_need_only_the_standard_library(tmp_path):
 
 
 # ---------------------------------------------------------------------------- HF engine
+
 
 @pytest.fixture
 def hf_engine():
@@ -477,6 +604,7 @@ def test_hf_engine_configs(hf_engine):
 
 # ------------------------------------------------------------------------------ many nodes
 
+
 def test_multi_node_all_nodes_agree():
     env = {"NNODES": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29555"}
     nodes = [dry(NVIDIA, "--engine", "fsdp", "--count-from", "smi", NODE_RANK=str(r), **env) for r in (0, 1)]
@@ -487,17 +615,33 @@ def test_multi_node_all_nodes_agree():
     assert [n.opt("--rdzv-conf") for n in nodes] == ["is_host=true", "is_host=false"]
     hf = dry(NVIDIA, "--count-from", "smi", NODE_RANK="1", **env)
     if (ROOT / "run_hf_standalone.py").is_file():
-        assert (hf.opt("--num_processes"), hf.opt("--num_machines"), hf.opt("--machine_rank"),
-                hf.opt("--main_process_ip"), hf.opt("--main_process_port")) == ("16", "2", "1", "10.0.0.1", "29555")
+        assert (
+            hf.opt("--num_processes"),
+            hf.opt("--num_machines"),
+            hf.opt("--machine_rank"),
+            hf.opt("--main_process_ip"),
+            hf.opt("--main_process_port"),
+        ) == ("16", "2", "1", "10.0.0.1", "29555")
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"NNODES": "2", "MASTER_ADDR": "h"}, "NNODES=2 needs NODE_RANK"),
-    ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"}, "NODE_RANK=2 is out of range"),
-    ({"NNODES": "two"}, "NNODES='two' is not a whole number"),
-    ({"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_LOCALID": "1",
-      "SLURM_JOB_NODELIST": "n[1-2]"}, "start one per node: srun --ntasks-per-node=1"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"NNODES": "2", "MASTER_ADDR": "h"}, "NNODES=2 needs NODE_RANK"),
+        ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"}, "NODE_RANK=2 is out of range"),
+        ({"NNODES": "two"}, "NNODES='two' is not a whole number"),
+        (
+            {
+                "SLURM_JOB_ID": "7",
+                "SLURM_NNODES": "2",
+                "SLURM_NODEID": "0",
+                "SLURM_LOCALID": "1",
+                "SLURM_JOB_NODELIST": "n[1-2]",
+            },
+            "start one per node: srun --ntasks-per-node=1",
+        ),
+    ],
+)
 def test_multi_node_mistakes(env, message):
     r = dry(NVIDIA, "--engine", "fsdp", "--count-from", "smi", **env)
     assert r.rc == 2 and message in r.err, r.err
@@ -505,8 +649,14 @@ def test_multi_node_mistakes(env, message):
 
 def test_slurm_head_node_and_rendezvous(tmp_path):
     log = tmp_path / "calls"
-    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_LOCALID": "0",
-           "SLURM_JOB_NODELIST": "gpu[017-018]", "FAKE_SMI_LOG": str(log)}
+    env = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_NODELIST": "gpu[017-018]",
+        "FAKE_SMI_LOG": str(log),
+    }
     r = dry(NVIDIA, "--engine", "fsdp", "--count-from", "smi", **env)
     assert r.rc == 0, r.err
     assert r.opt("--rdzv-endpoint") == "gpu017:29500" and r.opt("--rdzv-id") == "4242"
@@ -522,10 +672,14 @@ def test_slurm_head_node_without_scontrol():
 
 def test_sbatch_example_starts_one_launcher_per_node(tmp_path):
     """slurm/train.sbatch under a fake srun that starts one task per node, as srun does."""
-    env = base_env(SLURM_JOB_ID="99", SLURM_NNODES="3", SLURM_JOB_NODELIST="node[07-09]",
-                   SLURM_SUBMIT_DIR=str(ROOT))
-    p = subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch"), "--engine", "fsdp", "--dry-run",
-                        "--count-from", "smi"], env=env, capture_output=True, text=True, timeout=120)
+    env = base_env(SLURM_JOB_ID="99", SLURM_NNODES="3", SLURM_JOB_NODELIST="node[07-09]", SLURM_SUBMIT_DIR=str(ROOT))
+    p = subprocess.run(
+        ["bash", str(ROOT / "slurm" / "train.sbatch"), "--engine", "fsdp", "--dry-run", "--count-from", "smi"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     runs = [DryRun(0, chunk, "") for chunk in p.stdout.split("# anygpu dry run")[1:]]
     assert len(runs) == 3
@@ -546,8 +700,7 @@ FAST = ["--count-from", "smi"]
 
 def _cpu_env(**extra: str) -> dict[str, str]:
     # No driver at all (and nothing visible, should the test machine have GPUs).
-    return {"FAKE_NVIDIA": "absent", "FAKE_AMD": "absent", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
-            **extra}
+    return {"FAKE_NVIDIA": "absent", "FAKE_AMD": "absent", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **extra}
 
 
 def _losses(output_dir: Path) -> dict[int, float]:
@@ -562,8 +715,9 @@ def cpu_run(engine: str, tmp_path_factory) -> tuple[subprocess.CompletedProcess,
     """One launcher run per engine on a machine with no GPU driver, shared by the tests below."""
     if engine not in _CPU_RUNS:
         out = tmp_path_factory.mktemp(f"cpu-{engine}")
-        p = launch_real(NVIDIA, "--engine", engine, "--", *TINY, "--max_steps", "3", "--output_dir", str(out),
-                        **_cpu_env())
+        p = launch_real(
+            NVIDIA, "--engine", engine, "--", *TINY, "--max_steps", "3", "--output_dir", str(out), **_cpu_env()
+        )
         _CPU_RUNS[engine] = (p, out)
     return _CPU_RUNS[engine]
 
@@ -590,11 +744,20 @@ def test_two_nodes_on_one_machine_match_one_node(engine, tmp_path, tmp_path_fact
     """
     port = str(free_port())
     args = [*FAST, "--engine", engine, "--", *TINY, "--max_steps", "3"]
-    nodes = [subprocess.Popen(["bash", str(SCRIPT[NVIDIA]), *args, "--output_dir", str(tmp_path / "two")],
-                              env=base_env(**_cpu_env(NNODES="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                                                      MASTER_PORT=port, PYTHONFAULTHANDLER="1")),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            ["bash", str(SCRIPT[NVIDIA]), *args, "--output_dir", str(tmp_path / "two")],
+            env=base_env(
+                **_cpu_env(
+                    NNODES="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONFAULTHANDLER="1"
+                )
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     one, ref_dir = cpu_run(engine, tmp_path_factory)
     ref_world = 1
     logs = outputs(nodes, timeout=240)
@@ -604,8 +767,10 @@ def test_two_nodes_on_one_machine_match_one_node(engine, tmp_path, tmp_path_fact
     if engine == "fsdp":  # the default mesh: one replica group per node (its one process), replicated across the two
         assert "mesh 2 × 1 (dp_replicate × dp_shard): HSDP" in logs[0], logs[0][-3000:]
     two, ref = _losses(tmp_path / "two"), _losses(ref_dir)
-    worlds = [{json.loads(ln)["world_size"] for ln in (d / "metrics.jsonl").read_text().splitlines()
-               if '"loss"' in ln} for d in (tmp_path / "two", ref_dir)]
+    worlds = [
+        {json.loads(ln)["world_size"] for ln in (d / "metrics.jsonl").read_text().splitlines() if '"loss"' in ln}
+        for d in (tmp_path / "two", ref_dir)
+    ]
     assert worlds == [{2}, {ref_world}]
     assert sorted(two) == sorted(ref) == [1, 2, 3]
     assert all(abs(two[s] - ref[s]) <= 1e-5 * abs(ref[s]) for s in ref), (two, ref)
@@ -614,8 +779,23 @@ def test_two_nodes_on_one_machine_match_one_node(engine, tmp_path, tmp_path_fact
 @pytest.mark.slow
 def test_failing_rank_ends_the_job_fast():
     start = time.monotonic()
-    p = launch_real(NVIDIA, *FAST, "--engine", "fsdp", "--nproc", "2", "--script", str(FAKES / "fault_train.py"),
-                    "--", "--fail-rank", "1", "--fail-step", "3", timeout=120, **_cpu_env())
+    p = launch_real(
+        NVIDIA,
+        *FAST,
+        "--engine",
+        "fsdp",
+        "--nproc",
+        "2",
+        "--script",
+        str(FAKES / "fault_train.py"),
+        "--",
+        "--fail-rank",
+        "1",
+        "--fail-step",
+        "3",
+        timeout=120,
+        **_cpu_env(),
+    )
     elapsed = time.monotonic() - start
     out = p.stdout + p.stderr
     assert p.returncode != 0 and elapsed < 30, (p.returncode, elapsed)
@@ -625,9 +805,25 @@ def test_failing_rank_ends_the_job_fast():
 
 @pytest.mark.slow
 def test_max_restarts_restarts_the_workers():
-    p = launch_real(NVIDIA, *FAST, "--engine", "fsdp", "--nproc", "2", "--max-restarts", "1", "--script",
-                    str(FAKES / "fault_train.py"), "--", "--steps", "4", "--fail-attempts", "1", timeout=120,
-                    **_cpu_env())
+    p = launch_real(
+        NVIDIA,
+        *FAST,
+        "--engine",
+        "fsdp",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        "--script",
+        str(FAKES / "fault_train.py"),
+        "--",
+        "--steps",
+        "4",
+        "--fail-attempts",
+        "1",
+        timeout=120,
+        **_cpu_env(),
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     assert "rank 1 fails at step 3 on purpose" in out  # attempt 0 failed …
@@ -636,23 +832,27 @@ def test_max_restarts_restarts_the_workers():
 
 # ------------------------------------------------------------------------------ the scripts
 
+
 def test_help_and_the_two_scripts_differ_only_in_vendor():
     for vendor in (NVIDIA, AMD):
-        p = subprocess.run(["bash", str(SCRIPT[vendor]), "--help"], env=base_env(), capture_output=True,
-                           text=True, timeout=60)
+        p = subprocess.run(
+            ["bash", str(SCRIPT[vendor]), "--help"], env=base_env(), capture_output=True, text=True, timeout=60
+        )
         assert p.returncode == 0 and f"usage: bash run_{vendor}_all.sh" in p.stdout
         assert all(opt in p.stdout for opt in ("--engine", "--nproc", "--gpus", "--max-restarts", "--dry-run"))
-    nv, amd = (SCRIPT[v].read_text().replace("run_nvidia_all.sh", "run_X_all.sh").replace("run_amd_all.sh", "run_X_all.sh")
-               for v in (NVIDIA, AMD))
+    nv, amd = (
+        SCRIPT[v].read_text().replace("run_nvidia_all.sh", "run_X_all.sh").replace("run_amd_all.sh", "run_X_all.sh")
+        for v in (NVIDIA, AMD)
+    )
     diff = [(a, b) for a, b in zip(nv.splitlines(), amd.splitlines()) if a != b]
     assert len(nv.splitlines()) == len(amd.splitlines()) and all(
-        ("NVIDIA" in a and "AMD" in b) or (a, b) == ("VENDOR=nvidia", "VENDOR=amd") for a, b in diff), diff
+        ("NVIDIA" in a and "AMD" in b) or (a, b) == ("VENDOR=nvidia", "VENDOR=amd") for a, b in diff
+    ), diff
 
 
 def test_shellcheck_every_shell_file():
     shellcheck = Path(sys.executable).parent / "shellcheck"
     files = sorted({*ROOT.glob("*.sh"), *ROOT.glob("scripts/*.sh"), *(ROOT / "slurm").glob("*")})
     assert SCRIPT[NVIDIA] in files and SCRIPT[AMD] in files and any(f.parent.name == "slurm" for f in files)
-    p = subprocess.run([str(shellcheck), "--shell=bash", *map(str, files)], capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run([str(shellcheck), "--shell=bash", *map(str, files)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr

@@ -1,5 +1,6 @@
 """The library's layout: one folder per concern, layers that import downwards only, no import circle
 (function-level imports included), and launchers that need nothing but the standard library."""
+
 from __future__ import annotations
 
 import ast
@@ -132,7 +133,9 @@ def test_no_import_circle():
 
 
 def test_layers_import_downwards_only():
-    assert upward_imports(PKG) == [], "layers import downwards only: " + " → ".join("/".join(sorted(x)) or "top" for x in LAYERS)
+    assert upward_imports(PKG) == [], "layers import downwards only: " + " → ".join(
+        "/".join(sorted(x)) or "top" for x in LAYERS
+    )
 
 
 def test_launch_is_standard_library_only():
@@ -142,7 +145,11 @@ def test_launch_is_standard_library_only():
 def test_few_modules_at_the_top():
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
-    assert all((p / "__init__.py").exists() for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py")))
+    assert all(
+        (p / "__init__.py").exists()
+        for p in PKG.iterdir()
+        if p.is_dir() and p.name != "__pycache__" and any(p.glob("*.py"))
+    )
 
 
 def test_the_checks_catch_a_circle_an_upward_import_and_a_third_party_launch_import(tmp_path):
@@ -165,11 +172,16 @@ def test_the_checks_catch_a_circle_an_upward_import_and_a_third_party_launch_imp
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
     assert upward_imports(root) == ["anygpu.config.args:2 imports anygpu.engines.fsdp (a higher layer)"]
-    assert sorted(map(tuple, circles(root))) == [("anygpu.config.args", "anygpu.engines.fsdp"), ("anygpu.model.a", "anygpu.model.b")]
+    assert sorted(map(tuple, circles(root))) == [
+        ("anygpu.config.args", "anygpu.engines.fsdp"),
+        ("anygpu.model.a", "anygpu.model.b"),
+    ]
     assert non_stdlib_imports(root / "launch", root) == ["anygpu.launch.detect:2 imports yaml"]
 
 
-@pytest.mark.parametrize("module", ["anygpu.launch.launcher", "anygpu.launch.detect", "anygpu.launch.vendor_env", "anygpu.tools.cli"])
+@pytest.mark.parametrize(
+    "module", ["anygpu.launch.launcher", "anygpu.launch.detect", "anygpu.launch.vendor_env", "anygpu.tools.cli"]
+)
 def test_launchers_and_cli_import_without_torch(module):
     """A login node without torch can dry-run: launch/ and the CLI's entry use the standard library only."""
     code = f"import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\nimport {module}\n"

@@ -1,6 +1,7 @@
 """The lean loss (anygpu.model.lean_loss) against each family's own loss, in process: the same loss
 and gradients, with masked labels, tied embeddings, soft-capping / logit scaling, LoRA on the head and
 a MoE router loss; and, in a fresh process, a step's peak memory at a 128k vocabulary."""
+
 import copy
 import json
 import sys
@@ -12,8 +13,18 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from anygpu.model import lean_loss
 
-SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 # Families with what makes each differ from Llama switched on: every one with logit post-processing
 # (lean_loss.POST), and a spread of those whose forward hands the logits straight to the loss (read from
 # their source). Dropout off: no random masks to compare.
@@ -24,11 +35,23 @@ CONFIGS = {
     "phi": dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
     "falcon": dict(num_kv_heads=2, new_decoder_architecture=True, hidden_dropout=0.0, attention_dropout=0.0),
     "bloom": dict(n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0),
-    "stablelm": {}, "glm4": {}, "smollm3": {},
+    "stablelm": {},
+    "glm4": {},
+    "smollm3": {},
     "olmoe": dict(num_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1),
-    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2, logits_scaling=4.0, output_router_logits=True,
-                       router_aux_loss_coef=0.1),
-    "llama": {}, "mistral": {}, "qwen3": {}, "phi3": {}, "olmo2": {}, "starcoder2": {},
+    "granitemoe": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        logits_scaling=4.0,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    ),
+    "llama": {},
+    "mistral": {},
+    "qwen3": {},
+    "phi3": {},
+    "olmo2": {},
+    "starcoder2": {},
     "qwen2": dict(tie_word_embeddings=True),
     "gemma": dict(head_dim=8),
     "gemma2": dict(head_dim=8, final_logit_softcapping=2.0),  # a cap small enough to bend these logits
@@ -39,10 +62,21 @@ CONFIGS = {
     "gpt_neox": {},
     "opt": dict(ffn_dim=64, word_embed_proj_dim=32, dropout=0.0),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                      output_router_logits=True, router_aux_loss_coef=0.1),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True,
-                      router_aux_loss_coef=0.1),
+    "qwen2_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    ),
+    "qwen3_moe": dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    ),
 }
 
 
@@ -85,7 +119,9 @@ def test_lean_loss_equals_the_models_own(model_type, monkeypatch):
     assert lean_loss.unsupported_reason(own) is None
     lean = copy.deepcopy(own)
     monkeypatch.setenv(lean_loss.CHUNK_TOKENS_ENV, "5")  # 48 tokens: 10 chunks, the last one short
-    assert lean_loss.install(lean, True).startswith("loss: lean (chunked cross-entropy, 5 tokens ($ANYGPU_LEAN_LOSS_CHUNK_TOKENS) at a time")
+    assert lean_loss.install(lean, True).startswith(
+        "loss: lean (chunked cross-entropy, 5 tokens ($ANYGPU_LEAN_LOSS_CHUNK_TOKENS) at a time"
+    )
     _compare(own, lean)
     if model_type == "llama":
         _compare(own, lean, num_items=None)  # no count given: the mean over the target tokens, as transformers
@@ -101,14 +137,18 @@ def test_a_forward_that_changes_the_logits_keeps_its_own_loss():
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("falcon_h1", **SMALL))
     assert "forward changes the logits before its loss_function" in lean_loss.unsupported_reason(model)
     line = lean_loss.install(model, True)
-    assert line.startswith("loss: the model's own (full logits): lean loss off, FalconH1ForCausalLM") and not lean_loss.is_installed(model)
+    assert line.startswith(
+        "loss: the model's own (full logits): lean loss off, FalconH1ForCausalLM"
+    ) and not lean_loss.is_installed(model)
 
 
 def test_lora_on_the_head():
     """A LoRA adapter on lm_head (and the attention) trains the same under the lean loss."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "lm_head"], task_type="CAUSAL_LM"
+    )
     own = get_peft_model(_model("llama"), config)
     with torch.no_grad():  # B starts at zero: give the adapter a visible effect
         for name, p in own.named_parameters():
@@ -144,7 +184,9 @@ def test_install_says_what_it_does():
 def test_peak_memory_at_128k_vocabulary():
     """A step's peak RSS (fresh process per loss) at vocab 128k: the lean loss needs at most half the model's own."""
     # a narrow body (hidden 64) keeps the test short; the README's figure is the benchmark's default (hidden 256)
-    out = python("benchmarks/lean_loss.py", ["--vocab", "131072", "--hidden", "64", "--memory_only", "--json"], timeout=300)
+    out = python(
+        "benchmarks/lean_loss.py", ["--vocab", "131072", "--hidden", "64", "--memory_only", "--json"], timeout=300
+    )
     row = json.loads(out.stdout.strip().splitlines()[-1])[0]
     print(row, file=sys.stderr)
     assert row["peak_memory_ratio"] <= 0.5, row

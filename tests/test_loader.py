@@ -1,5 +1,6 @@
 """The step loader: DataLoader items are this rank's micro-batches of GlobalOrder's global batches,
 from the resumed step on, whatever the world size, with the step's target-token count."""
+
 import pytest
 import torch
 from datasets import Dataset
@@ -44,7 +45,11 @@ def test_items_are_the_global_order_for_any_world_size_and_resume(rows, W, m, st
 
 
 def test_a_worker_gives_the_inline_items_and_the_global_rng_stays(rows):
-    order, collator, plan = GlobalOrder(N, G, SEED), Collator(pad_token_id=0), plan_batch(G, 2, per_device_train_batch_size=1)
+    order, collator, plan = (
+        GlobalOrder(N, G, SEED),
+        Collator(pad_token_id=0),
+        plan_batch(G, 2, per_device_train_batch_size=1),
+    )
     rng = torch.get_rng_state()
     got = list(step_loader(rows, collator, order, plan, 1, 2, 9, CPU, num_workers=1))
     assert torch.equal(rng, torch.get_rng_state())  # the loader's worker seed comes from its own generator

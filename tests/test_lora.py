@@ -2,6 +2,7 @@
 a run resumes exactly on another world size, only the adapter has optimizer state, `final/` is a PEFT
 adapter that loads over the base, the merged model equals it, and the base folder is never modified.
 The folder's tokenizer (special tokens, chat template) is what the run uses and exports."""
+
 import hashlib
 import json
 from pathlib import Path
@@ -12,8 +13,22 @@ from conftest import TINY, hf_runs, losses, python, torchrun
 SCRIPT = "run_fsdp_standalone.py"
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
 ARGS = [a for a in TINY if a not in ("--config_name", "tiny")] + [
-    "--max_steps", "4", "--max_eval_samples", "4", "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8",
-    "--lora_dropout", "0.1", "--lora_target_modules", "all-linear", "--learning_rate", "1e-2",
+    "--max_steps",
+    "4",
+    "--max_eval_samples",
+    "4",
+    "--use_peft",
+    "true",
+    "--lora_r",
+    "4",
+    "--lora_alpha",
+    "8",
+    "--lora_dropout",
+    "0.1",
+    "--lora_target_modules",
+    "all-linear",
+    "--learning_rate",
+    "1e-2",
 ]
 
 
@@ -28,13 +43,28 @@ def build_base(folder: Path) -> None:
     bpe = Tokenizer(models.BPE(unk_token=None))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1000, special_tokens=["<s>", "</s>", "<pad>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=1000,
+            special_tokens=["<s>", "</s>", "<pad>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     tok.chat_template = TEMPLATE
-    config = LlamaConfig(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -70,8 +100,19 @@ def test_world_sizes_agree_and_resume_is_exact(lora):
 @pytest.mark.slow
 def test_a_target_the_model_lacks_is_one_line(lora, tmp_path):
     """The engine as a user runs it, with the comma form: one line naming the option and the model's linear modules."""
-    proc = python(SCRIPT, [*ARGS, "--model_name_or_path", str(lora["base"]), "--lora_target_modules", "q_proj,qkv",
-                           "--output_dir", str(tmp_path / "run")], check=False)
+    proc = python(
+        SCRIPT,
+        [
+            *ARGS,
+            "--model_name_or_path",
+            str(lora["base"]),
+            "--lora_target_modules",
+            "q_proj,qkv",
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+        check=False,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "--lora_target_modules qkv: the model has no such module" in errors[0], proc.stderr
@@ -129,8 +170,13 @@ def test_hf_engine_trains_the_same_adapter(lora, tmp_path):
     args = [*ARGS, "--model_name_or_path", str(lora["base"])]
     stopped, out = tmp_path / "stopped", tmp_path / "resumed"
     # one launch: the run stopped after step 2, then its checkpoint-2 resumed by path into another folder
-    hf_runs(1, [[*args, "--output_dir", str(stopped), "--stop_at_step", "2"],
-                [*args, "--output_dir", str(out), "--resume_from_checkpoint", str(stopped / "checkpoint-2")]])
+    hf_runs(
+        1,
+        [
+            [*args, "--output_dir", str(stopped), "--stop_at_step", "2"],
+            [*args, "--output_dir", str(out), "--resume_from_checkpoint", str(stopped / "checkpoint-2")],
+        ],
+    )
     assert [p.name for p in stopped.glob("checkpoint-*")] == ["checkpoint-2"]  # --stop_at_step: one checkpoint,
     assert not (stopped / "final").exists() and sorted(losses(stopped)) == [1, 2]  # no export, its steps only
     hf, fsdp = {**losses(stopped), **losses(out)}, losses(lora["one"])
@@ -142,10 +188,18 @@ def test_hf_engine_trains_the_same_adapter(lora, tmp_path):
 
 
 # families peft has no default for (MoE, multi-head latent attention, fused qkv) and two it has
-DEFAULT_TARGETS = {"qwen2_moe": ["q_proj", "v_proj"], "deepseek_v3": "all-linear", "olmoe": ["q_proj", "v_proj"],
-                   "phi3": ["qkv_proj"], "granitemoe": ["q_proj", "v_proj"], "starcoder2": ["q_proj", "v_proj"],
-                   "gpt_oss": ["q_proj", "v_proj"], "jetmoe": "all-linear", "mixtral": ["q_proj", "v_proj"],
-                   "gpt2": ["c_attn"]}
+DEFAULT_TARGETS = {
+    "qwen2_moe": ["q_proj", "v_proj"],
+    "deepseek_v3": "all-linear",
+    "olmoe": ["q_proj", "v_proj"],
+    "phi3": ["qkv_proj"],
+    "granitemoe": ["q_proj", "v_proj"],
+    "starcoder2": ["q_proj", "v_proj"],
+    "gpt_oss": ["q_proj", "v_proj"],
+    "jetmoe": "all-linear",
+    "mixtral": ["q_proj", "v_proj"],
+    "gpt2": ["c_attn"],
+}
 
 
 @pytest.mark.parametrize("model_type", DEFAULT_TARGETS)
@@ -163,8 +217,12 @@ def test_default_targets_for_every_family(model_type):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert lora.default_targets(model) == DEFAULT_TARGETS[model_type]
-    wrapped = lora.wrap(model, SimpleNamespace(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                                               lora_target_modules=None, lora_modules_to_save=None))
+    wrapped = lora.wrap(
+        model,
+        SimpleNamespace(
+            use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=None, lora_modules_to_save=None
+        ),
+    )
     trainable = [n for n, p in wrapped.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable), trainable[:4]
     assert "targets " in lora.trainable_line(wrapped)

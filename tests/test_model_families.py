@@ -1,13 +1,21 @@
 """Model families beyond Llama: each trains to the same loss on 1 and 2 ranks (FSDP2 engine), exports a
 model that Hugging Face loads, and starts from its own family's initial weights, equal in both engines."""
+
 import json
 from pathlib import Path
 
 import pytest
 from conftest import TINY, losses, python, torchrun
 
-SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=128)
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 # Tiny shapes of each family; dropout as each family ships it (GPT-2 0.1 everywhere, OPT 0.1).
 FAMILIES = {
     "llama": dict(model_type="llama", **SMALL),
@@ -15,14 +23,35 @@ FAMILIES = {
     "gemma": dict(model_type="gemma", **SMALL, head_dim=8),
     "mistral": dict(model_type="mistral", **SMALL, sliding_window=32),
     "phi3": dict(model_type="phi3", **SMALL),
-    "gpt_neox": dict(model_type="gpt_neox", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, max_position_embeddings=128),
-    "opt": dict(model_type="opt", vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=128, word_embed_proj_dim=32),
+    "gpt_neox": dict(
+        model_type="gpt_neox",
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+    ),
+    "opt": dict(
+        model_type="opt",
+        vocab_size=128,
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        word_embed_proj_dim=32,
+    ),
     "gpt2": dict(model_type="gpt2", vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=128),
     # MoE with its router loss in the training loss
-    "mixtral": dict(model_type="mixtral", **SMALL, num_local_experts=4, num_experts_per_tok=2,
-                    output_router_logits=True, router_aux_loss_coef=0.1),
+    "mixtral": dict(
+        model_type="mixtral",
+        **SMALL,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    ),
 }
 for _data in FAMILIES.values():  # special tokens inside the tiny vocabulary (training refits them to its tokenizer)
     _data.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -132,8 +161,10 @@ def test_hf_engine_matches_with_dropout(runs, tmp_path):
 
     config = runs[2].parent / "hf-opt.json"
     config.write_text(json.dumps(FAMILIES["opt"]))
-    proc = python("run_hf_standalone.py", [*ARGS, "--config_name", str(config), "--output_dir", str(tmp_path),
-                                           "--export_final", "false"])
+    proc = python(
+        "run_hf_standalone.py",
+        [*ARGS, "--config_name", str(config), "--output_dir", str(tmp_path), "--export_final", "false"],
+    )
     assert "masks keyed by (seed, step, sample, call site)" in proc.stdout
     hf, fsdp = losses(tmp_path), losses(runs[2] / "opt" / "run")
     assert sorted(hf) == [1, 2, 3]

@@ -2,6 +2,7 @@
 packed rows of unequal lengths (chat data) each row's real tokens count, not the padding that fills a
 micro-batch to its widest row; and it works under a LoRA adapter (in one process; the 1/2/3-rank and
 cross-engine runs are in test_sft.py)."""
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -10,12 +11,34 @@ from anygpu.config.args import ModelArguments
 from anygpu.data.collate import Collator
 from anygpu.model import lora, modeling, moe
 
-MIXTRAL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-               router_aux_loss_coef=0.1, pad_token_id=0)
-QWEN2_MOE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                 shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 num_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1, pad_token_id=0)
+MIXTRAL = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    output_router_logits=True,
+    router_aux_loss_coef=0.1,
+    pad_token_id=0,
+)
+QWEN2_MOE = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=4,
+    num_experts_per_tok=2,
+    output_router_logits=True,
+    router_aux_loss_coef=0.1,
+    pad_token_id=0,
+)
 
 
 def test_router_loss_is_a_global_batch_mean():
@@ -25,10 +48,21 @@ def test_router_loss_is_a_global_batch_mean():
     n = torch.tensor(4.0 * 15)  # target tokens of the whole batch
     with torch.no_grad():
         cross_entropy = model(input_ids=ids, labels=ids, num_items_in_batch=n, **moe.eval_kwargs(model)).loss
-        whole = moe.global_batch_loss(model, model(input_ids=ids, labels=ids, num_items_in_batch=n), {"input_ids": ids}, 4)
-        halves = sum(moe.global_batch_loss(model, model(input_ids=ids[i:i + 2], labels=ids[i:i + 2], num_items_in_batch=n),
-                                           {"input_ids": ids[i:i + 2]}, 4) for i in (0, 2))
-        per_micro_batch = sum(model(input_ids=ids[i:i + 2], labels=ids[i:i + 2], num_items_in_batch=n).loss for i in (0, 2))
+        whole = moe.global_batch_loss(
+            model, model(input_ids=ids, labels=ids, num_items_in_batch=n), {"input_ids": ids}, 4
+        )
+        halves = sum(
+            moe.global_batch_loss(
+                model,
+                model(input_ids=ids[i : i + 2], labels=ids[i : i + 2], num_items_in_batch=n),
+                {"input_ids": ids[i : i + 2]},
+                4,
+            )
+            for i in (0, 2)
+        )
+        per_micro_batch = sum(
+            model(input_ids=ids[i : i + 2], labels=ids[i : i + 2], num_items_in_batch=n).loss for i in (0, 2)
+        )
     assert whole > cross_entropy + 0.05  # coef 0.1 × an aux loss ≥ 1 (its value under perfect balance)
     assert torch.allclose(whole, halves, rtol=1e-6)
     assert not torch.allclose(per_micro_batch, whole, rtol=1e-3)  # what transformers' own loss would sum to
@@ -43,7 +77,7 @@ def packed_rows() -> list[dict[str, list[int]]]:
         for n in lengths:
             x = torch.randint(3, 128, (n,), generator=gen).tolist()
             ids += x
-            labels += [-100] * (n // 2) + x[n // 2:]  # a prompt, then the completion
+            labels += [-100] * (n // 2) + x[n // 2 :]  # a prompt, then the completion
             pos += list(range(n))
         rows.append({"input_ids": ids, "labels": labels, "position_ids": pos})
     return rows
@@ -52,7 +86,7 @@ def packed_rows() -> list[dict[str, list[int]]]:
 def step_loss(model, rows, micro_batch: int) -> torch.Tensor:
     """The global-batch loss of `rows` as the engines sum it over micro-batches of `micro_batch` rows."""
     collator = Collator(pad_token_id=0, packed=True)
-    batches = [collator(rows[i:i + micro_batch]) for i in range(0, len(rows), micro_batch)]
+    batches = [collator(rows[i : i + micro_batch]) for i in range(0, len(rows), micro_batch)]
     n = torch.tensor(float(sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)))
     return sum(moe.global_batch_loss(model, model(**b, num_items_in_batch=n), b, len(rows)) for b in batches)
 
@@ -69,7 +103,11 @@ def test_router_loss_of_packed_rows_ignores_padding(peft, tmp_path):
     rows = packed_rows()
     with torch.no_grad():
         losses = [step_loss(model, rows, m) for m in (4, 2, 1)]
-        bare = model(**Collator(pad_token_id=0, packed=True)(rows), num_items_in_batch=torch.tensor(1.0), **moe.eval_kwargs(model))
+        bare = model(
+            **Collator(pad_token_id=0, packed=True)(rows),
+            num_items_in_batch=torch.tensor(1.0),
+            **moe.eval_kwargs(model),
+        )
     assert moe.aux_loss_coef(model) == 0.1 and bare.aux_loss is None  # the router loss is on, and only in training
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
     torch.testing.assert_close(losses[2], losses[0], rtol=1e-6, atol=0)

@@ -1,6 +1,7 @@
 """`anygpu plan`: the planned model-state bytes per rank equal what a real FSDP2 run holds, its JSON
 has the documented rows, and the recommendation fits. Activations are estimates: their check against
 `torch.cuda.max_memory_allocated` needs a GPU (pending here)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -34,10 +35,25 @@ def lora_base(tmp_path_factory):
 def moe_config(tmp_path_factory):
     """A tiny Mixtral (4 experts, top 2, router loss on) with the tiny preset's dimensions."""
     path = tmp_path_factory.mktemp("moe") / "moe.json"
-    path.write_text(json.dumps({"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192,
-                                "max_position_embeddings": 512, "num_local_experts": 4, "num_experts_per_tok": 2,
-                                "output_router_logits": True, "router_aux_loss_coef": 0.02, "tie_word_embeddings": False}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "mixtral",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 8192,
+                "max_position_embeddings": 512,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "output_router_logits": True,
+                "router_aux_loss_coef": 0.02,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     return path
 
 
@@ -48,16 +64,51 @@ def measured(lora_base, moe_config, tmp_path_factory):
     size (plain python for one rank); on 2 ranks also tiny as HSDP 2 × 1 (two replicas, nothing sharded)."""
     out = {}
     args = [a for a in TINY if a not in ("--config_name", "tiny")]
-    lora = [*args, "--model_name_or_path", str(lora_base[0]), "--use_peft", "true", "--lora_r", "4",
-            "--lora_target_modules", "all-linear"]
+    lora = [
+        *args,
+        "--model_name_or_path",
+        str(lora_base[0]),
+        "--use_peft",
+        "true",
+        "--lora_r",
+        "4",
+        "--lora_target_modules",
+        "all-linear",
+    ]
     for nproc in (1, 2):
-        groups = [f"tiny,default,{moe_config}", *args, "--output_dir", str(tmp_path_factory.mktemp(f"states{nproc}")), ":::",
-                  "pretrained", *lora, "--output_dir", str(tmp_path_factory.mktemp(f"lora-states{nproc}")), ":::",
-                  "pretrained", *lora, "--bf16", "true", "--output_dir", str(tmp_path_factory.mktemp(f"lora-bf16-{nproc}"))]
+        groups = [
+            f"tiny,default,{moe_config}",
+            *args,
+            "--output_dir",
+            str(tmp_path_factory.mktemp(f"states{nproc}")),
+            ":::",
+            "pretrained",
+            *lora,
+            "--output_dir",
+            str(tmp_path_factory.mktemp(f"lora-states{nproc}")),
+            ":::",
+            "pretrained",
+            *lora,
+            "--bf16",
+            "true",
+            "--output_dir",
+            str(tmp_path_factory.mktemp(f"lora-bf16-{nproc}")),
+        ]
         if nproc == 2:
-            groups += [":::", "tiny:hsdp", *args, "--dp_replicate", "2", "--output_dir", str(tmp_path_factory.mktemp("hsdp"))]
-        proc = (python("tests/scripts/state_bytes.py", groups) if nproc == 1
-                else torchrun(nproc, "tests/scripts/state_bytes.py", groups))
+            groups += [
+                ":::",
+                "tiny:hsdp",
+                *args,
+                "--dp_replicate",
+                "2",
+                "--output_dir",
+                str(tmp_path_factory.mktemp("hsdp")),
+            ]
+        proc = (
+            python("tests/scripts/state_bytes.py", groups)
+            if nproc == 1
+            else torchrun(nproc, "tests/scripts/state_bytes.py", groups)
+        )
         for line in proc.stdout.splitlines():
             if line.startswith("BYTES "):
                 _, preset, data = line.split(" ", 2)
@@ -165,8 +216,21 @@ def run_plan(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def plan_json():
-    proc = run_plan("--config_name", "llama-8b", "--block_size", "4096", "--global_batch_size", "64",
-                    "--num_gpus", "8", "--gpu_memory_gb", "80", "--gpu_name", "H100", "--json")
+    proc = run_plan(
+        "--config_name",
+        "llama-8b",
+        "--block_size",
+        "4096",
+        "--global_batch_size",
+        "64",
+        "--num_gpus",
+        "8",
+        "--gpu_memory_gb",
+        "80",
+        "--gpu_name",
+        "H100",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -174,8 +238,13 @@ def plan_json():
 def test_json_rows_cover_every_variant(plan_json):
     rows = plan_json["rows"]
     keys = {(r["strategy"], r["precision"], r["activation_checkpointing"], r["lora"]) for r in rows}
-    assert keys == {(s, p, c, lo) for s in memory_plan.STRATEGIES for p in ("fp32", "bf16") for c in (False, True)
-                    for lo in (False, True)}
+    assert keys == {
+        (s, p, c, lo)
+        for s in memory_plan.STRATEGIES
+        for p in ("fp32", "bf16")
+        for c in (False, True)
+        for lo in (False, True)
+    }
     for r in rows:
         assert set(r["per_gpu_bytes"]) >= {"parameters", "gradients", "optimizer", "activations"}
         assert isinstance(r["fits"], bool)
@@ -193,7 +262,9 @@ def test_recommendation_fits_and_keeps_the_global_batch(plan_json):
 
 
 def test_table_and_bad_input():
-    proc = run_plan("--config_name", "tiny", "--num_gpus", "2", "--gpu_memory_gb", "16", "--block_size", "64", "--table")
+    proc = run_plan(
+        "--config_name", "tiny", "--num_gpus", "2", "--gpu_memory_gb", "16", "--block_size", "64", "--table"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "recommendation: ddp" in proc.stdout and "estimate" in proc.stdout
     bad = run_plan("--config_name", "tiny", "--num_gpus", "0")

@@ -1,6 +1,7 @@
 """`anygpu plan` against a GPU's allocator: the planned peak of one training step of the ~1B preset
 (one GPU, bf16 autocast, AdamW) within 15% of `torch.cuda.max_memory_allocated`, at two block sizes,
 with and without activation checkpointing. Skipped without a GPU (CI runs on CPU)."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,6 +40,8 @@ def test_planned_peak_matches_the_allocator(block_size, checkpointing):
         opt.step()
         opt.zero_grad(set_to_none=True)
     measured = torch.cuda.max_memory_allocated()
-    print(f"block {block_size}, checkpointing {checkpointing}: planned {planned / 2**30:.2f} GiB, "
-          f"measured {measured / 2**30:.2f} GiB")
+    print(
+        f"block {block_size}, checkpointing {checkpointing}: planned {planned / 2**30:.2f} GiB, "
+        f"measured {measured / 2**30:.2f} GiB"
+    )
     assert abs(planned - measured) <= 0.15 * measured

@@ -1,5 +1,6 @@
 """The preemption handler alone (real signals, a real process, no training): a healthy job in a long
 step or a long save always reaches its checkpoint; only a process stuck in a collective exits fast."""
+
 from __future__ import annotations
 
 import subprocess
@@ -41,9 +42,14 @@ print("step boundary reached after", p.requested, flush=True)
 
 def run(mode: str, output_dir: Path, save_on_preempt: str = "true") -> tuple[subprocess.CompletedProcess, float]:
     start = time.time()
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, save_on_preempt, str(output_dir)], cwd=ROOT,
-                          capture_output=True, text=True,
-                          env={**env(), "ANYGPU_SIGTERM_GRACE_S": "1", "PYTHONPATH": str(ROOT)}, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, mode, save_on_preempt, str(output_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**env(), "ANYGPU_SIGTERM_GRACE_S": "1", "PYTHONPATH": str(ROOT)},
+        timeout=60,
+    )
     return proc, time.time() - start
 
 

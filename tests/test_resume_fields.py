@@ -1,5 +1,6 @@
 """What a resume may change, read from each argument's own marking; prepared data keyed by every tokenizer
 setting it depends on; the eval subset a uniform sample. In one process, no training."""
+
 from __future__ import annotations
 
 import json
@@ -28,13 +29,26 @@ def test_every_argument_says_whether_a_resume_may_change_it():
     """A new option without a marking fails here, so the resume guard cannot forget it."""
     for dtype in (ModelArguments, DataArguments, TrainArguments, HFEngineArguments):
         for f in fields(dtype):
-            assert f.metadata.get("resume") in {FREE, SAME, *MEASURED}, f"{dtype.__name__}.{f.name}: no valid 'resume' marking"
+            assert f.metadata.get("resume") in {FREE, SAME, *MEASURED}, (
+                f"{dtype.__name__}.{f.name}: no valid 'resume' marking"
+            )
 
 
 def test_the_options_the_issue_names_are_guarded():
     marks = resume_guard.markings()
-    for name in ("completion_only_loss", "assistant_only_loss", "truncation_mode", "lora_alpha", "lora_dropout",
-                 "lora_modules_to_save", "lora_r", "lora_target_modules", "use_peft", "packing", "train_file"):
+    for name in (
+        "completion_only_loss",
+        "assistant_only_loss",
+        "truncation_mode",
+        "lora_alpha",
+        "lora_dropout",
+        "lora_modules_to_save",
+        "lora_r",
+        "lora_target_modules",
+        "use_peft",
+        "packing",
+        "train_file",
+    ):
         assert marks[name] != FREE, name
 
 
@@ -49,9 +63,16 @@ class FakeTokenizer:
 
 
 def fake_prep(corpus: str = "c0") -> SimpleNamespace:
-    return SimpleNamespace(config=SimpleNamespace(to_dict=lambda: {"hidden_size": 8}), block_size=64,
-                           plan=SimpleNamespace(global_batch_size=8), total_steps=10, order=SimpleNamespace(num_samples=100),
-                           collator=SimpleNamespace(packed=True), data_fingerprint=corpus, tokenizer=FakeTokenizer())
+    return SimpleNamespace(
+        config=SimpleNamespace(to_dict=lambda: {"hidden_size": 8}),
+        block_size=64,
+        plan=SimpleNamespace(global_batch_size=8),
+        total_steps=10,
+        order=SimpleNamespace(num_samples=100),
+        collator=SimpleNamespace(packed=True),
+        data_fingerprint=corpus,
+        tokenizer=FakeTokenizer(),
+    )
 
 
 def changed(value):
@@ -80,15 +101,22 @@ def test_a_changed_option_that_must_stay_is_named(name):
 def test_a_changed_free_option_resumes(name):
     base = resolved_dict(ModelArguments(), DataArguments(), TrainArguments())
     saved = resume_guard.fingerprint(base, fake_prep())
-    assert resume_guard.differences(saved, resume_guard.fingerprint({**base, name: changed(base[name])}, fake_prep())) == []
+    assert (
+        resume_guard.differences(saved, resume_guard.fingerprint({**base, name: changed(base[name])}, fake_prep()))
+        == []
+    )
 
 
 def test_a_changed_data_file_is_named_by_its_argument():
     base = {**resolved_dict(ModelArguments(), DataArguments(), TrainArguments()), "train_file": "data.jsonl"}
     saved = resume_guard.fingerprint(base, fake_prep("c0"))
     same_path = resume_guard.differences(saved, resume_guard.fingerprint(base, fake_prep("c1")))
-    assert len(same_path) == 1 and "corpus fingerprint" in same_path[0] and "--train_file data.jsonl" in same_path[0], same_path
-    other = resume_guard.differences(saved, resume_guard.fingerprint({**base, "train_file": "b.jsonl"}, fake_prep("c1")))
+    assert len(same_path) == 1 and "corpus fingerprint" in same_path[0] and "--train_file data.jsonl" in same_path[0], (
+        same_path
+    )
+    other = resume_guard.differences(
+        saved, resume_guard.fingerprint({**base, "train_file": "b.jsonl"}, fake_prep("c1"))
+    )
     assert "--train_file 'data.jsonl' → 'b.jsonl'" in other[0], other
 
 
@@ -112,8 +140,9 @@ def test_a_changed_eos_token_is_not_served_stale_packed_blocks(tok, tmp_path):
     raw = DatasetDict(train=Dataset.from_dict({"text": texts}))
     first = packing.pack(raw, tok, 16, "text", "fp", str(tmp_path))
     before = resume_guard.tokenizer_fingerprint(tok)
-    other = tok_lib.PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token=tok_lib.PAD,
-                                            pad_token=tok_lib.PAD)
+    other = tok_lib.PreTrainedTokenizerFast(
+        tokenizer_object=tok.backend_tokenizer, eos_token=tok_lib.PAD, pad_token=tok_lib.PAD
+    )
     assert other.eos_token_id != tok.eos_token_id
     second = packing.pack(raw, other, 16, "text", "fp", str(tmp_path))
     ids = [t for row in second["train"]["input_ids"] for t in row]
@@ -137,12 +166,29 @@ def test_max_eval_samples_takes_the_subset_not_the_first_rows(tmp_path):
     path = tmp_path / "chat.jsonl"
     with path.open("w") as f:
         for _ in range(120):
-            msgs = [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))},
-                    {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))}]
+            msgs = [
+                {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))},
+                {"role": "assistant", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))},
+            ]
             f.write(json.dumps({"messages": msgs}) + "\n")
-    common = ["--train_file", str(path), "--config_name", "tiny", "--block_size", "64", "--global_batch_size", "2",
-              "--vocab_size", "300", "--output_dir", str(tmp_path / "out"), "--data_cache_dir", str(tmp_path / "c"),
-              "--validation_split_percentage", "40"]
+    common = [
+        "--train_file",
+        str(path),
+        "--config_name",
+        "tiny",
+        "--block_size",
+        "64",
+        "--global_batch_size",
+        "2",
+        "--vocab_size",
+        "300",
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--data_cache_dir",
+        str(tmp_path / "c"),
+        "--validation_split_percentage",
+        "40",
+    ]
     info = DistInfo(0, 0, 1, torch.device("cpu"))
     full = prepare(*parse_args([*common, "--max_eval_samples", "0"]), info).datasets["validation"]
     some = prepare(*parse_args([*common, "--max_eval_samples", "5"]), info).datasets["validation"]

@@ -3,6 +3,7 @@ micro-batches hold very different numbers of target tokens, give the same losses
 engine, 1e-5) and on the HF engine (1e-4); so do a MoE model with its router loss (Qwen2-MoE shapes), LoRA over
 it and LoRA over a dense model, on chat data, at micro-batches of 1, 2 and 4; completion-only loss learns a fixed
 completion after random prompts, which training on every token cannot."""
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,10 @@ def chat_file(tmp_path_factory):
             long = rng.random() < 0.3
             msgs = []
             for _ in range(rng.randint(1, 3)):
-                msgs += [{"role": "user", "content": sentence(rng, 1, 30 if long else 6)},
-                         {"role": "assistant", "content": sentence(rng, 1, 40 if long else 4)}]
+                msgs += [
+                    {"role": "user", "content": sentence(rng, 1, 30 if long else 6)},
+                    {"role": "assistant", "content": sentence(rng, 1, 40 if long else 4)},
+                ]
             f.write(json.dumps({"messages": msgs}) + "\n")
     return path
 
@@ -50,9 +53,20 @@ def long_chat_file(tmp_path_factory):
     a micro-batch's padding depends on the split (where a router loss that counted padding would drift)."""
     rng = random.Random(2)
     path = tmp_path_factory.mktemp("long-chat") / "chat.jsonl"
-    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": sentence(rng, 5, 30)},
-                                                     {"role": "assistant", "content": sentence(rng, 5, 40)}]}) + "\n"
-                            for _ in range(120)))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": sentence(rng, 5, 30)},
+                        {"role": "assistant", "content": sentence(rng, 5, 40)},
+                    ]
+                }
+            )
+            + "\n"
+            for _ in range(120)
+        )
+    )
     return path
 
 
@@ -61,8 +75,12 @@ def pc_file(tmp_path_factory):
     """Random prompts (1 to 30 words) that end with '=>', one fixed completion."""
     rng = random.Random(1)
     path = tmp_path_factory.mktemp("completion") / "pc.jsonl"
-    path.write_text("".join(json.dumps({"prompt": sentence(rng, 1, 30) + " =>", "completion": " the cat runs fast"}) + "\n"
-                            for _ in range(300)))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": sentence(rng, 1, 30) + " =>", "completion": " the cat runs fast"}) + "\n"
+            for _ in range(300)
+        )
+    )
     return path
 
 
@@ -73,23 +91,45 @@ def build_moe_base(folder, dense) -> None:
     from transformers import AutoTokenizer, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     tok = AutoTokenizer.from_pretrained(dense)
-    config = Qwen2MoeConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
-                            output_router_logits=True, router_aux_loss_coef=0.1, bos_token_id=tok.bos_token_id,
-                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = Qwen2MoeConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     model = Qwen2MoeForCausalLM(config)
     model.save_pretrained(folder)
     # in the in-memory layout (experts fused per layer): the FSDP2 engine loads tensors by name, without transformers'
     # conversion from the per-expert layout save_pretrained writes (and Hub checkpoints have)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(folder / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     tok.save_pretrained(folder)
 
 
 # Over the pretrained folders: chat data, a global batch of 12 (splits over 1, 2, 3 ranks and micro-batches of 1, 2, 4)
-PRETRAINED = [*[a for a in COMMON if a not in ("--config_name", "tiny", "--vocab_size", "400")],
-              "--global_batch_size", "12", "--max_steps", "2"]
+PRETRAINED = [
+    *[a for a in COMMON if a not in ("--config_name", "tiny", "--vocab_size", "400")],
+    "--global_batch_size",
+    "12",
+    "--max_steps",
+    "2",
+]
 LORA = ["--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.1", "--learning_rate", "1e-2"]
 
 
@@ -111,23 +151,53 @@ def sft_runs(chat_file, long_chat_file, pc_file, tmp_path_factory):
     build_base(dense)
     build_moe_base(moe, dense)
     pre = [*PRETRAINED, "--train_file", str(long_chat_file)]
-    kinds = {"moe": [*pre, "--model_name_or_path", str(moe)], "lmoe": [*pre, "--model_name_or_path", str(moe), *LORA],
-             "ldense": [*pre, "--model_name_or_path", str(dense), *LORA]}
+    kinds = {
+        "moe": [*pre, "--model_name_or_path", str(moe)],
+        "lmoe": [*pre, "--model_name_or_path", str(moe), *LORA],
+        "ldense": [*pre, "--model_name_or_path", str(dense), *LORA],
+    }
 
     def runs(*names: str) -> list[list[str]]:  # "<kind>_<W>m<micro-batch>"
-        return [[*kinds[n.split("_")[0]], "--per_device_train_batch_size", n[-1], "--output_dir", str(out / n)] for n in names]
+        return [
+            [*kinds[n.split("_")[0]], "--per_device_train_batch_size", n[-1], "--output_dir", str(out / n)]
+            for n in names
+        ]
 
-    fsdp_runs(1, [[*chat, "--per_device_train_batch_size", "3", "--output_dir", str(out / "f1")],
-                  [*pc, "--output_dir", str(root / "only")],
-                  [*pc, "--completion_only_loss", "false", "--output_dir", str(root / "all")],
-                  [*six, "--output_dir", str(root / "six1")], *runs("moe_1m4", "moe_1m1", "lmoe_1m4", "ldense_1m2")])
-    fsdp_runs(2, [[*chat, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f2")],
-                  [*pc, "--stop_at_step", "5", "--output_dir", str(root / "two")], *runs("moe_2m2", "lmoe_2m1", "ldense_2m1")])
-    fsdp_runs(3, [[*chat, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f3")],
-                  [*six, "--output_dir", str(root / "six3")], *runs("moe_3m4", "lmoe_3m1", "ldense_3m4")])
+    fsdp_runs(
+        1,
+        [
+            [*chat, "--per_device_train_batch_size", "3", "--output_dir", str(out / "f1")],
+            [*pc, "--output_dir", str(root / "only")],
+            [*pc, "--completion_only_loss", "false", "--output_dir", str(root / "all")],
+            [*six, "--output_dir", str(root / "six1")],
+            *runs("moe_1m4", "moe_1m1", "lmoe_1m4", "ldense_1m2"),
+        ],
+    )
+    fsdp_runs(
+        2,
+        [
+            [*chat, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f2")],
+            [*pc, "--stop_at_step", "5", "--output_dir", str(root / "two")],
+            *runs("moe_2m2", "lmoe_2m1", "ldense_2m1"),
+        ],
+    )
+    fsdp_runs(
+        3,
+        [
+            [*chat, "--per_device_train_batch_size", "1", "--output_dir", str(out / "f3")],
+            [*six, "--output_dir", str(root / "six3")],
+            *runs("moe_3m4", "lmoe_3m1", "ldense_3m4"),
+        ],
+    )
     # m = 3: the micro-batches of the 1-rank run (padding_fraction is a property of the split)
-    hf_runs(2, [[*chat, "--per_device_train_batch_size", "3", "--output_dir", str(out / "hf2")],
-                [*six, "--output_dir", str(root / "sixhf")], *runs("moe_hf2m2", "lmoe_hf2m1")])
+    hf_runs(
+        2,
+        [
+            [*chat, "--per_device_train_batch_size", "3", "--output_dir", str(out / "hf2")],
+            [*six, "--output_dir", str(root / "sixhf")],
+            *runs("moe_hf2m2", "lmoe_hf2m1"),
+        ],
+    )
     return chat, out, root
 
 
@@ -152,8 +222,10 @@ def test_chat_ranks_hold_very_different_target_counts(chat_runs, tmp_path):
     ratios = []
     for step in range(5):
         idx = prep.order.global_batch(step)
-        counts = [int((prep.collator.read(prep.datasets["train"], idx[2 * r: 2 * r + 2])["labels"][:, 1:] != -100).sum())
-                  for r in range(3)]
+        counts = [
+            int((prep.collator.read(prep.datasets["train"], idx[2 * r : 2 * r + 2])["labels"][:, 1:] != -100).sum())
+            for r in range(3)
+        ]
         ratios.append(max(counts) / min(counts))
     assert max(ratios) > 1.5, ratios
 
@@ -169,8 +241,11 @@ def test_chat_loss_is_the_same_on_the_hf_engine(chat_runs):
     runs, _, out = chat_runs
     assert_close(runs["f1"], runs["hf2"], rel=1e-4)
     # the export carries the default chat template the run gave the tokenizer
-    assert "<|im_start|>" in json.loads((out / "f1" / "tokenizer" / "tokenizer_config.json").read_text()).get("chat_template", "") \
+    assert (
+        "<|im_start|>"
+        in json.loads((out / "f1" / "tokenizer" / "tokenizer_config.json").read_text()).get("chat_template", "")
         or (out / "f1" / "tokenizer" / "chat_template.jinja").exists()
+    )
 
 
 def test_chat_metrics_count_real_tokens_and_log_the_padding(chat_runs):

@@ -1,5 +1,6 @@
 """The speed work changes no result: the cached data order is the old per-step order, peak FLOP/s
 are matched exactly per precision, tokens/s leaves out pauses, the GPU matrix dry-runs without a GPU."""
+
 import pytest
 import torch
 
@@ -35,14 +36,26 @@ def test_order_draws_each_epoch_permutation_once(monkeypatch):
     assert calls == [100_000, 100_000]  # epochs 0 and 1
 
 
-@pytest.mark.parametrize("name,precision,tflops", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989), ("NVIDIA H100 80GB HBM3", "tf32", 494.7), ("NVIDIA H100 80GB HBM3", "fp32", 66.9),
-    ("NVIDIA H100 PCIe", "bf16", 756), ("NVIDIA H100 NVL", "bf16", 835), ("NVIDIA A100-SXM4-80GB", "tf32", 156),
-    ("NVIDIA B200", "bf16", 2250), ("NVIDIA GB200", "bf16", 2500), ("NVIDIA A10G", "bf16", 70), ("NVIDIA A10", "bf16", 125),
-    ("NVIDIA L40S", "fp32", 91.6), ("NVIDIA GeForce RTX 4090", "bf16", 165.2), ("AMD Instinct MI300X", "tf32", 653.7),
-    ("AMD Instinct MI250X", "tf32", 95.7),  # no XF32 on MI250X: its fp32 peak
-    ("Tesla V100-SXM2-32GB", "fp16", 125),
-])
+@pytest.mark.parametrize(
+    "name,precision,tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989),
+        ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
+        ("NVIDIA H100 80GB HBM3", "fp32", 66.9),
+        ("NVIDIA H100 PCIe", "bf16", 756),
+        ("NVIDIA H100 NVL", "bf16", 835),
+        ("NVIDIA A100-SXM4-80GB", "tf32", 156),
+        ("NVIDIA B200", "bf16", 2250),
+        ("NVIDIA GB200", "bf16", 2500),
+        ("NVIDIA A10G", "bf16", 70),
+        ("NVIDIA A10", "bf16", 125),
+        ("NVIDIA L40S", "fp32", 91.6),
+        ("NVIDIA GeForce RTX 4090", "bf16", 165.2),
+        ("AMD Instinct MI300X", "tf32", 653.7),
+        ("AMD Instinct MI250X", "tf32", 95.7),  # no XF32 on MI250X: its fp32 peak
+        ("Tesla V100-SXM2-32GB", "fp16", 125),
+    ],
+)
 def test_peak_is_matched_exactly_per_precision(name, precision, tflops):
     assert hardware.peak_flops(name, precision) == pytest.approx(tflops * 1e12)
 
@@ -153,16 +166,18 @@ def test_engines_do_not_import_deepspeed_until_used():
     import subprocess
     import sys
 
-    code = ("import sys, anygpu.engines.fsdp, anygpu.engines.hf.engine, anygpu.engines.hf.trainer; "
-            "assert 'deepspeed' not in sys.modules, 'deepspeed imported'; "
-            # unwrapping a model (Trainer's start-up, save_pretrained) neither, once the engines' guard is on; a
-            # DeepSpeed engine is still unwrapped once DeepSpeed is in use
-            "import torch; from transformers.modeling_utils import unwrap_model; "
-            "from anygpu.runtime import lazy_deepspeed; lazy_deepspeed.unwrap_without_importing_deepspeed(); "
-            "ddp_like = type('DistributedDataParallel', (torch.nn.parallel.DistributedDataParallel,), {'__init__': lambda self, m: torch.nn.Module.__init__(self) or setattr(self, 'module', m)}); "
-            "inner = torch.nn.Linear(2, 2); assert unwrap_model(ddp_like(inner)) is inner; "
-            "assert 'deepspeed' not in sys.modules, 'deepspeed imported by unwrap_model'; "
-            "import deepspeed; from accelerate.utils import other; assert other.is_deepspeed_available()")
+    code = (
+        "import sys, anygpu.engines.fsdp, anygpu.engines.hf.engine, anygpu.engines.hf.trainer; "
+        "assert 'deepspeed' not in sys.modules, 'deepspeed imported'; "
+        # unwrapping a model (Trainer's start-up, save_pretrained) neither, once the engines' guard is on; a
+        # DeepSpeed engine is still unwrapped once DeepSpeed is in use
+        "import torch; from transformers.modeling_utils import unwrap_model; "
+        "from anygpu.runtime import lazy_deepspeed; lazy_deepspeed.unwrap_without_importing_deepspeed(); "
+        "ddp_like = type('DistributedDataParallel', (torch.nn.parallel.DistributedDataParallel,), {'__init__': lambda self, m: torch.nn.Module.__init__(self) or setattr(self, 'module', m)}); "
+        "inner = torch.nn.Linear(2, 2); assert unwrap_model(ddp_like(inner)) is inner; "
+        "assert 'deepspeed' not in sys.modules, 'deepspeed imported by unwrap_model'; "
+        "import deepspeed; from accelerate.utils import other; assert other.is_deepspeed_available()"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
 
 
@@ -174,20 +189,42 @@ def test_gpu_matrix_without_a_gpu_prints_its_plan_and_exits_0():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the script would run the matrix")
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(["bash", "benchmarks/gpu_matrix.sh"], cwd=root, capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "PYTHON": sys.executable})
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_matrix.sh"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHON": sys.executable},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "no GPU" in proc.stdout
-    for what in ("run_fsdp_standalone.py", "--torch_compile true", "--gradient_checkpointing true",
-                 "accelerate_configs/ddp.yaml", "accelerate_configs/fsdp.yaml", "accelerate_configs/deepspeed_zero3.yaml"):
+    for what in (
+        "run_fsdp_standalone.py",
+        "--torch_compile true",
+        "--gradient_checkpointing true",
+        "accelerate_configs/ddp.yaml",
+        "accelerate_configs/fsdp.yaml",
+        "accelerate_configs/deepspeed_zero3.yaml",
+    ):
         assert what in proc.stdout, what
     assert proc.stdout.count("--bf16 true") == 8
     assert "--lean_loss false" in proc.stdout and "benchmarks/lean_loss.py --bf16" in proc.stdout
     assert "skipped: HSDP needs at least 2 GPUs (world size 1)" in proc.stdout
     # on a multi-GPU node the HSDP row runs two replica groups (what two nodes would get by default)
-    four = subprocess.run(["bash", "benchmarks/gpu_matrix.sh"], cwd=root, capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "PYTHON": sys.executable, "NGPU": "4", "DRY_RUN": "1"})
-    assert four.returncode == 0 and "# native bf16 + HSDP 2 x 2" in four.stdout and "--dp_replicate 2 --output_dir" in four.stdout
+    four = subprocess.run(
+        ["bash", "benchmarks/gpu_matrix.sh"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHON": sys.executable, "NGPU": "4", "DRY_RUN": "1"},
+    )
+    assert (
+        four.returncode == 0
+        and "# native bf16 + HSDP 2 x 2" in four.stdout
+        and "--dp_replicate 2 --output_dir" in four.stdout
+    )
 
 
 def test_cpu_adamw_is_the_fused_kernel_with_the_loops_updates():

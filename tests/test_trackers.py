@@ -1,4 +1,5 @@
 """--report_to: both engines accept and refuse the same values, and the trackers get metrics.jsonl's scalars."""
+
 import json
 import shutil
 import sys
@@ -39,12 +40,19 @@ def test_a_tracker_without_its_library_names_the_extra(main, capsys, tmp_path, m
 
 def test_resolve():
     assert trackers.resolve(["none"]) == [] and trackers.resolve([]) == []
-    assert trackers.resolve(["mlflow,tensorboard"]) == trackers.resolve(["tensorboard", "mlflow"]) == ["tensorboard", "mlflow"]
+    assert (
+        trackers.resolve(["mlflow,tensorboard"])
+        == trackers.resolve(["tensorboard", "mlflow"])
+        == ["tensorboard", "mlflow"]
+    )
     assert "tensorboard" in trackers.resolve("all")
     with pytest.raises(ValueError, match="'none' turns every tracker off"):
         trackers.resolve(["none,tensorboard"])
-    assert trackers.scalars({"step": 3, "loss": 2.5, "world_size": 2, "eval_loss": 1.0}) == \
-        {"train/loss": 2.5, "train/world_size": 2, "eval/eval_loss": 1.0}
+    assert trackers.scalars({"step": 3, "loss": 2.5, "world_size": 2, "eval_loss": 1.0}) == {
+        "train/loss": 2.5,
+        "train/world_size": 2,
+        "eval/eval_loss": 1.0,
+    }
 
 
 # ---------------------------------------------------------------------- real runs
@@ -78,12 +86,30 @@ def resumed(tmp_path_factory) -> dict:
     resumed from checkpoint-4, so step 5 is logged twice. Without mlflow installed: TensorBoard only."""
     out, store = tmp_path_factory.mktemp("trackers"), tmp_path_factory.mktemp("mlflow")
     uri = store.resolve().as_uri()
-    args = [*TINY, "--max_steps", "6", "--eval_steps", "3", "--save_steps", "2", "--save_total_limit", "2",
-            "--report_to", "tensorboard,mlflow" if have_mlflow() else "tensorboard",
-            "--output_dir", str(out), "--export_final", "false"]
+    args = [
+        *TINY,
+        "--max_steps",
+        "6",
+        "--eval_steps",
+        "3",
+        "--save_steps",
+        "2",
+        "--save_total_limit",
+        "2",
+        "--report_to",
+        "tensorboard,mlflow" if have_mlflow() else "tensorboard",
+        "--output_dir",
+        str(out),
+        "--export_final",
+        "false",
+    ]
     python(SCRIPT, [*args, "--stop_at_step", "5"], extra_env={"MLFLOW_TRACKING_URI": uri})
-    first = {"records": records(out), "tb_loss": tensorboard(out, "train/loss"), "tb_eval": tensorboard(out, "eval/eval_loss"),
-             "checkpoints": sorted(p.name for p in out.glob("checkpoint-*"))}
+    first = {
+        "records": records(out),
+        "tb_loss": tensorboard(out, "train/loss"),
+        "tb_eval": tensorboard(out, "eval/eval_loss"),
+        "checkpoints": sorted(p.name for p in out.glob("checkpoint-*")),
+    }
     shutil.rmtree(out / "checkpoint-5")
     python(SCRIPT, [*args, "--resume_from_checkpoint", "latest"], extra_env={"MLFLOW_TRACKING_URI": uri})
     return {"out": out, "uri": uri, "first": first}
@@ -96,9 +122,14 @@ def mlflow_runs(uri: str, monkeypatch) -> list:
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("anygpu")
     runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
-    return [{key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
-             for key in ("train/loss", "eval/eval_loss", "train/learning_rate", "train/tokens_per_second")} | {"status": run.info.status}
-            for run in runs]
+    return [
+        {
+            key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+            for key in ("train/loss", "eval/eval_loss", "train/learning_rate", "train/tokens_per_second")
+        }
+        | {"status": run.info.status}
+        for run in runs
+    ]
 
 
 @pytest.mark.slow

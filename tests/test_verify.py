@@ -1,5 +1,6 @@
 """`anygpu verify`: real runs of a tiny job at 1 and 2 CPU processes (and resumed from 1 on 2) agree; the same runs judged below what reordered fp32 reductions can meet fail; a job whose global batch
 follows the world size is caught; bad input is refused before anything starts."""
+
 from __future__ import annotations
 
 import json
@@ -13,16 +14,34 @@ from conftest import ROOT, env
 from anygpu.errors import UsageError
 
 # The tiny job as a user would pass it (verify adds --output_dir <job>/verify/<run>, --max_steps, …).
-JOB = ["--config_name", "tiny", "--max_corpus_mb", "1", "--block_size", "64", "--eval_steps", "0",
-       "--warmup_steps", "2", "--learning_rate", "3e-3"]
+JOB = [
+    "--config_name",
+    "tiny",
+    "--max_corpus_mb",
+    "1",
+    "--block_size",
+    "64",
+    "--eval_steps",
+    "0",
+    "--warmup_steps",
+    "2",
+    "--learning_rate",
+    "3e-3",
+]
 # verify's default: both engines take gradient norms that do not depend on the sharding
 # (anygpu.train.optim.clip_grad_norm), so the grad norm agrees as closely as the loss on any world size
 TOLERANCE = "1e-5"
 
 
 def verify(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "anygpu.tools.cli", "verify", *args], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "anygpu.tools.cli", "verify", *args],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +49,26 @@ def verified(tmp_path_factory):
     """One verify of the tiny job: the FSDP2 engine at 1 and 2 processes, and resumed from 1 on 2 at step 1 (the HF
     engine's runs: the world-size test below; both engines side by side: test_hf_parity.py)."""
     out = tmp_path_factory.mktemp("verify-job")
-    proc = verify(["--world_sizes", "1,2", "--engines", "fsdp", "--resume_at", "1", "--max_steps", "2",
-                   "--tolerance", TOLERANCE, "--", *JOB, "--global_batch_size", "4", "--output_dir", str(out)])
+    proc = verify(
+        [
+            "--world_sizes",
+            "1,2",
+            "--engines",
+            "fsdp",
+            "--resume_at",
+            "1",
+            "--max_steps",
+            "2",
+            "--tolerance",
+            TOLERANCE,
+            "--",
+            *JOB,
+            "--global_batch_size",
+            "4",
+            "--output_dir",
+            str(out),
+        ]
+    )
     return out, proc
 
 
@@ -66,8 +103,27 @@ def test_the_same_job_on_1_and_2_processes_and_resumed_passes(verified):
 def test_a_tolerance_below_reordered_reductions_fails(verified):
     """The same 1- and 2-process runs judged at 1e-12: fp32 sums in another order cannot meet it → exit 1."""
     out, _ = verified
-    proc = verify(["--world_sizes", "1,2", "--engines", "fsdp", "--resume_at", "1", "--max_steps", "2",
-                   "--tolerance", "1e-12", "--compare_only", "--", *JOB, "--global_batch_size", "4", "--output_dir", str(out)])
+    proc = verify(
+        [
+            "--world_sizes",
+            "1,2",
+            "--engines",
+            "fsdp",
+            "--resume_at",
+            "1",
+            "--max_steps",
+            "2",
+            "--tolerance",
+            "1e-12",
+            "--compare_only",
+            "--",
+            *JOB,
+            "--global_batch_size",
+            "4",
+            "--output_dir",
+            str(out),
+        ]
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "verdict: FAIL: largest relative difference" in proc.stdout and "exceeds the tolerance 1e-12" in proc.stdout
     assert "[verify]" not in proc.stderr  # nothing trained again
@@ -78,8 +134,22 @@ def test_a_tolerance_below_reordered_reductions_fails(verified):
 def test_a_global_batch_that_follows_the_world_size_is_caught(tmp_path):
     """--per_device_train_batch_size without --global_batch_size (the HF habit): 2 sequences a step on 1 process,
     4 on 2 — another training. verify fails it and says why (here through the HF engine's runs)."""
-    proc = verify(["--world_sizes", "1,2", "--engines", "hf", "--max_steps", "2", "--", *JOB, "--per_device_train_batch_size", "2",
-                   "--output_dir", str(tmp_path)])
+    proc = verify(
+        [
+            "--world_sizes",
+            "1,2",
+            "--engines",
+            "hf",
+            "--max_steps",
+            "2",
+            "--",
+            *JOB,
+            "--per_device_train_batch_size",
+            "2",
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "verdict: FAIL" in proc.stdout
     assert "hint: the global batch differs between runs: 2 (hf-w1), 4 (hf-w2)" in proc.stdout
@@ -87,17 +157,23 @@ def test_a_global_batch_that_follows_the_world_size_is_caught(tmp_path):
     assert result["largest_relative_difference"]["value"] > 1e-3
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--world_sizes", "0,2"], "--world_sizes '0,2': every count must be at least 1"),
-    (["--engines", "fsdp,deepspeed"], "'deepspeed' is not an engine (valid: fsdp, hf or fsdp,hf)"),
-    (["--resume_at", "3", "--max_steps", "3"], "--resume_at 3: must be a step before the last (valid: 1..2"),
-    (["--world_size", "2"], "unknown option --world_size (did you mean --world_sizes?) (the job's own arguments go after --)"),
-    (["--world_sizes", "2"], "one run has nothing to compare with"),
-    (["--world_sizes", "1,3", "--", "--global_batch_size", "4"], "world size 3: "),
-    (["--", "--learning_rate", "-1"], "--learning_rate -1.0 must be a finite number > 0"),
-    (["--compare_only", "--"], "--compare_only: no earlier run fsdp-w1, fsdp-w2 in "),
-    (["--", "--resume_from_checkpoint", "latest"], "job argument --resume_from_checkpoint latest: verify starts"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--world_sizes", "0,2"], "--world_sizes '0,2': every count must be at least 1"),
+        (["--engines", "fsdp,deepspeed"], "'deepspeed' is not an engine (valid: fsdp, hf or fsdp,hf)"),
+        (["--resume_at", "3", "--max_steps", "3"], "--resume_at 3: must be a step before the last (valid: 1..2"),
+        (
+            ["--world_size", "2"],
+            "unknown option --world_size (did you mean --world_sizes?) (the job's own arguments go after --)",
+        ),
+        (["--world_sizes", "2"], "one run has nothing to compare with"),
+        (["--world_sizes", "1,3", "--", "--global_batch_size", "4"], "world size 3: "),
+        (["--", "--learning_rate", "-1"], "--learning_rate -1.0 must be a finite number > 0"),
+        (["--compare_only", "--"], "--compare_only: no earlier run fsdp-w1, fsdp-w2 in "),
+        (["--", "--resume_from_checkpoint", "latest"], "job argument --resume_from_checkpoint latest: verify starts"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, says, tmp_path, capsys):
     from anygpu.tools import verify as verify_tool
 

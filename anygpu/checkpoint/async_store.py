@@ -12,6 +12,7 @@ counts the wait as a save in progress). A full disk: one SaveError (see `store.d
 Rank 0's write finishes only after every rank's (DCP's coordinator gathers all write results before
 it writes the metadata), so rank 0 commits alone, without a collective on the training path.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,13 +59,23 @@ class AsyncCheckpointer:
         self.group = None
         gpu = device.type == "cuda"
         # One stager for the run: on a GPU its pinned host buffers are allocated once and reused.
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=gpu))
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=gpu
+            )
+        )
         self.pending: _Pending | None = None
         self.stalls: list[float] = []  # seconds training stopped per save (staging + waiting for the previous one)
 
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-             trainer_state: dict[str, Any], extra_files: dict[str, dict[str, Any]] | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        trainer_state: dict[str, Any],
+        extra_files: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
         start = time.perf_counter()
         self.wait()  # one write in flight at a time
         final = self.root / f"checkpoint-{step}"
@@ -76,8 +87,9 @@ class AsyncCheckpointer:
             store.save_rng(tmp, self.rank)  # before the write starts: rank 0's commit implies every rank's files
             if self.group is None:
                 self.group = dist.new_group(backend="gloo")
-            future = dcp.async_save(state_dict, checkpoint_id=str(tmp), process_group=self.group,
-                                    async_stager=self.stager)
+            future = dcp.async_save(
+                state_dict, checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager
+            )
         # a copy of the small state as of this step (the scheduler moves on while the write runs)
         state = json.loads(json.dumps({**trainer_state, "scheduler": scheduler.state_dict()}, default=str))
         files = {store.STATE_FILE: state, **(extra_files or {})}
@@ -103,8 +115,9 @@ class AsyncCheckpointer:
             p.future.result()  # waits; re-raises a failed write here (a full disk: one SaveError)
             faults.test_fault("save", p.step)
             if self.rank == 0:
-                store.finalize(self.root, p.tmp, p.final, p.step, p.world_size, "fsdp", self.save_total_limit,
-                               p.json_files)
+                store.finalize(
+                    self.root, p.tmp, p.final, p.step, p.world_size, "fsdp", self.save_total_limit, p.json_files
+                )
                 logger.info("checkpoint-%d complete: %s", p.step, p.final)
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """A full disk while saving: how many bytes a checkpoint needs, the free-space check before writing, and
 the one error that says which folder, how many bytes and what is still intact."""
+
 from __future__ import annotations
 
 import errno
@@ -37,8 +38,10 @@ def shortfall(root: Path, final: Path, needed: int | None) -> str | None:
     free = fs.free_bytes(root)
     if free >= needed:
         return None
-    return (f"no space left on the device of {root}: {final.name} needs about {needed:,} bytes and {free:,} are free; "
-            "nothing was written. Free space (or lower --save_total_limit) and resume with --resume_from_checkpoint latest.")
+    return (
+        f"no space left on the device of {root}: {final.name} needs about {needed:,} bytes and {free:,} are free; "
+        "nothing was written. Free space (or lower --save_total_limit) and resume with --resume_from_checkpoint latest."
+    )
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -66,8 +69,9 @@ def disk_full_cause(exc: BaseException) -> BaseException | None:
     return None
 
 
-def full_disk_error(root: Path, final: Path, needed: int | None, cause: BaseException | str,
-                    intact: str | None) -> SaveError:
+def full_disk_error(
+    root: Path, final: Path, needed: int | None, cause: BaseException | str, intact: str | None
+) -> SaveError:
     """The one error for a save that ran out of space: folder, bytes needed and free, what is still intact."""
     need = f"about {needed:,} bytes" if needed else "a size not known before its first save"
     first_line = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__

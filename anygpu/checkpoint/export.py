@@ -10,6 +10,7 @@ whole model too. Rank 0's peak RSS growth during the export, FSDP2 on 2 gloo ran
 default preset (15.7M params, 60 MiB) 77 → 203 MiB (the extra is a fixed cost of the library's
 imports); 156M params (594 MiB) 754 → 767 MiB. Beyond 4 GiB the old code stayed at one shard.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,15 @@ def gather_full(model: nn.Module, trainable_only: bool = False) -> dict[str, tor
     return state
 
 
-def export_safetensors(model: nn.Module, config: Any, tokenizer: Any, out_dir: str | Path, rank: int,
-                       max_shard_bytes: int = 4 * 2**30, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+def export_safetensors(
+    model: nn.Module,
+    config: Any,
+    tokenizer: Any,
+    out_dir: str | Path,
+    rank: int,
+    max_shard_bytes: int = 4 * 2**30,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """<out_dir> as Hugging Face safetensors + config + generation config + tokenizer, replaced atomically.
 
     `model`: the Hugging Face model (FSDP2's fully_shard keeps its class); `state_dict`: full tensors the
@@ -59,7 +67,9 @@ def export_safetensors(model: nn.Module, config: Any, tokenizer: Any, out_dir: s
         with _no_progress_bar():  # no "Writing model shards" bar between the engine's log lines
             # save_original_format=False: keys as the model names them (as the export always wrote, and
             # as `modeling` reads a folder back), not transformers' legacy layout (MoE experts unfused).
-            model.save_pretrained(str(tmp), state_dict=state, max_shard_size=max_shard_bytes, save_original_format=False)
+            model.save_pretrained(
+                str(tmp), state_dict=state, max_shard_size=max_shard_bytes, save_original_format=False
+            )
         config.save_pretrained(str(tmp))  # the caller's config over the model's copy, as the export always wrote
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
@@ -83,8 +93,15 @@ def _no_progress_bar() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def export_adapter(model: nn.Module, tokenizer: Any, base_path: str, out_dir: str | Path, rank: int, merge: bool,
-                   gathered: dict[str, torch.Tensor] | None = None) -> Path:
+def export_adapter(
+    model: nn.Module,
+    tokenizer: Any,
+    base_path: str,
+    out_dir: str | Path,
+    rank: int,
+    merge: bool,
+    gathered: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """<out_dir> as a PEFT adapter (adapter_model.safetensors + adapter_config.json + tokenizer); with
     `merge`, also <out_dir>-merged, the base with the adapter merged in.
 
@@ -96,7 +113,9 @@ def export_adapter(model: nn.Module, tokenizer: Any, base_path: str, out_dir: st
     tmp = out.with_name(f".{out.name}.tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        model.peft_config["default"].base_model_name_or_path = str(base_path)  # PeftModel.from_pretrained's default base
+        model.peft_config["default"].base_model_name_or_path = str(
+            base_path
+        )  # PeftModel.from_pretrained's default base
         model.save_pretrained(str(tmp), state_dict=state)
         tokenizer.save_pretrained(str(tmp))
         fs.replace_dir(tmp, out)

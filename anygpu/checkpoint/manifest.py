@@ -4,6 +4,7 @@ version, every file with its size and, where affordable, its sha256), checked be
 Also the start-up repair of a checkpoint replaced half-way (`.checkpoint-N.old` left by a crash between
 the two renames of `fs.replace_dir`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -97,7 +98,7 @@ def recover_half_replaced(root: Path) -> list[str]:
     NAME. The new NAME, when present, wins; otherwise the old one is put back. Returns what it did."""
     done = []
     for old in sorted(root.glob(".*.old")) if root.is_dir() else []:
-        final = root / old.name[1:-len(".old")]
+        final = root / old.name[1 : -len(".old")]
         if final.exists():  # the second rename (tmp -> final) is atomic: a final folder is the complete new one
             shutil.rmtree(old, ignore_errors=True)
             done.append(f"removed {old.name} (left by an interrupted replace; {final.name} is complete)")

@@ -8,6 +8,7 @@ model config, the resolved block size, global batch, sample count and packing). 
 any entry is refused with the list of differences, each named by the arguments behind it, unless
 --allow_changed_args (the banner then lists them).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -78,10 +79,16 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         a, b = saved.get(key), now.get(key)
         if key == "model_config" and isinstance(a, dict) and isinstance(b, dict):
             behind = _behind(key, saved, now)
-            out += [f"model config {k}: {a.get(k)!r} → {b.get(k)!r}{behind}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            out += [
+                f"model config {k}: {a.get(k)!r} → {b.get(k)!r}{behind}"
+                for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k)
+            ]
         elif a != b:
-            out.append(f"{labels.get(key, f'--{key}')}: {a!r} → {b!r}"
-                       + (_behind(key, saved, now) if key in marks.values() else ""))
+            out.append(
+                f"{labels.get(key, f'--{key}')}: {a!r} → {b!r}"
+                + (_behind(key, saved, now) if key in marks.values() else "")
+            )
     return out
 
 
@@ -90,8 +97,10 @@ def check_engine(checkpoint: Path, engine: str) -> None:
     other = manifest.engine_of(checkpoint)
     if other is not None and other != engine:
         names = {"fsdp": "run_fsdp_standalone.py (FSDP2 engine)", "hf": "run_hf_standalone.py (HF Trainer engine)"}
-        raise UsageError(f"--resume_from_checkpoint {checkpoint}: a checkpoint of {names[other]}, which this engine "
-                         f"cannot load: resume it with {names[other].split(' ')[0]}, or start a new --output_dir.")
+        raise UsageError(
+            f"--resume_from_checkpoint {checkpoint}: a checkpoint of {names[other]}, which this engine "
+            f"cannot load: resume it with {names[other].split(' ')[0]}, or start a new --output_dir."
+        )
 
 
 def check(checkpoint: Path, now: dict[str, Any], allow_changed: bool) -> list[str]:
@@ -101,9 +110,11 @@ def check(checkpoint: Path, now: dict[str, Any], allow_changed: bool) -> list[st
         return []
     diffs = differences(json.loads(file.read_text()), now)
     if diffs and not allow_changed:
-        raise UsageError(f"--resume_from_checkpoint {checkpoint}: this run's training math differs from the "
-                         f"checkpoint's: {'; '.join(diffs)}. Resume with the original arguments and data, or pass "
-                         "--allow_changed_args true to continue anyway.")
+        raise UsageError(
+            f"--resume_from_checkpoint {checkpoint}: this run's training math differs from the "
+            f"checkpoint's: {'; '.join(diffs)}. Resume with the original arguments and data, or pass "
+            "--allow_changed_args true to continue anyway."
+        )
     return diffs
 
 

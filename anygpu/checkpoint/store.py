@@ -3,6 +3,7 @@ complete; sharded model + optimizer through torch.distributed.checkpoint (reload
 any world size), plus scheduler, RNG, data position and arguments. The final export is
 `anygpu.checkpoint.export`. A full disk is one error and leaves nothing half-written (`disk_errors`,
 `anygpu.checkpoint.disk_space`); a damaged checkpoint is moved aside, never deleted (`set_aside`)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -70,14 +71,18 @@ def resolve_resume(value: str | None, output_dir: str, warn: bool = True) -> Pat
         if found is not None or value != "latest":
             return found
         damaged = f" ({', '.join(c.name for c in checkpoints(output_dir))} damaged)" if skipped else ""
-        raise UsageError(f"--resume_from_checkpoint latest: no intact checkpoint in --output_dir {output_dir}{damaged} "
-                         "(use auto to start fresh when there is none).")
+        raise UsageError(
+            f"--resume_from_checkpoint latest: no intact checkpoint in --output_dir {output_dir}{damaged} "
+            "(use auto to start fresh when there is none)."
+        )
     if not value:
         return None
     path = Path(value)
     if not CHECKPOINT_RE.match(path.name) or not path.is_dir():
-        raise UsageError(f"--resume_from_checkpoint {value}: not a checkpoint folder; use latest, auto or a "
-                         "<output_dir>/checkpoint-<step> folder.")
+        raise UsageError(
+            f"--resume_from_checkpoint {value}: not a checkpoint folder; use latest, auto or a "
+            "<output_dir>/checkpoint-<step> folder."
+        )
     bad = manifest.problem(path)
     if bad is not None:
         raise UsageError(f"--resume_from_checkpoint {value}: {bad}; use latest to resume the newest intact checkpoint.")
@@ -143,8 +148,16 @@ def save(
         distributed.barrier()
         if rank == 0:
             state = {**trainer_state, "scheduler": scheduler.state_dict()}
-            finalize(root, tmp, final, step, trainer_state.get("world_size", 1), "fsdp", save_total_limit,
-                     {STATE_FILE: state, **(extra_files or {})})
+            finalize(
+                root,
+                tmp,
+                final,
+                step,
+                trainer_state.get("world_size", 1),
+                "fsdp",
+                save_total_limit,
+                {STATE_FILE: state, **(extra_files or {})},
+            )
     distributed.barrier()
     return final
 
@@ -202,8 +215,16 @@ def save_rng(tmp: Path, rank: int) -> None:
     torch.save(_rng_state(), tmp / "rng" / f"rank-{rank}.pt")
 
 
-def finalize(root: Path, tmp: Path, final: Path, step: int, world_size: int, engine: str,
-             save_total_limit: int | None, json_files: dict[str, dict[str, Any]]) -> None:
+def finalize(
+    root: Path,
+    tmp: Path,
+    final: Path,
+    step: int,
+    world_size: int,
+    engine: str,
+    save_total_limit: int | None,
+    json_files: dict[str, dict[str, Any]],
+) -> None:
     """Rank 0, once every rank's files are in `tmp`: state files, manifest (last; fsyncs every file),
     atomic rename to `final`, rotation. Also the end of an asynchronous save."""
     for name, data in json_files.items():
@@ -241,9 +262,14 @@ def load(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, schedul
     msd, osd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     state_dict = {"model": msd, "optim": osd}
     dcp.load(state_dict, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"],
-                   # strict=False: the frozen keys are absent by design; dcp.load above already failed on any other
-                   options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state_dict["model"],
+        optim_state_dict=state_dict["optim"],
+        # strict=False: the frozen keys are absent by design; dcp.load above already failed on any other
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
+    )
     state = json.loads((path / STATE_FILE).read_text())
     scheduler.load_state_dict(state["scheduler"])
     rng_file = path / "rng" / f"rank-{rank}.pt"
@@ -263,4 +289,3 @@ def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-

@@ -4,6 +4,7 @@ Names follow Hugging Face's (`run_clm.py`, `TrainingArguments`) so that a comman
 written for one engine runs on the other. Checks that need only the arguments live in
 `__post_init__` and raise `UsageError` naming the argument, the value and an alternative.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,51 +46,85 @@ def preset_names() -> list[str]:
 class ModelArguments:
     model_name_or_path: str | None = field(
         default=None,
-        metadata={"resume": "model_config", "help": "Pretrained model: a local folder or a hub id already in the cache (nothing is downloaded "
-                          "unless HF_HUB_OFFLINE=0). Leave out to train from scratch with --config_name."},
+        metadata={
+            "resume": "model_config",
+            "help": "Pretrained model: a local folder or a hub id already in the cache (nothing is downloaded "
+            "unless HF_HUB_OFFLINE=0). Leave out to train from scratch with --config_name.",
+        },
     )
     config_name: str | None = field(
         default=None,
-        metadata={"resume": "model_config", "help": "Model shape for training from scratch: a config.json path or folder, or a preset shipped "
-                          f"with anygpu ({', '.join(preset_names())}). Default: 'default' (15.7M parameters) when "
-                          "--model_name_or_path is not given."},
+        metadata={
+            "resume": "model_config",
+            "help": "Model shape for training from scratch: a config.json path or folder, or a preset shipped "
+            f"with anygpu ({', '.join(preset_names())}). Default: 'default' (15.7M parameters) when "
+            "--model_name_or_path is not given.",
+        },
     )
     tokenizer_name: str | None = field(
         default=None,
-        metadata={"resume": "tokenizer", "help": "Tokenizer folder or cached hub id. Default: the model's own; when there is none, a byte-level "
-                          "BPE is trained on the training text and saved with the run."},
+        metadata={
+            "resume": "tokenizer",
+            "help": "Tokenizer folder or cached hub id. Default: the model's own; when there is none, a byte-level "
+            "BPE is trained on the training text and saved with the run.",
+        },
     )
     vocab_size: int = field(
         default=8192, metadata={"resume": "tokenizer", "help": "Vocabulary size of a tokenizer trained on the spot."}
     )
     attn_implementation: str = field(
-        default="sdpa", metadata={"resume": FREE, "help": "Attention kernel: sdpa, eager, or flash_attention_2 where installed."}
+        default="sdpa",
+        metadata={"resume": FREE, "help": "Attention kernel: sdpa, eager, or flash_attention_2 where installed."},
     )
     trust_remote_code: bool = field(
-        default=False, metadata={"resume": FREE, "help": "Run model/tokenizer code from the model's folder. Off unless you trust it."}
+        default=False,
+        metadata={"resume": FREE, "help": "Run model/tokenizer code from the model's folder. Off unless you trust it."},
     )
     # LoRA (anygpu.model.lora), named as TRL's ModelConfig names them
-    use_peft: bool = field(default=False, metadata={"resume": SAME, "help": "Train a LoRA adapter (peft) over the frozen --model_name_or_path."})
+    use_peft: bool = field(
+        default=False,
+        metadata={"resume": SAME, "help": "Train a LoRA adapter (peft) over the frozen --model_name_or_path."},
+    )
     lora_r: int = field(default=16, metadata={"resume": SAME, "help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"resume": SAME, "help": "LoRA alpha (the update is scaled by alpha / r)."})
-    lora_dropout: float = field(default=0.05, metadata={"resume": SAME, "help": "Dropout on the LoRA input (keyed per sample, as all dropout)."})
+    lora_alpha: int = field(
+        default=32, metadata={"resume": SAME, "help": "LoRA alpha (the update is scaled by alpha / r)."}
+    )
+    lora_dropout: float = field(
+        default=0.05, metadata={"resume": SAME, "help": "Dropout on the LoRA input (keyed per sample, as all dropout)."}
+    )
     lora_target_modules: list[str] | None = field(
-        default=None, metadata={"resume": SAME, "help": "Module names to adapt, or all-linear. Default: peft's choice for the model type, else the attention's query and value projections, else all-linear."}
+        default=None,
+        metadata={
+            "resume": SAME,
+            "help": "Module names to adapt, or all-linear. Default: peft's choice for the model type, else the attention's query and value projections, else all-linear.",
+        },
     )
     lora_modules_to_save: list[str] | None = field(
-        default=None, metadata={"resume": SAME, "help": "Modules trained in full and saved with the adapter (e.g. lm_head)."}
+        default=None,
+        metadata={"resume": SAME, "help": "Modules trained in full and saved with the adapter (e.g. lm_head)."},
     )
     merge_lora: bool = field(
-        default=False, metadata={"resume": FREE, "help": "Also write <output_dir>/final-merged: the base with the adapter merged in."}
+        default=False,
+        metadata={"resume": FREE, "help": "Also write <output_dir>/final-merged: the base with the adapter merged in."},
     )
 
     def __post_init__(self) -> None:
         check_ranges(self)
         split_commas(self)
         if self.vocab_size < 300:
-            raise UsageError(f"--vocab_size {self.vocab_size} is too small for a byte-level BPE (256 bytes + specials): use at least 300, e.g. 8192.")
-        if self.attn_implementation not in ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention"):
-            raise UsageError(f"--attn_implementation {self.attn_implementation!r} is unknown: use sdpa, eager or flash_attention_2.")
+            raise UsageError(
+                f"--vocab_size {self.vocab_size} is too small for a byte-level BPE (256 bytes + specials): use at least 300, e.g. 8192."
+            )
+        if self.attn_implementation not in (
+            "sdpa",
+            "eager",
+            "flash_attention_2",
+            "flash_attention_3",
+            "flex_attention",
+        ):
+            raise UsageError(
+                f"--attn_implementation {self.attn_implementation!r} is unknown: use sdpa, eager or flash_attention_2."
+            )
         if self.lora_r < 1:
             raise UsageError(f"--lora_r {self.lora_r} must be at least 1, e.g. 16.")
         if self.lora_alpha <= 0:
@@ -99,84 +134,147 @@ class ModelArguments:
         if self.merge_lora and not self.use_peft:
             raise UsageError("--merge_lora true needs --use_peft true (there is no adapter to merge).")
         if self.use_peft and not self.model_name_or_path:
-            raise UsageError("--use_peft true needs --model_name_or_path (LoRA adapts a pretrained model): give the base model's folder.")
+            raise UsageError(
+                "--use_peft true needs --model_name_or_path (LoRA adapts a pretrained model): give the base model's folder."
+            )
 
 
 @dataclass
 class DataArguments:
     dataset_name: str | None = field(
-        default=None, metadata={"resume": "corpus", "help": "A datasets hub id (from the local cache, offline) or a folder saved with save_to_disk."}
+        default=None,
+        metadata={
+            "resume": "corpus",
+            "help": "A datasets hub id (from the local cache, offline) or a folder saved with save_to_disk.",
+        },
     )
-    dataset_config_name: str | None = field(default=None, metadata={"resume": "corpus", "help": "The dataset's configuration name."})
+    dataset_config_name: str | None = field(
+        default=None, metadata={"resume": "corpus", "help": "The dataset's configuration name."}
+    )
     train_file: str | None = field(
-        default=None, metadata={"resume": "corpus", "help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file (or a glob)."}
+        default=None,
+        metadata={
+            "resume": "corpus",
+            "help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file (or a glob).",
+        },
     )
-    validation_file: str | None = field(default=None, metadata={"resume": "corpus", "help": "Validation text, same formats as --train_file."})
-    text_column: str = field(default="text", metadata={"resume": "corpus", "help": "Column that holds the text in json/csv/parquet/hub data."})
+    validation_file: str | None = field(
+        default=None, metadata={"resume": "corpus", "help": "Validation text, same formats as --train_file."}
+    )
+    text_column: str = field(
+        default="text",
+        metadata={"resume": "corpus", "help": "Column that holds the text in json/csv/parquet/hub data."},
+    )
     block_size: int | None = field(
         default=None,
-        metadata={"resume": "block_size", "help": "Tokens per training sequence (texts are concatenated and cut into blocks). Default: "
-                          "min(1024, the model's maximum positions)."},
+        metadata={
+            "resume": "block_size",
+            "help": "Tokens per training sequence (texts are concatenated and cut into blocks). Default: "
+            "min(1024, the model's maximum positions).",
+        },
     )
     validation_split_percentage: float = field(
-        default=5.0, metadata={"resume": "corpus", "help": "Percent of the training texts kept for validation when no validation set is given."}
+        default=5.0,
+        metadata={
+            "resume": "corpus",
+            "help": "Percent of the training texts kept for validation when no validation set is given.",
+        },
     )
-    max_train_samples: int | None = field(default=None, metadata={"resume": "num_train_samples", "help": "Keep only this many packed training blocks."})
+    max_train_samples: int | None = field(
+        default=None, metadata={"resume": "num_train_samples", "help": "Keep only this many packed training blocks."}
+    )
     max_eval_samples: int | None = field(
-        default=256, metadata={"resume": FREE, "help": "Evaluate on at most this many packed validation rows, a seeded uniform sample of them (0 or less: all)."}
+        default=256,
+        metadata={
+            "resume": FREE,
+            "help": "Evaluate on at most this many packed validation rows, a seeded uniform sample of them (0 or less: all).",
+        },
     )
     max_corpus_mb: float | None = field(
-        default=None, metadata={"resume": "corpus", "help": "Read at most this many MB of the embedded standard-library corpus (for quick runs)."}
+        default=None,
+        metadata={
+            "resume": "corpus",
+            "help": "Read at most this many MB of the embedded standard-library corpus (for quick runs).",
+        },
     )
     preprocessing_num_workers: int | None = field(
         default=None,
-        metadata={"resume": FREE, "help": "Processes for tokenising. Default: one per core of the node (at most 64, fewer for a corpus "
-                          "under 4 MB per process)."},
+        metadata={
+            "resume": FREE,
+            "help": "Processes for tokenising. Default: one per core of the node (at most 64, fewer for a corpus "
+            "under 4 MB per process).",
+        },
     )
     data_cache_dir: str | None = field(
         default=None,
-        metadata={"resume": FREE, "help": "Where tokenised/packed data and trained tokenizers are cached. Default: $ANYGPU_CACHE or ~/.cache/anygpu."},
+        metadata={
+            "resume": FREE,
+            "help": "Where tokenised/packed data and trained tokenizers are cached. Default: $ANYGPU_CACHE or ~/.cache/anygpu.",
+        },
     )
     # Fine-tuning data (TRL's SFTConfig names). The format is detected from the columns: `text`,
     # `prompt` + `completion`, or `messages`; --block_size is the maximum length (TRL's max_length).
     completion_only_loss: bool = field(
-        default=True, metadata={"resume": SAME, "help": "prompt + completion data: train only on the completion tokens (false: on every token)."}
+        default=True,
+        metadata={
+            "resume": SAME,
+            "help": "prompt + completion data: train only on the completion tokens (false: on every token).",
+        },
     )
     assistant_only_loss: bool = field(
-        default=True, metadata={"resume": SAME, "help": "messages data: train only on the assistant turns (false: on every token of the chat)."}
+        default=True,
+        metadata={
+            "resume": SAME,
+            "help": "messages data: train only on the assistant turns (false: on every token of the chat).",
+        },
     )
     packing: bool | None = field(
         default=None,
-        metadata={"resume": "packed", "help": "prompt-completion and messages data: several samples per --block_size row, attention confined to "
-                          "each sample (position ids restart per sample); false: one sample per row, padded per "
-                          "micro-batch. Default: packed where the model's attention honours sample boundaries. "
-                          "Raw text is always cut into full blocks."},
+        metadata={
+            "resume": "packed",
+            "help": "prompt-completion and messages data: several samples per --block_size row, attention confined to "
+            "each sample (position ids restart per sample); false: one sample per row, padded per "
+            "micro-batch. Default: packed where the model's attention honours sample boundaries. "
+            "Raw text is always cut into full blocks.",
+        },
     )
     truncation_mode: str = field(
         default="keep_start",
-        metadata={"resume": SAME, "help": "Samples longer than --block_size: keep_start (cut the end), keep_end (cut the start) or drop "
-                          "(leave the sample out). Counted in the banner."},
+        metadata={
+            "resume": SAME,
+            "help": "Samples longer than --block_size: keep_start (cut the end), keep_end (cut the start) or drop "
+            "(leave the sample out). Counted in the banner.",
+        },
     )
     txt_sample_by: str = field(
         default="auto",
-        metadata={"resume": "corpus", "help": ".txt files: one document per line, per paragraph (blank-line separated) or per file "
-                          "(document); auto: paragraph when the file has blank lines, else line."},
+        metadata={
+            "resume": "corpus",
+            "help": ".txt files: one document per line, per paragraph (blank-line separated) or per file "
+            "(document); auto: paragraph when the file has blank lines, else line.",
+        },
     )
 
     def __post_init__(self) -> None:
         check_ranges(self)
         if self.dataset_name and self.train_file:
-            raise UsageError(f"--dataset_name {self.dataset_name} and --train_file {self.train_file} both name the data: give one.")
+            raise UsageError(
+                f"--dataset_name {self.dataset_name} and --train_file {self.train_file} both name the data: give one."
+            )
         for name in ("train_file", "validation_file"):
             path = getattr(self, name)
             if path and not _glob_matches(path):
-                raise UsageError(f"--{name} {path}: no such file. Give an existing .txt/.jsonl/.json/.csv/.parquet file.")
+                raise UsageError(
+                    f"--{name} {path}: no such file. Give an existing .txt/.jsonl/.json/.csv/.parquet file."
+                )
         if self.validation_file and not (self.train_file or self.dataset_name):
             raise UsageError("--validation_file needs --train_file (or --dataset_name) too.")
         if self.block_size is not None and self.block_size < 2:
             raise UsageError(f"--block_size {self.block_size} must be at least 2 tokens, e.g. 512.")
         if not 0 < self.validation_split_percentage < 100:
-            raise UsageError(f"--validation_split_percentage {self.validation_split_percentage} must be in (0, 100), e.g. 5.")
+            raise UsageError(
+                f"--validation_split_percentage {self.validation_split_percentage} must be in (0, 100), e.g. 5."
+            )
         if self.data_cache_dir is None:
             self.data_cache_dir = os.environ.get("ANYGPU_CACHE", str(Path.home() / ".cache" / "anygpu"))
         _check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
@@ -187,131 +285,240 @@ class DataArguments:
 class TrainArguments:
     """The training vocabulary of both engines (Hugging Face `TrainingArguments` names)."""
 
-    output_dir: str = field(default="outputs/default", metadata={"resume": FREE, "help": "Where metrics, checkpoints and the final model go."})
-    max_steps: int = field(default=-1, metadata={"resume": SAME, "help": "Optimizer steps to train; -1: follow --num_train_epochs."})
-    num_train_epochs: float = field(default=1.0, metadata={"resume": SAME, "help": "Epochs over the packed training set when --max_steps is -1."})
+    output_dir: str = field(
+        default="outputs/default",
+        metadata={"resume": FREE, "help": "Where metrics, checkpoints and the final model go."},
+    )
+    max_steps: int = field(
+        default=-1, metadata={"resume": SAME, "help": "Optimizer steps to train; -1: follow --num_train_epochs."}
+    )
+    num_train_epochs: float = field(
+        default=1.0, metadata={"resume": SAME, "help": "Epochs over the packed training set when --max_steps is -1."}
+    )
     global_batch_size: int | None = field(
         default=None,
-        metadata={"resume": "global_batch_size", "help": "Sequences per optimizer step over all devices. Fixed whatever the number of devices: the "
-                          "per-device batch and accumulation steps follow from it. Default 16 (when no per-device "
-                          "numbers are given)."},
+        metadata={
+            "resume": "global_batch_size",
+            "help": "Sequences per optimizer step over all devices. Fixed whatever the number of devices: the "
+            "per-device batch and accumulation steps follow from it. Default 16 (when no per-device "
+            "numbers are given).",
+        },
     )
     global_batch_tokens: int | None = field(
-        default=None, metadata={"resume": "global_batch_size", "help": "The global batch in tokens instead (divided by --block_size); not with --global_batch_size."}
+        default=None,
+        metadata={
+            "resume": "global_batch_size",
+            "help": "The global batch in tokens instead (divided by --block_size); not with --global_batch_size.",
+        },
     )
     per_device_train_batch_size: int | None = field(
-        default=None, metadata={"resume": FREE, "help": "Sequences per device per micro-step, or 'auto': the largest divisor of the per-device "
-                                        "share that fits in memory (probed; see --max_memory_per_device_gb). Default: the largest "
-                                        "divisor of the per-device share up to 8."}
+        default=None,
+        metadata={
+            "resume": FREE,
+            "help": "Sequences per device per micro-step, or 'auto': the largest divisor of the per-device "
+            "share that fits in memory (probed; see --max_memory_per_device_gb). Default: the largest "
+            "divisor of the per-device share up to 8.",
+        },
     )
-    per_device_eval_batch_size: int = field(default=8, metadata={"resume": FREE, "help": "Sequences per device per evaluation step."})
+    per_device_eval_batch_size: int = field(
+        default=8, metadata={"resume": FREE, "help": "Sequences per device per evaluation step."}
+    )
     gradient_accumulation_steps: int | None = field(
-        default=None, metadata={"resume": FREE, "help": "Micro-steps per optimizer step. Derived from the global batch; if given it must agree."}
+        default=None,
+        metadata={
+            "resume": FREE,
+            "help": "Micro-steps per optimizer step. Derived from the global batch; if given it must agree.",
+        },
     )
     learning_rate: float = field(default=1e-3, metadata={"resume": SAME, "help": "Peak AdamW learning rate."})
-    weight_decay: float = field(default=0.1, metadata={"resume": SAME, "help": "AdamW weight decay (not applied to biases and norm weights)."})
+    weight_decay: float = field(
+        default=0.1, metadata={"resume": SAME, "help": "AdamW weight decay (not applied to biases and norm weights)."}
+    )
     adam_beta1: float = field(default=0.9, metadata={"resume": SAME, "help": "AdamW beta1."})
     adam_beta2: float = field(default=0.95, metadata={"resume": SAME, "help": "AdamW beta2."})
     adam_epsilon: float = field(default=1e-8, metadata={"resume": SAME, "help": "AdamW epsilon."})
     warmup_steps: int = field(default=10, metadata={"resume": SAME, "help": "Linear warmup steps."})
-    lr_scheduler_type: str = field(default="cosine", metadata={"resume": SAME, "help": f"Decay after warmup: {', '.join(SCHEDULERS)}."})
-    max_grad_norm: float = field(default=1.0, metadata={"resume": SAME, "help": "Clip the total gradient norm to this (0: no clipping)."})
-    seed: int = field(default=42, metadata={"resume": SAME, "help": "Seed for initialisation and the data order."})
-    bf16: bool = field(default=False, metadata={"resume": SAME, "help": "bf16 mixed precision (bf16 compute, fp32 master weights and gradient reduction; a LoRA run holds its frozen base in bf16)."})
-    fp16: bool = field(default=False, metadata={"resume": SAME, "help": "fp16 mixed precision (HF engine only; the FSDP2 engine asks for --bf16)."})
-    tf32: bool | None = field(
-        default=None, metadata={"resume": FREE, "help": "TF32 matmuls on GPUs that have them (NVIDIA compute capability ≥ 8.0). Default on; --tf32 false turns it off."}
+    lr_scheduler_type: str = field(
+        default="cosine", metadata={"resume": SAME, "help": f"Decay after warmup: {', '.join(SCHEDULERS)}."}
     )
-    gradient_checkpointing: bool = field(default=False, metadata={"resume": FREE, "help": "Recompute activations in the backward pass to save memory."})
+    max_grad_norm: float = field(
+        default=1.0, metadata={"resume": SAME, "help": "Clip the total gradient norm to this (0: no clipping)."}
+    )
+    seed: int = field(default=42, metadata={"resume": SAME, "help": "Seed for initialisation and the data order."})
+    bf16: bool = field(
+        default=False,
+        metadata={
+            "resume": SAME,
+            "help": "bf16 mixed precision (bf16 compute, fp32 master weights and gradient reduction; a LoRA run holds its frozen base in bf16).",
+        },
+    )
+    fp16: bool = field(
+        default=False,
+        metadata={"resume": SAME, "help": "fp16 mixed precision (HF engine only; the FSDP2 engine asks for --bf16)."},
+    )
+    tf32: bool | None = field(
+        default=None,
+        metadata={
+            "resume": FREE,
+            "help": "TF32 matmuls on GPUs that have them (NVIDIA compute capability ≥ 8.0). Default on; --tf32 false turns it off.",
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"resume": FREE, "help": "Recompute activations in the backward pass to save memory."}
+    )
     torch_compile: bool = field(default=False, metadata={"resume": FREE, "help": "torch.compile each decoder layer."})
     lean_loss: bool = field(
         default=True,
-        metadata={"resume": FREE, "help": "Compute the token cross-entropy a chunk of tokens at a time from the final hidden states "
-                          "and the output projection, so the (tokens × vocabulary) logits never exist whole: the same loss, "
-                          "less memory at large vocabularies (docs/lean-loss.md). A family whose forward changes the logits in a "
-                          "way it does not repeat, DataParallel and DeepSpeed ZeRO-3 keep the model's own loss (the banner "
-                          "says so). false: the model's own loss."},
+        metadata={
+            "resume": FREE,
+            "help": "Compute the token cross-entropy a chunk of tokens at a time from the final hidden states "
+            "and the output projection, so the (tokens × vocabulary) logits never exist whole: the same loss, "
+            "less memory at large vocabularies (docs/lean-loss.md). A family whose forward changes the logits in a "
+            "way it does not repeat, DataParallel and DeepSpeed ZeRO-3 keep the model's own loss (the banner "
+            "says so). false: the model's own loss.",
+        },
     )
     dp_replicate: int | None = field(
         default=None,
-        metadata={"resume": FREE, "help": "FSDP2 engine, HSDP: replica groups R of the 2-D device mesh (R × --dp_shard = world size); "
-                          "each group holds a full copy of the sharded model and gradients are averaged across groups. "
-                          "Default: world size / --dp_shard when that is given, else the number of nodes (1 on one node: plain "
-                          "FSDP2 over every rank)."},
+        metadata={
+            "resume": FREE,
+            "help": "FSDP2 engine, HSDP: replica groups R of the 2-D device mesh (R × --dp_shard = world size); "
+            "each group holds a full copy of the sharded model and gradients are averaged across groups. "
+            "Default: world size / --dp_shard when that is given, else the number of nodes (1 on one node: plain "
+            "FSDP2 over every rank).",
+        },
     )
     dp_shard: int | None = field(
         default=None,
-        metadata={"resume": FREE, "help": "FSDP2 engine, HSDP: ranks S each replica group shards the model over (R × S = world size). "
-                          "Default: the processes per node (LOCAL_WORLD_SIZE), or the world size when only "
-                          "--dp_replicate is given. The global batch and the losses do not depend on R and S."},
+        metadata={
+            "resume": FREE,
+            "help": "FSDP2 engine, HSDP: ranks S each replica group shards the model over (R × S = world size). "
+            "Default: the processes per node (LOCAL_WORLD_SIZE), or the world size when only "
+            "--dp_replicate is given. The global batch and the losses do not depend on R and S.",
+        },
     )
-    logging_steps: int = field(default=10, metadata={"resume": FREE, "help": "Log loss, tokens/s and memory every N steps."})
-    eval_steps: int = field(default=100, metadata={"resume": FREE, "help": "Evaluate every N steps and at the end (0: only at the end)."})
-    eval_on_start: bool = field(default=True, metadata={"resume": FREE, "help": "Evaluate once before the first step (the baseline of the eval curve)."})
-    save_steps: int = field(default=0, metadata={"resume": FREE, "help": "Checkpoint every N steps (0: only at the end and on SIGTERM)."})
+    logging_steps: int = field(
+        default=10, metadata={"resume": FREE, "help": "Log loss, tokens/s and memory every N steps."}
+    )
+    eval_steps: int = field(
+        default=100, metadata={"resume": FREE, "help": "Evaluate every N steps and at the end (0: only at the end)."}
+    )
+    eval_on_start: bool = field(
+        default=True,
+        metadata={"resume": FREE, "help": "Evaluate once before the first step (the baseline of the eval curve)."},
+    )
+    save_steps: int = field(
+        default=0, metadata={"resume": FREE, "help": "Checkpoint every N steps (0: only at the end and on SIGTERM)."}
+    )
     stop_at_step: int | None = field(
         default=None,
-        metadata={"resume": FREE, "help": "End this run after step N with a checkpoint, keeping the schedule of --max_steps "
-                          "(for time-sliced jobs: resume later with --resume_from_checkpoint latest)."},
+        metadata={
+            "resume": FREE,
+            "help": "End this run after step N with a checkpoint, keeping the schedule of --max_steps "
+            "(for time-sliced jobs: resume later with --resume_from_checkpoint latest).",
+        },
     )
-    save_total_limit: int | None = field(default=2, metadata={"resume": FREE, "help": "Keep at most this many checkpoints (oldest deleted; never the newest or the only intact one; a damaged one is moved to <output_dir>/abandoned/, never deleted)."})
+    save_total_limit: int | None = field(
+        default=2,
+        metadata={
+            "resume": FREE,
+            "help": "Keep at most this many checkpoints (oldest deleted; never the newest or the only intact one; a damaged one is moved to <output_dir>/abandoned/, never deleted).",
+        },
+    )
     resume_from_checkpoint: str | None = field(
-        default=None, metadata={"resume": FREE, "help": "'latest' (the newest intact checkpoint in --output_dir; damaged ones are skipped with a warning and "
-                          "moved to <output_dir>/abandoned/), 'auto' (the same, or a fresh start when there is no checkpoint: "
-                          "for restarted or requeued jobs; with damaged checkpoints only it stops naming them, unless "
-                          "--overwrite_output_dir true), or a checkpoint folder (refused if damaged)."}
+        default=None,
+        metadata={
+            "resume": FREE,
+            "help": "'latest' (the newest intact checkpoint in --output_dir; damaged ones are skipped with a warning and "
+            "moved to <output_dir>/abandoned/), 'auto' (the same, or a fresh start when there is no checkpoint: "
+            "for restarted or requeued jobs; with damaged checkpoints only it stops naming them, unless "
+            "--overwrite_output_dir true), or a checkpoint folder (refused if damaged).",
+        },
     )
     report_to: list[str] = field(
         default_factory=lambda: ["tensorboard"],
-        metadata={"resume": FREE, "help": "Trackers that get metrics.jsonl's scalars, comma-separated: tensorboard (<output_dir>/runs), "
-                          "mlflow (MLFLOW_TRACKING_URI, or else a local file store in <output_dir>/mlruns), wandb, "
-                          "trackio; all (every one installed) or none. mlflow, wandb and trackio are extras: "
-                          "pip install 'anygpu[mlflow]'."},
+        metadata={
+            "resume": FREE,
+            "help": "Trackers that get metrics.jsonl's scalars, comma-separated: tensorboard (<output_dir>/runs), "
+            "mlflow (MLFLOW_TRACKING_URI, or else a local file store in <output_dir>/mlruns), wandb, "
+            "trackio; all (every one installed) or none. mlflow, wandb and trackio are extras: "
+            "pip install 'anygpu[mlflow]'.",
+        },
     )
-    ddp_timeout: int = field(default=1800, metadata={"resume": FREE, "help": "Process-group timeout in seconds (collectives and rendezvous)."})
+    ddp_timeout: int = field(
+        default=1800,
+        metadata={"resume": FREE, "help": "Process-group timeout in seconds (collectives and rendezvous)."},
+    )
     disable_tqdm: bool = field(default=False, metadata={"resume": FREE, "help": "No progress bar."})
-    export_final: bool = field(default=True, metadata={"resume": FREE, "help": "Export the final model as safetensors to <output_dir>/final."})
+    export_final: bool = field(
+        default=True, metadata={"resume": FREE, "help": "Export the final model as safetensors to <output_dir>/final."}
+    )
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"resume": FREE, "help": "Start a fresh run in an --output_dir that holds another run's metrics or checkpoints, "
-                          "deleting them; damaged checkpoints are moved to <output_dir>/abandoned/, never deleted "
-                          "(without it such a run is refused, unless it resumes)."},
+        metadata={
+            "resume": FREE,
+            "help": "Start a fresh run in an --output_dir that holds another run's metrics or checkpoints, "
+            "deleting them; damaged checkpoints are moved to <output_dir>/abandoned/, never deleted "
+            "(without it such a run is refused, unless it resumes).",
+        },
     )
     allow_changed_args: bool = field(
         default=False,
-        metadata={"resume": FREE, "help": "Resume although arguments that define the training math (data, tokenizer, model, seed, "
-                          "schedule…) differ from the checkpoint's; the banner lists the differences."},
+        metadata={
+            "resume": FREE,
+            "help": "Resume although arguments that define the training math (data, tokenizer, model, seed, "
+            "schedule…) differ from the checkpoint's; the banner lists the differences.",
+        },
     )
     allow_rewind: bool = field(
         default=False,
-        metadata={"resume": FREE, "help": "Resume from a checkpoint older than the newest: the newer ones are moved aside to "
-                          "<output_dir>/abandoned/ (without it such a resume is refused)."},
+        metadata={
+            "resume": FREE,
+            "help": "Resume from a checkpoint older than the newest: the newer ones are moved aside to "
+            "<output_dir>/abandoned/ (without it such a resume is refused).",
+        },
     )
     save_on_preempt: bool = field(
         default=True,
-        metadata={"resume": FREE, "help": "On SIGTERM or SIGUSR1, every rank finishes its step, saves a checkpoint and exits with "
-                          "code 143. False: stop at once (exit 75), keeping the previous checkpoint."},
+        metadata={
+            "resume": FREE,
+            "help": "On SIGTERM or SIGUSR1, every rank finishes its step, saves a checkpoint and exits with "
+            "code 143. False: stop at once (exit 75), keeping the previous checkpoint.",
+        },
     )
     auto_micro_batch: bool = field(
-        default=False, metadata={"resume": FREE, "help": "Set by --per_device_train_batch_size auto: choose the micro-batch by memory."}
+        default=False,
+        metadata={
+            "resume": FREE,
+            "help": "Set by --per_device_train_batch_size auto: choose the micro-batch by memory.",
+        },
     )
     max_memory_per_device_gb: float | None = field(
-        default=None, metadata={"resume": FREE, "help": "Memory budget per device in GiB for --per_device_train_batch_size auto (needed on "
-                                        "CPU, where the plan's estimate is checked against it; on a GPU the smaller of this and "
-                                        "the GPU's memory)."}
+        default=None,
+        metadata={
+            "resume": FREE,
+            "help": "Memory budget per device in GiB for --per_device_train_batch_size auto (needed on "
+            "CPU, where the plan's estimate is checked against it; on a GPU the smaller of this and "
+            "the GPU's memory).",
+        },
     )
     async_save: bool | None = field(
         default=None,
-        metadata={"resume": FREE, "help": "FSDP2 engine: write periodic checkpoints (--save_steps) in the background; training stops "
-                          "only to copy the state to host memory. Each still counts only once complete. Default on "
-                          "when the host has room for the copy; the last and SIGTERM checkpoints are always written "
-                          "before exit. The HF engine saves synchronously."},
+        metadata={
+            "resume": FREE,
+            "help": "FSDP2 engine: write periodic checkpoints (--save_steps) in the background; training stops "
+            "only to copy the state to host memory. Each still counts only once complete. Default on "
+            "when the host has room for the copy; the last and SIGTERM checkpoints are always written "
+            "before exit. The HF engine saves synchronously.",
+        },
     )
 
     def __post_init__(self) -> None:
         check_ranges(self)
         if self.lr_scheduler_type not in SCHEDULERS:
-            raise UsageError(f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown: use one of {', '.join(SCHEDULERS)}.")
+            raise UsageError(
+                f"--lr_scheduler_type {self.lr_scheduler_type!r} is unknown: use one of {', '.join(SCHEDULERS)}."
+            )
         if self.bf16 and self.fp16:
             raise UsageError("--bf16 and --fp16 both set: choose one (bf16 on GPUs that have it).")
         if self.max_steps == 0 or self.max_steps < -1:
@@ -327,15 +534,23 @@ class TrainArguments:
         if self.learning_rate <= 0:
             raise UsageError(f"--learning_rate {self.learning_rate} must be positive, e.g. 3e-4.")
         if self.save_total_limit is not None and self.save_total_limit < 1:
-            raise UsageError(f"--save_total_limit {self.save_total_limit} must be at least 1 (or leave it out to keep all).")
+            raise UsageError(
+                f"--save_total_limit {self.save_total_limit} must be at least 1 (or leave it out to keep all)."
+            )
         if self.auto_micro_batch and self.gradient_accumulation_steps is not None:
-            raise UsageError("--per_device_train_batch_size auto with --gradient_accumulation_steps "
-                             f"{self.gradient_accumulation_steps}: leave the accumulation out (it follows from the choice).")
+            raise UsageError(
+                "--per_device_train_batch_size auto with --gradient_accumulation_steps "
+                f"{self.gradient_accumulation_steps}: leave the accumulation out (it follows from the choice)."
+            )
         if self.max_memory_per_device_gb is not None and self.max_memory_per_device_gb <= 0:
             raise UsageError(f"--max_memory_per_device_gb {self.max_memory_per_device_gb} must be positive, e.g. 40.")
         split_commas(self)
-        if self.global_batch_size is None and self.global_batch_tokens is None and \
-                self.per_device_train_batch_size is None and self.gradient_accumulation_steps is None:
+        if (
+            self.global_batch_size is None
+            and self.global_batch_tokens is None
+            and self.per_device_train_batch_size is None
+            and self.gradient_accumulation_steps is None
+        ):
             self.global_batch_size = DEFAULT_GLOBAL_BATCH_SIZE
 
 
@@ -345,9 +560,12 @@ class HFEngineArguments:
 
     allow_strategy_fallback: bool = field(
         default=False,
-        metadata={"resume": FREE, "help": "When the accelerate config asks for a strategy this machine cannot run (FSDP on a CPU-only "
-                          "host), train with the one accelerate falls back to (DDP) instead of stopping; the banner "
-                          "reports the fallback."},
+        metadata={
+            "resume": FREE,
+            "help": "When the accelerate config asks for a strategy this machine cannot run (FSDP on a CPU-only "
+            "host), train with the one accelerate falls back to (DDP) instead of stopping; the banner "
+            "reports the fallback.",
+        },
     )
 
 
@@ -375,7 +593,9 @@ def _file_to_argv(path: str) -> list[str]:
         text = Path(path).read_text(encoding="utf-8")
         data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (UnicodeDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
-        raise UsageError(f"config file {path} cannot be read ({str(e).splitlines()[0]}): give a YAML/JSON mapping such as 'learning_rate: 3e-4'.") from None
+        raise UsageError(
+            f"config file {path} cannot be read ({str(e).splitlines()[0]}): give a YAML/JSON mapping such as 'learning_rate: 3e-4'."
+        ) from None
     if not isinstance(data, dict):
         raise UsageError(f"{path}: expected a mapping of argument names to values, got {type(data).__name__}.")
     argv: list[str] = []
@@ -384,7 +604,9 @@ def _file_to_argv(path: str) -> list[str]:
             continue
         items = value if isinstance(value, (list, tuple)) else [value]
         if any(isinstance(v, (dict, list, tuple)) for v in items):
-            raise UsageError(f"{path}: the value of {key!r} is {value!r}: give a number, a string, a boolean or a list of them.")
+            raise UsageError(
+                f"{path}: the value of {key!r} is {value!r}: give a number, a string, a boolean or a list of them."
+            )
         argv.append(f"--{key}")
         if isinstance(value, (list, tuple)):
             argv.extend(str(v) for v in value)
@@ -417,19 +639,62 @@ class ArgumentParser(HfArgumentParser):
 
 
 # Help groups: each option sits in its dataclass's group unless named here (one table, read only for --help).
-GROUP_TITLES = {"model": "model", "lora": "LoRA", "data": "data", "training": "training",
-                "checkpoints": "checkpoints and resume", "reporting": "logging, evaluation and reporting",
-                "engine": "HF engine"}
-DATACLASS_GROUP = {"ModelArguments": "model", "DataArguments": "data", "TrainArguments": "training",
-                   "HFEngineArguments": "engine"}
+GROUP_TITLES = {
+    "model": "model",
+    "lora": "LoRA",
+    "data": "data",
+    "training": "training",
+    "checkpoints": "checkpoints and resume",
+    "reporting": "logging, evaluation and reporting",
+    "engine": "HF engine",
+}
+DATACLASS_GROUP = {
+    "ModelArguments": "model",
+    "DataArguments": "data",
+    "TrainArguments": "training",
+    "HFEngineArguments": "engine",
+}
 FIELD_GROUP = {
-    **dict.fromkeys(("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save",
-                     "merge_lora"), "lora"),
-    **dict.fromkeys(("output_dir", "save_steps", "save_total_limit", "stop_at_step", "resume_from_checkpoint",
-                     "overwrite_output_dir", "allow_changed_args", "allow_rewind", "save_on_preempt", "async_save",
-                     "export_final"), "checkpoints"),
-    **dict.fromkeys(("logging_steps", "eval_steps", "eval_on_start", "per_device_eval_batch_size", "max_eval_samples",
-                     "report_to", "disable_tqdm"), "reporting"),
+    **dict.fromkeys(
+        (
+            "use_peft",
+            "lora_r",
+            "lora_alpha",
+            "lora_dropout",
+            "lora_target_modules",
+            "lora_modules_to_save",
+            "merge_lora",
+        ),
+        "lora",
+    ),
+    **dict.fromkeys(
+        (
+            "output_dir",
+            "save_steps",
+            "save_total_limit",
+            "stop_at_step",
+            "resume_from_checkpoint",
+            "overwrite_output_dir",
+            "allow_changed_args",
+            "allow_rewind",
+            "save_on_preempt",
+            "async_save",
+            "export_final",
+        ),
+        "checkpoints",
+    ),
+    **dict.fromkeys(
+        (
+            "logging_steps",
+            "eval_steps",
+            "eval_on_start",
+            "per_device_eval_batch_size",
+            "max_eval_samples",
+            "report_to",
+            "disable_tqdm",
+        ),
+        "reporting",
+    ),
 }
 
 
@@ -438,8 +703,12 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.default not in (None, argparse.SUPPRESS, [], "") and "default" not in text.lower() \
-                and action.option_strings and action.nargs != 0:
+        if (
+            action.default not in (None, argparse.SUPPRESS, [], "")
+            and "default" not in text.lower()
+            and action.option_strings
+            and action.nargs != 0
+        ):
             text += " (default: %(default)s)"
         return text
 
@@ -476,8 +745,11 @@ def _group_options(parser: argparse.ArgumentParser, dtypes: tuple[type, ...]) ->
 def build_parser(extra: tuple[type, ...] = (), prog: str | None = None) -> HfArgumentParser:
     """The engines' parser (HfArgumentParser over the dataclasses), with grouped help and one-line errors."""
     dtypes = (ModelArguments, DataArguments, TrainArguments, *extra)
-    parser = ArgumentParser(dtypes, formatter_class=lambda prog: HelpFormatter(prog, max_help_position=36),
-                              usage=f"{prog or Path(sys.argv[0]).name} [config.yaml] [--option value ...]")
+    parser = ArgumentParser(
+        dtypes,
+        formatter_class=lambda prog: HelpFormatter(prog, max_help_position=36),
+        usage=f"{prog or Path(sys.argv[0]).name} [config.yaml] [--option value ...]",
+    )
     parser.prog = prog or Path(sys.argv[0]).name
     parser.allow_abbrev = False  # a typo such as --learning_rat must not silently match --learning_rate
     parser.epilog = "Arguments may also come from one YAML or JSON file given first; the command line overrides it."
@@ -486,8 +758,9 @@ def build_parser(extra: tuple[type, ...] = (), prog: str | None = None) -> HfArg
     return parser
 
 
-def parse_args(argv: list[str] | None = None, extra: tuple[type, ...] = (), prog: str | None = None,
-               warn: bool = True) -> tuple[Any, ...]:
+def parse_args(
+    argv: list[str] | None = None, extra: tuple[type, ...] = (), prog: str | None = None, warn: bool = True
+) -> tuple[Any, ...]:
     """(ModelArguments, DataArguments, TrainArguments, *extra) from argv and/or one YAML/JSON file.
 
     The file, when given, is the first positional word; options on the command line override it.
@@ -516,9 +789,13 @@ def parse_args(argv: list[str] | None = None, extra: tuple[type, ...] = (), prog
 def _warn_warmup(train_args: TrainArguments) -> None:
     """A warmup longer than the run never reaches the peak learning rate: worth one line, not a refusal."""
     if 0 < train_args.max_steps < train_args.warmup_steps and os.environ.get("RANK", "0") == "0":
-        print(f"warning: --warmup_steps {train_args.warmup_steps} is more than --max_steps {train_args.max_steps}: the "
-              f"learning rate never reaches --learning_rate {train_args.learning_rate:g}; use --warmup_steps "
-              f"{max(1, train_args.max_steps // 10)} or fewer.", file=sys.stderr, flush=True)
+        print(
+            f"warning: --warmup_steps {train_args.warmup_steps} is more than --max_steps {train_args.max_steps}: the "
+            f"learning rate never reaches --learning_rate {train_args.learning_rate:g}; use --warmup_steps "
+            f"{max(1, train_args.max_steps // 10)} or fewer.",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def print_help(extra: tuple[type, ...] = (), prog: str | None = None) -> None:

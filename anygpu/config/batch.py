@@ -4,6 +4,7 @@ The global batch G (sequences per optimizer step) is the one number that defines
 math; the world size W only changes how it is cut:  G = m · W · A  with m the
 per-device micro-batch and A the gradient accumulation steps.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,7 +56,9 @@ def resolve_global_batch(
         return global_batch_tokens // block_size
     if global_batch_size is not None:
         if global_batch_size <= 0:
-            raise UsageError(f"--global_batch_size {global_batch_size} must be a positive number of sequences, e.g. 64.")
+            raise UsageError(
+                f"--global_batch_size {global_batch_size} must be a positive number of sequences, e.g. 64."
+            )
         return global_batch_size
     # No global batch given: the HF way, G follows from the per-device numbers.
     return (per_device_train_batch_size or 1) * (gradient_accumulation_steps or 1) * world_size

@@ -4,6 +4,7 @@ A missing local path or a hub id that is not in the cache would otherwise surfac
 traceback from transformers or datasets, once per rank, after the process group is up. These checks
 read only the file system (the Hugging Face caches included): no network, no torch.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,13 @@ def offline(variable: str = "HF_HUB_OFFLINE") -> bool:
 
 def _looks_like_path(value: str) -> bool:
     """A hub id is 'name' or 'org/name'; anything else (./x, /x, ~/x, a/b/c, x.json) is meant as a path."""
-    return value.startswith((".", "/", "~")) or value.count("/") > 1 or value.endswith((".json", ".yaml")) \
-        or os.sep != "/" and os.sep in value
+    return (
+        value.startswith((".", "/", "~"))
+        or value.count("/") > 1
+        or value.endswith((".json", ".yaml"))
+        or os.sep != "/"
+        and os.sep in value
+    )
 
 
 def _in_hub_cache(repo_id: str, filenames: tuple[str, ...], repo_type: str | None = None) -> bool:
@@ -45,12 +51,16 @@ def _hub_cache() -> str:
 
 def _advice(arg: str, value: str, what: str, repo_type: str = "") -> str:
     kind = " --repo-type dataset" if repo_type == "dataset" else ""
-    return (f"{arg} {value}: no such local {what}, and not in the Hugging Face cache ({_hub_cache()}); nothing is "
-            f"downloaded while HF_HUB_OFFLINE=1. Give a local folder, or download it once with "
-            f"`hf download{kind} {value}` (or run with HF_HUB_OFFLINE=0 when online).")
+    return (
+        f"{arg} {value}: no such local {what}, and not in the Hugging Face cache ({_hub_cache()}); nothing is "
+        f"downloaded while HF_HUB_OFFLINE=1. Give a local folder, or download it once with "
+        f"`hf download{kind} {value}` (or run with HF_HUB_OFFLINE=0 when online)."
+    )
 
 
-def check_pretrained(arg: str, value: str | None, files: tuple[str, ...], what: str = "model folder (with config.json)") -> None:
+def check_pretrained(
+    arg: str, value: str | None, files: tuple[str, ...], what: str = "model folder (with config.json)"
+) -> None:
     """`value` of `arg` is an existing path, or a hub id whose `files` (any of them) are cached or downloadable."""
     if not value:
         return
@@ -58,8 +68,10 @@ def check_pretrained(arg: str, value: str | None, files: tuple[str, ...], what: 
     if path.exists():
         return
     if _looks_like_path(value):
-        raise UsageError(f"{arg} {value}: no such file or folder. Give an existing {what}, or a cached hub id such as "
-                         "Qwen/Qwen2.5-0.5B.")
+        raise UsageError(
+            f"{arg} {value}: no such file or folder. Give an existing {what}, or a cached hub id such as "
+            "Qwen/Qwen2.5-0.5B."
+        )
     if offline() and not _in_hub_cache(value, files):
         raise UsageError(_advice(arg, value, "folder"))
 
@@ -93,18 +105,32 @@ def check_dataset(value: str | None) -> None:
     if Path(value).expanduser().exists():
         return
     if _looks_like_path(value):
-        raise UsageError(f"--dataset_name {value}: no such folder. Give a folder written by Dataset.save_to_disk, "
-                         "a cached hub id, or a file with --train_file.")
-    if offline("HF_DATASETS_OFFLINE") and not (_in_datasets_cache(value) or _in_hub_cache(value, ("README.md",), "dataset")):
+        raise UsageError(
+            f"--dataset_name {value}: no such folder. Give a folder written by Dataset.save_to_disk, "
+            "a cached hub id, or a file with --train_file."
+        )
+    if offline("HF_DATASETS_OFFLINE") and not (
+        _in_datasets_cache(value) or _in_hub_cache(value, ("README.md",), "dataset")
+    ):
         raise UsageError(_advice("--dataset_name", value, "folder", "dataset") + " Or give a file with --train_file.")
 
 
 def check_sources(model_args, data_args, presets: list[str]) -> None:
     """Every model, config, tokenizer and data set the arguments name, before any work (raises UsageError)."""
-    if model_args.config_name not in presets and "/" in (model_args.config_name or ""):  # else resolve_config lists the presets
-        check_pretrained("--config_name", model_args.config_name, ("config.json",),
-                         f"config.json file or folder, a preset ({', '.join(presets)})")
+    if model_args.config_name not in presets and "/" in (
+        model_args.config_name or ""
+    ):  # else resolve_config lists the presets
+        check_pretrained(
+            "--config_name",
+            model_args.config_name,
+            ("config.json",),
+            f"config.json file or folder, a preset ({', '.join(presets)})",
+        )
     check_pretrained("--model_name_or_path", model_args.model_name_or_path, ("config.json",))
-    check_pretrained("--tokenizer_name", model_args.tokenizer_name,
-                     ("tokenizer_config.json", "tokenizer.json", "vocab.json", "tokenizer.model"), "tokenizer folder")
+    check_pretrained(
+        "--tokenizer_name",
+        model_args.tokenizer_name,
+        ("tokenizer_config.json", "tokenizer.json", "vocab.json", "tokenizer.model"),
+        "tokenizer folder",
+    )
     check_dataset(data_args.dataset_name)

@@ -3,6 +3,7 @@
 Each `__post_init__` calls `check_ranges(self)` first, so a NaN learning rate or a zero eval batch is
 refused up front with the option, the value and an example, never a ZeroDivisionError deep in a worker.
 """
+
 from __future__ import annotations
 
 import math

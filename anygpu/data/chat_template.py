@@ -13,6 +13,7 @@ The assistant's content and its EOS are marked with `{% generation %}`, so `appl
 return_assistant_tokens_mask=True)` finds them. Templates without those markers (most shipped ones) are
 handled by rendering each prefix of the conversation and taking the characters each assistant turn adds.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,11 @@ def ensure_chat_template(tokenizer) -> bool:
     if getattr(tokenizer, "chat_template", None):
         return False
     tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    logger.info("the tokenizer has no chat template: using anygpu's default (ChatML layout, turns end with %s); "
-                "it is saved with the model", tokenizer.eos_token)
+    logger.info(
+        "the tokenizer has no chat template: using anygpu's default (ChatML layout, turns end with %s); "
+        "it is saved with the model",
+        tokenizer.eos_token,
+    )
     return True
 
 
@@ -78,8 +82,9 @@ def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], text: str) -
     return spans
 
 
-def encode_chat(tokenizer, messages: list[dict[str, Any]], assistant_only: bool,
-                num_untrained: int = 0) -> tuple[list[int], list[bool]]:
+def encode_chat(
+    tokenizer, messages: list[dict[str, Any]], assistant_only: bool, num_untrained: int = 0
+) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered chat and, per token, whether it is trained on; the first `num_untrained`
     messages (a conversational prompt) never are: the tokens before the end of their rendering with the
     generation prompt."""
@@ -90,9 +95,13 @@ def encode_chat(tokenizer, messages: list[dict[str, Any]], assistant_only: bool,
         return ids, [True] * len(ids)
     markers = has_generation_markers(tokenizer)
     # character offsets (a fast tokenizer's) where the prompt's end or the turns' spans must be found
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True) if num_untrained or not markers else None
+    enc = (
+        tokenizer(text, add_special_tokens=False, return_offsets_mapping=True) if num_untrained or not markers else None
+    )
     if markers:
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         ids, mask = list(out["input_ids"]), [bool(x) for x in out["assistant_masks"]]
     else:
         spans = assistant_char_spans(tokenizer, messages, text)
@@ -101,7 +110,9 @@ def encode_chat(tokenizer, messages: list[dict[str, Any]], assistant_only: bool,
     if num_untrained:
         prompt = render(tokenizer, messages[:num_untrained], add_generation_prompt=True)
         if not text.startswith(prompt) or list(enc["input_ids"]) != ids:
-            raise UsageError("the chat template renders the prompt differently inside the whole conversation: "
-                             "use string prompts and completions, or a 'messages' column.")
+            raise UsageError(
+                "the chat template renders the prompt differently inside the whole conversation: "
+                "use string prompts and completions, or a 'messages' column."
+            )
         mask = [m and start >= len(prompt) for m, (start, _) in zip(mask, enc["offset_mapping"])]
     return ids, mask

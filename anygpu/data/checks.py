@@ -1,6 +1,7 @@
 """Hostile input files refused with one line that names the file and what to do, before any worker
 crashes on them deep inside `datasets` or the tokenizer: empty or whitespace-only files, binary junk,
 invalid UTF-8, a text column that holds no text. Rows whose text is null are skipped and counted."""
+
 from __future__ import annotations
 
 import codecs
@@ -29,11 +30,15 @@ def check_file(path: Path, builder: str, option: str) -> None:
         head = f.read(CHUNK)
         if builder == "parquet":
             if not head.startswith(b"PAR1"):
-                raise UsageError(f"{option} {path} is not a parquet file (no PAR1 header): give a .parquet file or rename it.")
+                raise UsageError(
+                    f"{option} {path} is not a parquet file (no PAR1 header): give a .parquet file or rename it."
+                )
             return
         if (nul := head.find(b"\0")) >= 0:
-            raise UsageError(f"{option} {path} looks binary (a NUL byte at offset {nul}): give UTF-8 "
-                             "text (.txt, .jsonl, .csv) or a .parquet file.")
+            raise UsageError(
+                f"{option} {path} looks binary (a NUL byte at offset {nul}): give UTF-8 "
+                "text (.txt, .jsonl, .csv) or a .parquet file."
+            )
         chunk = head
         while chunk:
             if chunk.strip():
@@ -73,11 +78,16 @@ def load_checked(pattern: str, builder: str, option: str, load: Callable[[], T])
             raise
         for path in paths if builder != "parquet" else []:
             if where := first_utf8_error(path):
-                raise UsageError(f"{option} {path} is not valid UTF-8 ({where}): convert it, e.g. "
-                                 f"iconv -f latin1 -t utf-8 {path} > {path.with_suffix('.utf8' + path.suffix)}.") from e
+                raise UsageError(
+                    f"{option} {path} is not valid UTF-8 ({where}): convert it, e.g. "
+                    f"iconv -f latin1 -t utf-8 {path} > {path.with_suffix('.utf8' + path.suffix)}."
+                ) from e
         cause = e.__cause__ or e
-        raise UsageError(f"{option} {pattern} cannot be read as {builder}: {type(cause).__name__}: "
-                         f"{str(cause).splitlines()[0] if str(cause) else ''}".rstrip(": ") + ".") from e
+        raise UsageError(
+            f"{option} {pattern} cannot be read as {builder}: {type(cause).__name__}: "
+            f"{str(cause).splitlines()[0] if str(cause) else ''}".rstrip(": ")
+            + "."
+        ) from e
 
 
 def check_text_column(ds, column: str, source: str, split: str) -> None:
@@ -85,8 +95,10 @@ def check_text_column(ds, column: str, source: str, split: str) -> None:
     feature = ds.features.get(column)
     dtype = getattr(feature, "dtype", type(feature).__name__)
     if dtype not in ("string", "large_string"):
-        raise UsageError(f"--text_column {column!r} of {source} ({split}) holds {dtype} values, not text: name the "
-                         "column that holds the text, or convert its values to strings.")
+        raise UsageError(
+            f"--text_column {column!r} of {source} ({split}) holds {dtype} values, not text: name the "
+            "column that holds the text, or convert its values to strings."
+        )
     if len(ds) == 0:
         raise UsageError(f"{source} ({split}) has no rows: give a file that holds training text.")
     nulls = ds.data.column(column).null_count

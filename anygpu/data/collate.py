@@ -20,6 +20,7 @@ Kept ours rather than TRL's or transformers' (`benchmarks/packing_vs_trl.py`, tr
   our rows at the same tokens); at our 0.01-0.03% padding it saves nothing, and it collates no faster:
   4.3 ms vs our Collator's 3.9 ms per micro-batch of the same tokens (4 rows of 1024).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -93,8 +94,13 @@ def pack_samples(ds: Dataset, capacity: int) -> Dataset:
     def gather(col: pa.Array, col_starts: np.ndarray) -> pa.Array:  # the packed tokens, in row order
         return pa.array(col.values.to_numpy(zero_copy_only=False)[np.repeat(col_starts[:-1][order], taken) + positions])
 
-    packed = pa.table({"input_ids": regroup(gather(ids, starts)), "labels": regroup(gather(labels, label_starts)),
-                       "position_ids": regroup(pa.array(positions))})
+    packed = pa.table(
+        {
+            "input_ids": regroup(gather(ids, starts)),
+            "labels": regroup(gather(labels, label_starts)),
+            "position_ids": regroup(pa.array(positions)),
+        }
+    )
     # the fingerprint from the input's and the capacity: hashing the packed table itself costs seconds
     fingerprint = hashlib.sha256(f"pack_samples|{ds._fingerprint}|{capacity}".encode()).hexdigest()[:16]
     return Dataset(InMemoryTable(packed), fingerprint=fingerprint)
@@ -110,7 +116,9 @@ def packing_supported(model_type: str, attn_implementation: str) -> bool:
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return False
     try:
-        module = importlib.import_module(f"transformers.models.{model_type.replace('-', '_')}.modeling_{model_type.replace('-', '_')}")
+        module = importlib.import_module(
+            f"transformers.models.{model_type.replace('-', '_')}.modeling_{model_type.replace('-', '_')}"
+        )
     except ImportError:
         return False
     return hasattr(module, "create_causal_mask")
@@ -147,7 +155,7 @@ class Collator:
             pos = torch.arange(width, dtype=torch.long).repeat(len(lengths), 1)
             for r, p in enumerate(columns["position_ids"]):
                 pos[r, : len(p)] = torch.tensor(p, dtype=torch.long)
-                pos[r, len(p):] -= len(p)
+                pos[r, len(p) :] -= len(p)
             batch["position_ids"] = pos
         else:
             batch["attention_mask"] = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
@@ -184,4 +192,3 @@ def real_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     tail = at >= last_start
     tail_trains = ((batch["labels"] != IGNORE) & tail).any(dim=1, keepdim=True)
     return (~tail | tail_trains).long()
-

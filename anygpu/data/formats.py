@@ -10,6 +10,7 @@ token: no token predicts it within its sample, so a packed row never trains one 
 to predict the next sample's first. Samples longer than the maximum length are truncated or dropped
 (`--truncation_mode`); samples left without any target token are dropped; both are counted.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,22 +56,30 @@ def training_texts(ds: Dataset, fmt: str, text_column: str, batch: int = 1000) -
 
 def row_key(ds: Dataset, fmt: str, text_column: str) -> Iterator[bytes]:
     """The content of each row as bytes, for fingerprinting in-memory data sets."""
-    columns = [text_column] if fmt == TEXT else [c for c in ("prompt", "completion", "messages") if c in ds.column_names]
+    columns = (
+        [text_column] if fmt == TEXT else [c for c in ("prompt", "completion", "messages") if c in ds.column_names]
+    )
     for i in range(0, len(ds), 1000):
         rows = ds[i : i + 1000]
         for values in zip(*(rows[c] for c in columns)):
             yield json.dumps(values, sort_keys=True, default=str).encode("utf-8", errors="replace")
 
 
-def _encode_prompt_completion(tokenizer, prompt: Any, completion: Any, completion_only: bool) -> tuple[list[int], list[bool]]:
+def _encode_prompt_completion(
+    tokenizer, prompt: Any, completion: Any, completion_only: bool
+) -> tuple[list[int], list[bool]]:
     if isinstance(prompt, str):
         # The prompt with the tokenizer's usual specials (BOS where it adds one); the completion ends with EOS,
         # a target, so the model learns where to stop.
         prompt_ids = tokenizer(prompt)["input_ids"]
         completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     else:  # conversational: the messages path's rendering and targets, less the prompt's turns when completion-only
-        return chat_template.encode_chat(tokenizer, prompt + completion, assistant_only=completion_only,
-                                         num_untrained=len(prompt) if completion_only else 0)
+        return chat_template.encode_chat(
+            tokenizer,
+            prompt + completion,
+            assistant_only=completion_only,
+            num_untrained=len(prompt) if completion_only else 0,
+        )
     ids = prompt_ids + completion_ids
     return ids, [not completion_only] * len(prompt_ids) + [True] * len(completion_ids)
 
@@ -126,7 +135,9 @@ def encode_sample(tokenizer, row: dict[str, Any], opts: EncodeOptions) -> tuple[
     return ids, labels, overlong
 
 
-def encode_split(ds: Dataset, tokenizer, opts: EncodeOptions, num_proc: int | None, split: str) -> tuple[Dataset, EncodeStats]:
+def encode_split(
+    ds: Dataset, tokenizer, opts: EncodeOptions, num_proc: int | None, split: str
+) -> tuple[Dataset, EncodeStats]:
     """Tokenise and mask every sample of a split; drop what cannot be trained on; count what happened."""
     columns = ["messages"] if opts.fmt == MESSAGES else ["prompt", "completion"]
 
@@ -140,7 +151,9 @@ def encode_split(ds: Dataset, tokenizer, opts: EncodeOptions, num_proc: int | No
             out["num_targets"].append(sum(1 for t in labels if t != IGNORE))
         return out
 
-    enc = ds.map(encode, batched=True, remove_columns=ds.column_names, num_proc=num_proc, desc=f"encode {split} ({opts.fmt})")
+    enc = ds.map(
+        encode, batched=True, remove_columns=ds.column_names, num_proc=num_proc, desc=f"encode {split} ({opts.fmt})"
+    )
     overlong, num_targets = enc["overlong"], enc["num_targets"]
     drop_long = opts.truncation_mode == "drop"
     keep = [i for i, (o, n) in enumerate(zip(overlong, num_targets)) if n > 0 and not (drop_long and o)]
@@ -156,7 +169,9 @@ def encode_split(ds: Dataset, tokenizer, opts: EncodeOptions, num_proc: int | No
     return enc.remove_columns(["overlong", "num_targets"]), stats
 
 
-def encode(raw: DatasetDict, tokenizer, opts: EncodeOptions, num_proc: int | None) -> tuple[DatasetDict, dict[str, EncodeStats]]:
+def encode(
+    raw: DatasetDict, tokenizer, opts: EncodeOptions, num_proc: int | None
+) -> tuple[DatasetDict, dict[str, EncodeStats]]:
     out, stats = DatasetDict(), {}
     for split, ds in raw.items():
         out[split], stats[split] = encode_split(ds, tokenizer, opts, num_proc, split)

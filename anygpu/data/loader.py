@@ -14,6 +14,7 @@ box (tiny preset, block 128, G 8, one rank using both cores): a step reads in 0.
 (60 steps: 0.24 ms/step with 0 workers, 2.3 with 1), and engine/plain steps/s was 1.004 with 0
 workers, 0.986 with 1 (benchmarks/engine_vs_plain.py, median of 3 rounds of 60 steps).
 """
+
 from __future__ import annotations
 
 import os
@@ -40,14 +41,21 @@ class StepBatches:
 
     def pin_memory(self) -> StepBatches:
         """Page-locked copies (the DataLoader's pinning calls this): device copies then do not block the host."""
-        return StepBatches(self.step, self.indices, [{k: v.pin_memory() for k, v in b.items()} for b in self.micro_batches],
-                           self.num_targets.pin_memory())
+        return StepBatches(
+            self.step,
+            self.indices,
+            [{k: v.pin_memory() for k, v in b.items()} for b in self.micro_batches],
+            self.num_targets.pin_memory(),
+        )
 
     def to(self, device: torch.device) -> StepBatches:
         non_blocking = device.type == "cuda"  # asynchronous from pinned memory; a plain copy from pageable memory
-        return StepBatches(self.step, self.indices,
-                           [{k: v.to(device, non_blocking=non_blocking) for k, v in b.items()} for b in self.micro_batches],
-                           self.num_targets.to(device, non_blocking=non_blocking))
+        return StepBatches(
+            self.step,
+            self.indices,
+            [{k: v.to(device, non_blocking=non_blocking) for k, v in b.items()} for b in self.micro_batches],
+            self.num_targets.to(device, non_blocking=non_blocking),
+        )
 
 
 class StepRows(torch.utils.data.Dataset):
@@ -73,7 +81,9 @@ class StepCollate:
         return StepBatches(step, micro, batches, torch.tensor(float(sum(count_targets(b) for b in batches))))
 
 
-def read_step(dataset: Dataset, collator: Collator, order: GlobalOrder, plan: BatchPlan, rank: int, step: int) -> StepBatches:
+def read_step(
+    dataset: Dataset, collator: Collator, order: GlobalOrder, plan: BatchPlan, rank: int, step: int
+) -> StepBatches:
     """Step `step` of rank `rank`, read now on the CPU (benchmarks, tests, one-off steps)."""
     micro = order.micro_batches(step, plan, rank)
     return StepCollate(collator)(StepRows(dataset)[(step, micro)])
@@ -90,9 +100,18 @@ def default_workers(device: torch.device) -> int:
     return 1 if device.type == "cuda" or spare_core() else 0
 
 
-def step_loader(dataset: Dataset, collator: Collator, order: GlobalOrder, plan: BatchPlan, rank: int,
-                start_step: int, end_step: int, device: torch.device, num_workers: int | None = None,
-                prefetch_factor: int = 2) -> torch.utils.data.DataLoader:
+def step_loader(
+    dataset: Dataset,
+    collator: Collator,
+    order: GlobalOrder,
+    plan: BatchPlan,
+    rank: int,
+    start_step: int,
+    end_step: int,
+    device: torch.device,
+    num_workers: int | None = None,
+    prefetch_factor: int = 2,
+) -> torch.utils.data.DataLoader:
     """Steps [start_step, end_step) of rank `rank`, in GlobalOrder's order, as CPU StepBatches (pinned on CUDA)."""
     workers = default_workers(device) if num_workers is None else num_workers
     return torch.utils.data.DataLoader(

@@ -1,4 +1,5 @@
 """The seeded global order of packed samples: global batch k is the same samples whatever the world size."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

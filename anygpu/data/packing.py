@@ -1,5 +1,6 @@
 """Tokenised text → packed blocks of `block_size` tokens, cached on disk per corpus × tokenizer × block size,
 and the batches read from them."""
+
 from __future__ import annotations
 
 import hashlib
@@ -51,14 +52,29 @@ def pack(
     try:
         for split, ds in raw.items():
             start = time.perf_counter()
-            packed[split], procs = _pack_split(ds, tokenizer, block_size, text_column, num_proc, tmp / f"map-{split}.arrow",
-                                               f"tokenise and pack {split} into {block_size}-token blocks")
+            packed[split], procs = _pack_split(
+                ds,
+                tokenizer,
+                block_size,
+                text_column,
+                num_proc,
+                tmp / f"map-{split}.arrow",
+                f"tokenise and pack {split} into {block_size}-token blocks",
+            )
             if len(packed[split]) == 0:  # (an empty split would also break save_to_disk/load_from_disk)
-                raise UsageError(f"the {split} split has no full {block_size}-token block: lower --block_size or give "
-                                 f"more {split} text.")
+                raise UsageError(
+                    f"the {split} split has no full {block_size}-token block: lower --block_size or give "
+                    f"more {split} text."
+                )
             mb, seconds = ds.data.nbytes / 1e6, time.perf_counter() - start
-            logger.info("%s: %.1f MB of text tokenised and packed in %.1f s (%.1f MB/s, %d processes)",
-                        split, mb, seconds, mb / max(seconds, 1e-9), procs)
+            logger.info(
+                "%s: %.1f MB of text tokenised and packed in %.1f s (%.1f MB/s, %d processes)",
+                split,
+                mb,
+                seconds,
+                mb / max(seconds, 1e-9),
+                procs,
+            )
         packed.save_to_disk(str(tmp / "dataset"))
         try:
             os.replace(tmp / "dataset", path)
@@ -72,8 +88,10 @@ def pack(
 def chunk_bounds(ds: Dataset, text_column: str, chunk_bytes: int) -> tuple[list[int], list[int]]:
     """Row ranges [start, end) of about `chunk_bytes` of non-empty text each: text i joins chunk
     floor(bytes before it / chunk_bytes), so the chunks follow from the corpus alone."""
-    lengths = [pc.fill_null(pc.binary_length(t[text_column]), 0).to_numpy(zero_copy_only=False)
-               for t in ds.with_format("arrow").iter(batch_size=100_000)]
+    lengths = [
+        pc.fill_null(pc.binary_length(t[text_column]), 0).to_numpy(zero_copy_only=False)
+        for t in ds.with_format("arrow").iter(batch_size=100_000)
+    ]
     sizes = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
     rows = np.flatnonzero(sizes > 0)
     if len(rows) == 0:
@@ -84,8 +102,9 @@ def chunk_bounds(ds: Dataset, text_column: str, chunk_bytes: int) -> tuple[list[
     return rows[first].tolist(), (rows[last] + 1).tolist()
 
 
-def _pack_split(ds: Dataset, tokenizer, block_size: int, text_column: str, num_proc: int | None, cache_file: Path,
-                desc: str) -> tuple[Dataset, int]:
+def _pack_split(
+    ds: Dataset, tokenizer, block_size: int, text_column: str, num_proc: int | None, cache_file: Path, desc: str
+) -> tuple[Dataset, int]:
     """One split, tokenised and packed chunk by chunk, chunks spread over `num_proc` processes.
 
     A block never spans two chunks (as HF's run_clm groups per map batch), and the chunks are fixed by the
@@ -108,7 +127,14 @@ def _pack_split(ds: Dataset, tokenizer, block_size: int, text_column: str, num_p
         return {"input_ids": np.concatenate(blocks) if blocks else np.zeros((0, block_size), dtype=np.int32)}
 
     procs = max(1, min(num_proc or 1, len(chunks)))
-    out = chunks.map(tokenize_and_pack, batched=True, batch_size=1, remove_columns=["start", "end"],
-                     num_proc=procs if procs > 1 else None, features=BLOCK_FEATURES, cache_file_name=str(cache_file),
-                     desc=desc)
+    out = chunks.map(
+        tokenize_and_pack,
+        batched=True,
+        batch_size=1,
+        remove_columns=["start", "end"],
+        num_proc=procs if procs > 1 else None,
+        features=BLOCK_FEATURES,
+        cache_file_name=str(cache_file),
+        desc=desc,
+    )
     return out, procs

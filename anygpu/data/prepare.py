@@ -2,6 +2,7 @@
 
 Every check that can refuse the run happens first, before tokenising or touching a GPU.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,10 +57,14 @@ def check_output_dir(output_dir: str) -> None:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        raise UsageError(f"--output_dir {output_dir} cannot be written ({e.strerror or e}): choose a writable folder, e.g. ./outputs/run1.") from e
+        raise UsageError(
+            f"--output_dir {output_dir} cannot be written ({e.strerror or e}): choose a writable folder, e.g. ./outputs/run1."
+        ) from e
 
 
-def preprocessing_workers(requested: int | None, num_bytes: int, max_workers: int = 64, bytes_per_worker: int = 4_000_000) -> int:
+def preprocessing_workers(
+    requested: int | None, num_bytes: int, max_workers: int = 64, bytes_per_worker: int = 4_000_000
+) -> int:
     """Tokenising processes: as asked, else one per core of this node (local rank 0 prepares while the
     others wait), at most `max_workers`, and none idle on a small corpus (a process costs ~1 s to start)."""
     if requested:
@@ -68,20 +73,32 @@ def preprocessing_workers(requested: int | None, num_bytes: int, max_workers: in
     return max(1, min(cores, max_workers, num_bytes // bytes_per_worker))
 
 
-def check_run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments, world_size: int
-              ) -> tuple[PretrainedConfig, int, BatchPlan]:
+def check_run(
+    model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments, world_size: int
+) -> tuple[PretrainedConfig, int, BatchPlan]:
     """The cheap checks: model config, block size, batch math, output dir. Raises UsageError."""
     config = modeling.resolve_config(model_args)
     block_size = modeling.resolve_block_size(data_args.block_size, config)
-    G = resolve_global_batch(train_args.global_batch_size, train_args.global_batch_tokens, block_size,
-                             train_args.per_device_train_batch_size, train_args.gradient_accumulation_steps, world_size)
+    G = resolve_global_batch(
+        train_args.global_batch_size,
+        train_args.global_batch_tokens,
+        block_size,
+        train_args.per_device_train_batch_size,
+        train_args.gradient_accumulation_steps,
+        world_size,
+    )
     plan = plan_batch(G, world_size, train_args.per_device_train_batch_size, train_args.gradient_accumulation_steps)
     check_output_dir(train_args.output_dir)
     return config, block_size, plan
 
 
-def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments, info: DistInfo,
-            checked: tuple[PretrainedConfig, int, BatchPlan] | None = None) -> Prepared:
+def prepare(
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    train_args: TrainArguments,
+    info: DistInfo,
+    checked: tuple[PretrainedConfig, int, BatchPlan] | None = None,
+) -> Prepared:
     """`checked`: what `check_run` already returned for this world size (it is not redone)."""
     config, block_size, plan = checked or check_run(model_args, data_args, train_args, info.world_size)
     with distributed.local_main_first(info):
@@ -91,7 +108,11 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
         tokenizer = tok_lib.load_or_train(
             model_args.tokenizer_name or model_args.model_name_or_path,
             lambda: training_texts(raw["train"], fmt, data_args.text_column),
-            fp, model_args.vocab_size, data_args.data_cache_dir, info.is_local_main, model_args.trust_remote_code,
+            fp,
+            model_args.vocab_size,
+            data_args.data_cache_dir,
+            info.is_local_main,
+            model_args.trust_remote_code,
         )
         packing = resolve_packing(data_args.packing, fmt, config.model_type, model_args.attn_implementation)
         workers = preprocessing_workers(data_args.preprocessing_num_workers, raw["train"].data.nbytes)
@@ -101,9 +122,13 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
     if data_args.max_train_samples:
         packed["train"] = packed["train"].select(range(min(data_args.max_train_samples, len(packed["train"]))))
     if data_args.max_eval_samples and 0 < data_args.max_eval_samples < len(packed["validation"]):
-        packed["validation"] = packed["validation"].select(eval_subset(len(packed["validation"]), data_args.max_eval_samples))
+        packed["validation"] = packed["validation"].select(
+            eval_subset(len(packed["validation"]), data_args.max_eval_samples)
+        )
     if len(packed["validation"]) == 0:
-        raise UsageError(f"the validation split has no full {block_size}-token block: lower --block_size or give more validation text.")
+        raise UsageError(
+            f"the validation split has no full {block_size}-token block: lower --block_size or give more validation text."
+        )
     from_scratch = model_args.model_name_or_path is None
     config = modeling.fit_config_to_tokenizer(config, tokenizer, from_scratch)
     order = GlobalOrder(len(packed["train"]), plan.global_batch_size, train_args.seed)
@@ -111,8 +136,20 @@ def prepare(model_args: ModelArguments, data_args: DataArguments, train_args: Tr
         total = train_args.max_steps
     else:
         total = max(1, int(train_args.num_train_epochs * order.steps_per_epoch))
-    return Prepared(config, tokenizer, packed, block_size, plan, order, total, from_scratch, is_default,
-                    data.collator, data.describe(), fp)
+    return Prepared(
+        config,
+        tokenizer,
+        packed,
+        block_size,
+        plan,
+        order,
+        total,
+        from_scratch,
+        is_default,
+        data.collator,
+        data.describe(),
+        fp,
+    )
 
 
 def resolve_packing(requested: bool | None, fmt: str, model_type: str, attn_implementation: str) -> bool:
@@ -121,12 +158,15 @@ def resolve_packing(requested: bool | None, fmt: str, model_type: str, attn_impl
         return requested is not False
     supported = packing_supported(model_type, attn_implementation)
     if requested and not supported:
-        raise UsageError(f"--packing true: {model_type} with --attn_implementation {attn_implementation} cannot confine "
-                         "attention to each packed sample; use --packing false (padding per micro-batch).")
+        raise UsageError(
+            f"--packing true: {model_type} with --attn_implementation {attn_implementation} cannot confine "
+            "attention to each packed sample; use --packing false (padding per micro-batch)."
+        )
     if not supported:
-        logger.info("%s cannot confine attention to packed samples: one sample per row, padded per micro-batch", model_type)
+        logger.info(
+            "%s cannot confine attention to packed samples: one sample per row, padded per micro-batch", model_type
+        )
     return supported
-
 
 
 def summary_lines(prep: Prepared, model, train_args: TrainArguments, tf32: bool) -> list[str]:
@@ -136,13 +176,19 @@ def summary_lines(prep: Prepared, model, train_args: TrainArguments, tf32: bool)
     return [
         hardware.describe(),
         f"model: {prep.config.model_type}, {n / 1e6:.1f}M parameters, vocab {prep.config.vocab_size}, block {prep.block_size}",
-        (prep.data_lines[0] if prep.data_lines else
-         f"data: {len(prep.datasets['train'])} train / {len(prep.datasets['validation'])} eval blocks")
+        (
+            prep.data_lines[0]
+            if prep.data_lines
+            else f"data: {len(prep.datasets['train'])} train / {len(prep.datasets['validation'])} eval blocks"
+        )
         + (" (embedded default: Python standard library sources)" if prep.used_default_corpus else ""),
         *prep.data_lines[1:],
         prep.plan.banner(),
         f"steps: {prep.total_steps} ({prep.order.steps_per_epoch} per epoch), precision: {precision}"
         + (", TF32 matmuls" if tf32 else ""),
-        *[line for line in (dropout.note(model), lean_loss.note(model), lora.is_peft(model) and lora.trainable_line(model))
-          if line],
+        *[
+            line
+            for line in (dropout.note(model), lean_loss.note(model), lora.is_peft(model) and lora.trainable_line(model))
+            if line
+        ],
     ]

@@ -1,5 +1,6 @@
 """Prompt-completion and chat data → training rows (packed or one sample each), cached on disk per corpus ×
 tokenizer × chat template × options, with the counts the banner reports."""
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,15 @@ SAMPLES_VERSION = "2"  # 2: packed rows break ties as TRL's bfd does (oldest row
 STATS_FILE = "anygpu_stats.json"
 
 
-def build_rows(raw: DatasetDict, tokenizer, opts: EncodeOptions, packed: bool, corpus_fingerprint: str, cache_dir: str,
-               num_proc: int | None = None) -> tuple[DatasetDict, dict[str, EncodeStats]]:
+def build_rows(
+    raw: DatasetDict,
+    tokenizer,
+    opts: EncodeOptions,
+    packed: bool,
+    corpus_fingerprint: str,
+    cache_dir: str,
+    num_proc: int | None = None,
+) -> tuple[DatasetDict, dict[str, EncodeStats]]:
     """Rows of every split (columns input_ids, labels, and position_ids when packed) and per-split counts."""
     key = hashlib.sha256(
         f"{SAMPLES_VERSION}|{corpus_fingerprint}|{tokenizer_key(tokenizer)}|{opts.key()}|{packed}".encode()
@@ -65,44 +73,72 @@ class TrainingRows:
     carved_validation: bool = False
 
     def describe(self) -> list[str]:
-        kind = ("blocks" if self.fmt == TEXT else "packed rows (attention confined to each sample)" if self.packed
-                else "rows (one sample each, padded per micro-batch)")
-        lines = [f"data: {len(self.rows['train'])} train / {len(self.rows['validation'])} eval {kind}"
-                 + (f", format {self.fmt}" if self.fmt != TEXT else "")
-                 + (" (validation carved from the training rows: too few documents to split)" if self.carved_validation else "")]
+        kind = (
+            "blocks"
+            if self.fmt == TEXT
+            else "packed rows (attention confined to each sample)"
+            if self.packed
+            else "rows (one sample each, padded per micro-batch)"
+        )
+        lines = [
+            f"data: {len(self.rows['train'])} train / {len(self.rows['validation'])} eval {kind}"
+            + (f", format {self.fmt}" if self.fmt != TEXT else "")
+            + (
+                " (validation carved from the training rows: too few documents to split)"
+                if self.carved_validation
+                else ""
+            )
+        ]
         for split, s in self.stats.items():
             lines.append(f"  {split}: {s.describe()}, {s.target_tokens} target tokens of {s.tokens}")
         if self.default_template:
-            lines.append("  chat template: the tokenizer has none; anygpu's default (ChatML layout, turns end with EOS)")
+            lines.append(
+                "  chat template: the tokenizer has none; anygpu's default (ChatML layout, turns end with EOS)"
+            )
         return lines
 
 
 def carve_validation(train: Dataset, percentage: float) -> DatasetDict:
     """The last rows of the training set as validation (at least one), when the raw data had too few documents."""
     if len(train) < 2:
-        raise UsageError(f"the training data makes {len(train)} row(s): too little to carve a validation split from; "
-                         "give --validation_file, more data, or a smaller --block_size.")
+        raise UsageError(
+            f"the training data makes {len(train)} row(s): too little to carve a validation split from; "
+            "give --validation_file, more data, or a smaller --block_size."
+        )
     num_val = min(len(train) - 1, max(1, round(len(train) * percentage / 100)))
-    return DatasetDict(train=train.select(range(len(train) - num_val)),
-                       validation=train.select(range(len(train) - num_val, len(train))))
+    return DatasetDict(
+        train=train.select(range(len(train) - num_val)),
+        validation=train.select(range(len(train) - num_val, len(train))),
+    )
 
 
-def make_rows(raw: DatasetDict, fmt: str, tokenizer, block_size: int, data_args: DataArguments, packing: bool,
-              corpus_fingerprint: str, num_proc: int | None = None) -> TrainingRows:
+def make_rows(
+    raw: DatasetDict,
+    fmt: str,
+    tokenizer,
+    block_size: int,
+    data_args: DataArguments,
+    packing: bool,
+    corpus_fingerprint: str,
+    num_proc: int | None = None,
+) -> TrainingRows:
     """Tokenise (and pack) the raw data of any format into rows; carve a validation split when there is none."""
     default_template = False
     if fmt == MESSAGES or (fmt == PROMPT_COMPLETION and not isinstance(raw["train"][0]["prompt"], str)):
         default_template = chat_template.ensure_chat_template(tokenizer)
     if fmt == TEXT:
-        rows = pack(raw, tokenizer, block_size, data_args.text_column, corpus_fingerprint, data_args.data_cache_dir, num_proc)
+        rows = pack(
+            raw, tokenizer, block_size, data_args.text_column, corpus_fingerprint, data_args.data_cache_dir, num_proc
+        )
         stats, packing = {}, True
     else:
-        opts = EncodeOptions(fmt, block_size, data_args.completion_only_loss, data_args.assistant_only_loss,
-                             data_args.truncation_mode)
-        rows, stats = build_rows(raw, tokenizer, opts, packing, corpus_fingerprint, data_args.data_cache_dir,
-                                 num_proc)
+        opts = EncodeOptions(
+            fmt, block_size, data_args.completion_only_loss, data_args.assistant_only_loss, data_args.truncation_mode
+        )
+        rows, stats = build_rows(raw, tokenizer, opts, packing, corpus_fingerprint, data_args.data_cache_dir, num_proc)
     carved = "validation" not in rows
     if carved:
         rows = carve_validation(rows["train"], data_args.validation_split_percentage)
-    return TrainingRows(rows, Collator(tokenizer.pad_token_id, packing and fmt != TEXT), fmt, packing, stats,
-                        default_template, carved)
+    return TrainingRows(
+        rows, Collator(tokenizer.pad_token_id, packing and fmt != TEXT), fmt, packing, stats, default_template, carved
+    )

@@ -1,5 +1,6 @@
 """Raw training text: a datasets hub id or saved folder, local txt/json/jsonl/csv/parquet files, or
 (with no data arguments) the .py files of this Python's standard library."""
+
 from __future__ import annotations
 
 import glob
@@ -16,7 +17,14 @@ from anygpu.data import checks
 from anygpu.data.formats import TEXT, detect_format, row_key
 from anygpu.errors import UsageError
 
-FILE_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+FILE_BUILDERS = {
+    ".txt": "text",
+    ".text": "text",
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
 STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -61,10 +69,13 @@ def _load_files(path_or_glob: str, text_column: str, option: str = "--train_file
     suffix = Path(path_or_glob).suffix.lower()
     builder = FILE_BUILDERS.get(suffix)
     if builder is None:
-        raise UsageError(f"file {path_or_glob}: unknown format {suffix!r}; use one of {', '.join(sorted(FILE_BUILDERS))}.")
+        raise UsageError(
+            f"file {path_or_glob}: unknown format {suffix!r}; use one of {', '.join(sorted(FILE_BUILDERS))}."
+        )
     kwargs = {"sample_by": txt_sample_by(path_or_glob, sample_by)} if builder == "text" else {}
-    ds = checks.load_checked(path_or_glob, builder, option,
-                             lambda: load_dataset(builder, data_files=path_or_glob, split="train", **kwargs))
+    ds = checks.load_checked(
+        path_or_glob, builder, option, lambda: load_dataset(builder, data_files=path_or_glob, split="train", **kwargs)
+    )
     return ds.rename_column("text", text_column) if builder == "text" and text_column != "text" else ds
 
 
@@ -87,11 +98,15 @@ def load_raw_text(args: DataArguments, seed: int = 0) -> tuple[DatasetDict, bool
     elif args.train_file:
         raw = DatasetDict(train=_load_files(args.train_file, args.text_column, "--train_file", args.txt_sample_by))
         if args.validation_file:
-            raw["validation"] = _load_files(args.validation_file, args.text_column, "--validation_file", args.txt_sample_by)
+            raw["validation"] = _load_files(
+                args.validation_file, args.text_column, "--validation_file", args.txt_sample_by
+            )
     else:
         return stdlib_corpus(args.validation_split_percentage, args.max_corpus_mb), True
     source = args.dataset_name or args.train_file
-    formats = {split: detect_format(ds.column_names, args.text_column, f"{source} ({split})") for split, ds in raw.items()}
+    formats = {
+        split: detect_format(ds.column_names, args.text_column, f"{source} ({split})") for split, ds in raw.items()
+    }
     if len(set(formats.values())) > 1:
         raise UsageError(f"{source}: the splits hold different formats ({formats}): give the same columns in each.")
     for split, ds in raw.items():

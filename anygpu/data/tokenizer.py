@@ -1,4 +1,5 @@
 """Load a tokenizer, or train a byte-level BPE offline when the run has none."""
+
 from __future__ import annotations
 
 import hashlib
@@ -26,8 +27,10 @@ def tokenizer_key(tokenizer: PreTrainedTokenizerBase) -> str:
     in tokenizer_config.json, not in tokenizer.json: a changed EOS must change the key (packing cache, resume)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    special = {name: (getattr(tokenizer, name, None), getattr(tokenizer, f"{name}_id", None))
-               for name in ("eos_token", "bos_token", "pad_token")}
+    special = {
+        name: (getattr(tokenizer, name, None), getattr(tokenizer, f"{name}_id", None))
+        for name in ("eos_token", "bos_token", "pad_token")
+    }
     return hashlib.sha256(json.dumps([vocab, special, tokenizer.chat_template], default=str).encode()).hexdigest()
 
 
@@ -49,7 +52,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD, model_max_length=1 << 30)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD, model_max_length=1 << 30
+    )
 
 
 def load_or_train(
@@ -73,15 +78,20 @@ def load_or_train(
     path = trained_tokenizer_dir(cache_dir, corpus_fingerprint, vocab_size)
     if not (path / "tokenizer.json").exists():
         if not is_local_main:
-            raise RuntimeError(f"tokenizer cache {path} missing after local rank 0 built it (is the cache dir per-node?)")
+            raise RuntimeError(
+                f"tokenizer cache {path} missing after local rank 0 built it (is the cache dir per-node?)"
+            )
         logger.info("training a byte-level BPE tokenizer (vocab %d) on the training text…", vocab_size)
         tok = train_bpe(texts(), vocab_size)
         _save_atomically(tok, path)
     tok = PreTrainedTokenizerFast.from_pretrained(str(path))
     if len(tok) < vocab_size and rank() == 0:
         # a small corpus runs out of merges: the model's vocabulary follows the tokenizer's real size
-        print(f"note: the tokenizer trained on this text has {len(tok)} tokens, fewer than --vocab_size {vocab_size} "
-              "asked (the text has no more merges to learn); the model's vocabulary follows the tokenizer.", flush=True)
+        print(
+            f"note: the tokenizer trained on this text has {len(tok)} tokens, fewer than --vocab_size {vocab_size} "
+            "asked (the text has no more merges to learn); the model's vocabulary follows the tokenizer.",
+            flush=True,
+        )
     return tok
 
 

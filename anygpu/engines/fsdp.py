@@ -5,6 +5,7 @@ of m (G = m·W·A). Each micro-batch's loss is its token-loss sum over the numbe
 tokens in the *whole global batch* (all-reduced up front), times W because FSDP averages
 gradients over ranks: the gradient is the global-batch token mean whatever W, m and A.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,14 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
     dropout.install(model, train_args.seed)
     lean_loss.install(model, train_args.lean_loss)  # patches lm_head's forward before FSDP2 swaps the classes
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    parallel.shard_model(model, info.device, mesh_shape(train_args, info.world_size), train_args.bf16,
-                         train_args.gradient_checkpointing, train_args.torch_compile)
+    parallel.shard_model(
+        model,
+        info.device,
+        mesh_shape(train_args, info.world_size),
+        train_args.bf16,
+        train_args.gradient_checkpointing,
+        train_args.torch_compile,
+    )
     model.to_empty(device=info.device)
     if not parallel.is_sharded(model):
         model.tie_weights()  # to_empty gives a plain module's tied parameters separate storage
@@ -75,23 +82,41 @@ def evaluate(model, dataset, collator: Collator, batch_size: int, info: distribu
         batch = {k: v.to(info.device) for k, v in collator.read(dataset, idx or [0]).items()}
         # num_items_in_batch=1 turns the model's loss into a token-loss sum (HF's own loss path)
         with lean_loss.active(model):
-            loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=info.device),
-                             **moe.eval_kwargs(model)).loss
+            loss_sum = model(
+                **batch,
+                use_cache=False,
+                num_items_in_batch=torch.tensor(1, device=info.device),
+                **moe.eval_kwargs(model),
+            ).loss
         if idx:
-            totals += torch.stack([loss_sum.double(), torch.tensor(float(count_targets(batch)), device=info.device, dtype=torch.float64)])
+            totals += torch.stack(
+                [loss_sum.double(), torch.tensor(float(count_targets(batch)), device=info.device, dtype=torch.float64)]
+            )
     distributed.all_reduce_sum(totals)
     model.train()
     return (totals[0] / totals[1]).item()
 
 
-def steps(prep: Prepared, info: distributed.DistInfo, start_step: int, end_step: int,
-          num_workers: int | None = None) -> torch.utils.data.DataLoader:
+def steps(
+    prep: Prepared, info: distributed.DistInfo, start_step: int, end_step: int, num_workers: int | None = None
+) -> torch.utils.data.DataLoader:
     """This rank's optimizer steps [start_step, end_step) (0-based), read ahead by a DataLoader."""
-    return step_loader(prep.datasets["train"], prep.collator, prep.order, prep.plan, info.rank, start_step, end_step,
-                       info.device, num_workers)
+    return step_loader(
+        prep.datasets["train"],
+        prep.collator,
+        prep.order,
+        prep.plan,
+        info.rank,
+        start_step,
+        end_step,
+        info.device,
+        num_workers,
+    )
 
 
-def train_step(model, prep: Prepared, step: int, info: distributed.DistInfo, cpu: StepBatches | None = None) -> torch.Tensor:
+def train_step(
+    model, prep: Prepared, step: int, info: distributed.DistInfo, cpu: StepBatches | None = None
+) -> torch.Tensor:
     """Forward/backward of one optimizer step's micro-batches (`cpu`: the loader's item for `step`, else read
     now); returns this rank's part of the global-batch mean loss, on the device (no host sync here:
     `global_loss` sums it over the ranks at logging steps)."""
@@ -128,8 +153,13 @@ def clip_gradients(model, max_norm: float) -> torch.Tensor:
 
 def banner(prep: Prepared, model, train_args: TrainArguments, tf32: bool, shape: mesh.MeshShape) -> str:
     built = parallel.mesh_of(model)  # what the parameters really live on, not what was asked for
-    return "\n".join(["anygpu FSDP2 engine", *summary_lines(prep, model, train_args, tf32),
-                      (built or shape).banner(sharded=built is not None)])
+    return "\n".join(
+        [
+            "anygpu FSDP2 engine",
+            *summary_lines(prep, model, train_args, tf32),
+            (built or shape).banner(sharded=built is not None),
+        ]
+    )
 
 
 class FSDPTrainer:
@@ -143,7 +173,9 @@ class FSDPTrainer:
         self.args, self.model_args = train_args, model_args
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
         run_guard.check_ranks(info, resolved_dict(model_args, data_args, train_args), train_args.output_dir)
-        logging.basicConfig(level=logging.INFO if info.is_main else logging.WARNING, format="[%(levelname)s] %(message)s")
+        logging.basicConfig(
+            level=logging.INFO if info.is_main else logging.WARNING, format="[%(levelname)s] %(message)s"
+        )
         if train_args.fp16:
             raise UsageError("--fp16 is not supported by the FSDP2 engine: use --bf16 (same memory, no loss scaling).")
         if train_args.bf16 and info.device.type == "cuda" and not hardware.supports_bf16():
@@ -161,20 +193,33 @@ class FSDPTrainer:
         self.model = build_model(prep, model_args, train_args, info)
         self.auto_probe = None
         if train_args.auto_micro_batch:  # the largest micro-batch that fits on every rank; G unchanged
-            self.auto_probe = auto_batch.apply(prep, model_args, train_args, info.device, "fsdp2", self.model,
-                                               shard_size=self.mesh_shape.dp_shard, lean=lean_loss.is_installed(self.model))
+            self.auto_probe = auto_batch.apply(
+                prep,
+                model_args,
+                train_args,
+                info.device,
+                "fsdp2",
+                self.model,
+                shard_size=self.mesh_shape.dp_shard,
+                lean=lean_loss.is_installed(self.model),
+            )
             print(f"rank {info.rank}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
         self.scheduler = optim.build_scheduler(self.optimizer, train_args, prep.total_steps)
         self.start_step = self._resume(resume) if resume is not None else 0
-        self.writer = metrics.MetricsWriter(train_args.output_dir, info.is_main, train_args.report_to,
-                                            self.start_step if resume is not None else None)
+        self.writer = metrics.MetricsWriter(
+            train_args.output_dir, info.is_main, train_args.report_to, self.start_step if resume is not None else None
+        )
         self.async_saver = self._async_saver()
         self.end_step = min(prep.total_steps, train_args.stop_at_step or prep.total_steps)
         precision = hardware.matmul_precision(train_args.bf16, train_args.fp16, tf32)
-        self.peak_flops = hardware.peak_flops(hardware.devices()[0].name, precision) if info.device.type == "cuda" else None
+        self.peak_flops = (
+            hardware.peak_flops(hardware.devices()[0].name, precision) if info.device.type == "cuda" else None
+        )
         self.tokens = metrics.StepTokens(prep.datasets["train"], prep.order, prep.block_size)
-        self.flops_per_token = metrics.flops_per_token(prep.config, modeling.count_parameters(self.model, exclude_embeddings=True), prep.block_size)
+        self.flops_per_token = metrics.flops_per_token(
+            prep.config, modeling.count_parameters(self.model, exclude_embeddings=True), prep.block_size
+        )
         self.last: dict[str, Any] = {}
         self.batches: Iterator[StepBatches] | None = None  # train()'s iterator over the step loader
         self.preemption: Preemption | None = None  # train()'s SIGTERM handler
@@ -184,13 +229,18 @@ class FSDPTrainer:
                 print(self.auto_probe.line(), flush=True)
             if resume is not None:
                 was, now = self.resumed_mesh, self.mesh_shape
-                print(f"resumed from {resume} at step {self.start_step} (was {self.resumed_world_size} ranks, now "
-                      f"{info.world_size}; mesh was {was.dp_replicate} × {was.dp_shard}, now {now.dp_replicate} × "
-                      f"{now.dp_shard})", flush=True)
+                print(
+                    f"resumed from {resume} at step {self.start_step} (was {self.resumed_world_size} ranks, now "
+                    f"{info.world_size}; mesh was {was.dp_replicate} × {was.dp_shard}, now {now.dp_replicate} × "
+                    f"{now.dp_shard})",
+                    flush=True,
+                )
                 if line := resume_guard.banner_line(changed):
                     print(line, flush=True)
             out = Path(train_args.output_dir)
-            (out / "args.json").write_text(json.dumps(resolved_dict(model_args, data_args, train_args), indent=2, default=str))
+            (out / "args.json").write_text(
+                json.dumps(resolved_dict(model_args, data_args, train_args), indent=2, default=str)
+            )
             prep.tokenizer.save_pretrained(str(out / "tokenizer"))
 
     def _resume(self, path: Path) -> int:
@@ -210,22 +260,44 @@ class FSDPTrainer:
         on, why = async_store.use_async(self.args.async_save, self.model, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         if self.info.is_main:
             logger.info("periodic checkpoints: %s (%s)", "asynchronous" if on else "synchronous", why)
-        return async_store.AsyncCheckpointer(self.args.output_dir, self.args.save_total_limit, self.info.rank,
-                                                  self.info.device) if on else None
+        return (
+            async_store.AsyncCheckpointer(
+                self.args.output_dir, self.args.save_total_limit, self.info.rank, self.info.device
+            )
+            if on
+            else None
+        )
 
     def save(self, step: int, background: bool = False) -> None:
         """Checkpoint `step`; `background`: return once staged (periodic saves), else when complete."""
         prep = self.prep
-        state = {"global_step": step, "global_batch_size": prep.plan.global_batch_size, "world_size": self.info.world_size,
-                 "dp_replicate": self.mesh_shape.dp_replicate, "dp_shard": self.mesh_shape.dp_shard, "seed": self.args.seed, "num_train_samples": prep.order.num_samples, "total_steps": prep.total_steps}
+        state = {
+            "global_step": step,
+            "global_batch_size": prep.plan.global_batch_size,
+            "world_size": self.info.world_size,
+            "dp_replicate": self.mesh_shape.dp_replicate,
+            "dp_shard": self.mesh_shape.dp_shard,
+            "seed": self.args.seed,
+            "num_train_samples": prep.order.num_samples,
+            "total_steps": prep.total_steps,
+        }
         extra = {resume_guard.FINGERPRINT_FILE: self.fingerprint}
         if self.async_saver is not None:
             if background:
                 self.async_saver.save(step, self.model, self.optimizer, self.scheduler, state, extra)
                 return
             self.async_saver.wait()  # the previous one completes first: checkpoints commit in step order
-        store.save(self.args.output_dir, step, self.model, self.optimizer, self.scheduler, state,
-                        self.args.save_total_limit, self.info.rank, extra)
+        store.save(
+            self.args.output_dir,
+            step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            state,
+            self.args.save_total_limit,
+            self.info.rank,
+            extra,
+        )
 
     def _log(self, rec: dict[str, Any]) -> None:
         self.writer.write(rec)
@@ -235,16 +307,33 @@ class FSDPTrainer:
 
     def log_eval(self, step: int) -> None:
         test_fault("eval", step)
-        eval_loss = evaluate(self.model, self.prep.datasets["validation"], self.prep.collator,
-                             self.args.per_device_eval_batch_size, self.info)
+        eval_loss = evaluate(
+            self.model,
+            self.prep.datasets["validation"],
+            self.prep.collator,
+            self.args.per_device_eval_batch_size,
+            self.info,
+        )
         self._log({"step": step, "eval_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)})
 
     def log_train(self, step: int, loss: float, lr: float, grad_norm: float, window: metrics.ThroughputWindow) -> None:
         info, G = self.info, self.prep.plan.global_batch_size
-        rec = {"step": step, "loss": loss, "learning_rate": lr, "grad_norm": grad_norm, **window.record(self.tokens.padded)}
+        rec = {
+            "step": step,
+            "loss": loss,
+            "learning_rate": lr,
+            "grad_norm": grad_norm,
+            **window.record(self.tokens.padded),
+        }
         tps = rec["tokens_per_second"]
-        rec.update({"tokens_per_second_per_device": tps / info.world_size, "world_size": info.world_size,
-                    "global_batch_size": G, "epoch": step / self.prep.order.steps_per_epoch})
+        rec.update(
+            {
+                "tokens_per_second_per_device": tps / info.world_size,
+                "world_size": info.world_size,
+                "global_batch_size": G,
+                "epoch": step / self.prep.order.steps_per_epoch,
+            }
+        )
         if (u := metrics.mfu(tps, self.flops_per_token, self.peak_flops, info.world_size)) is not None:
             rec["mfu"] = u
         if (mem := metrics.max_memory_gb(info.device)) is not None:
@@ -269,8 +358,14 @@ class FSDPTrainer:
         preemption.watch(self.model)
         if args.eval_on_start and self.start_step == 0:
             self.log_eval(0)
-        bar = tqdm(total=self.end_step, initial=self.start_step, disable=args.disable_tqdm or not info.is_main,
-                   desc="train", unit="step", dynamic_ncols=True)
+        bar = tqdm(
+            total=self.end_step,
+            initial=self.start_step,
+            disable=args.disable_tqdm or not info.is_main,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+        )
         self.model.train()
         self.batches = iter(steps(self.prep, info, self.start_step, self.end_step))  # 0-based steps
         window = metrics.ThroughputWindow()
@@ -279,7 +374,9 @@ class FSDPTrainer:
             if step == self.start_step + 1 and info.is_main:
                 if info.device.type == "cuda":
                     torch.cuda.synchronize()  # once: the first step's time must count its finished work
-                logger.info("first step done %.1f s after the process started (%.1f s of CPU)", *metrics.since_process_start())
+                logger.info(
+                    "first step done %.1f s after the process started (%.1f s of CPU)", *metrics.since_process_start()
+                )
             window.add(*self.tokens.count(step - 1, self.prep.plan))
             bar.update(1)
             if step % args.logging_steps == 0 or step == self.end_step:
@@ -293,8 +390,10 @@ class FSDPTrainer:
             preemption.beat()
             if distributed.any_rank(preemption.requested is not None, info.device):
                 if info.is_main:
-                    tqdm.write(f"{preemption.requested or 'SIGTERM'}: saving checkpoint-{step} before exiting "
-                               f"(exit {errors.EXIT_PREEMPTED})")
+                    tqdm.write(
+                        f"{preemption.requested or 'SIGTERM'}: saving checkpoint-{step} before exiting "
+                        f"(exit {errors.EXIT_PREEMPTED})"
+                    )
                 self.save(step)
                 self.close(bar)
                 sys.exit(errors.EXIT_PREEMPTED)
@@ -316,13 +415,21 @@ class FSDPTrainer:
             self.save(self.end_step)
         if self.end_step == self.prep.total_steps and self.args.export_final and lora.is_peft(self.model):
             with protected():  # the preemption watchdog waits for the export, however long
-                final = export.export_adapter(self.model, self.prep.tokenizer, self.model_args.model_name_or_path, out / "final",
-                                            self.info.rank, self.model_args.merge_lora)
+                final = export.export_adapter(
+                    self.model,
+                    self.prep.tokenizer,
+                    self.model_args.model_name_or_path,
+                    out / "final",
+                    self.info.rank,
+                    self.model_args.merge_lora,
+                )
             if self.info.is_main:
                 print(f"final adapter: {final} (PeftModel.from_pretrained loads it over the base)", flush=True)
         elif self.end_step == self.prep.total_steps and self.args.export_final:
             with protected():
-                final = export.export_safetensors(self.model, self.prep.config, self.prep.tokenizer, out / "final", self.info.rank)
+                final = export.export_safetensors(
+                    self.model, self.prep.config, self.prep.tokenizer, out / "final", self.info.rank
+                )
             if self.info.is_main:
                 print(f"final model: {final} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
         if self.info.is_main:

@@ -73,8 +73,10 @@ class Gpu:
         amd-smi builds its UUID from that serial (amd_smi_uuid.cc): byte 7 is the first two hex
         digits, byte 6 the two after the third dash, bytes 0-5 the last twelve.
         """
-        m = re.fullmatch(r"([0-9a-f]{2})[0-9a-f]{6}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{2}([0-9a-f]{2})-([0-9a-f]{12})",
-                         self.uuid.lower())
+        m = re.fullmatch(
+            r"([0-9a-f]{2})[0-9a-f]{6}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{2}([0-9a-f]{2})-([0-9a-f]{12})",
+            self.uuid.lower(),
+        )
         return "".join(m.groups()) if m else ""
 
     def describe(self) -> str:
@@ -128,6 +130,7 @@ def run_tool(argv: Sequence[str], timeout: float = 30.0) -> tuple[int, str, str]
 
 
 # --------------------------------------------------------------------------------- parsers
+
 
 def parse_nvidia_query(text: str) -> list[Gpu]:
     """``nvidia-smi --query-gpu=index,name,uuid,memory.total --format=csv,noheader,nounits``."""
@@ -212,6 +215,7 @@ def parse_amd_smi_list(text: str) -> list[Gpu]:
 
 # ---------------------------------------------------------------------------------- probes
 
+
 def _failure(tool: str, rc: int, err: str, meanings: Mapping[int, str] | None = None) -> str:
     if rc == 127:
         return f"{tool} not found: no driver installed"
@@ -222,8 +226,7 @@ def _failure(tool: str, rc: int, err: str, meanings: Mapping[int, str] | None = 
 def probe_nvidia(run: Runner = run_tool, want_migs: bool = False) -> Probe:
     """List NVIDIA GPUs with nvidia-smi; a non-zero exit or no GPU line means none."""
     probe = Probe(NVIDIA)
-    rc, out, err = run(["nvidia-smi", "--query-gpu=index,name,uuid,memory.total",
-                        "--format=csv,noheader,nounits"])
+    rc, out, err = run(["nvidia-smi", "--query-gpu=index,name,uuid,memory.total", "--format=csv,noheader,nounits"])
     if rc == 0 and (gpus := parse_nvidia_query(out)):
         probe.gpus, probe.tool = gpus, "nvidia-smi"
     if rc == 127:
@@ -236,8 +239,7 @@ def probe_nvidia(run: Runner = run_tool, want_migs: bool = False) -> Probe:
             probe.gpus, probe.tool = listed, "nvidia-smi -L"
         if not probe.gpus:
             rc, err = (rc, err) if rc != 0 else (rc_l, err_l)
-            probe.problem = (_failure("nvidia-smi", rc, err, NVIDIA_SMI_EXIT) if rc != 0
-                             else "nvidia-smi lists no GPU")
+            probe.problem = _failure("nvidia-smi", rc, err, NVIDIA_SMI_EXIT) if rc != 0 else "nvidia-smi lists no GPU"
     return probe
 
 
@@ -256,8 +258,11 @@ def probe_amd(run: Runner = run_tool) -> Probe:
         named = parse_rocm_showid(out2) if rc2 == 0 else []
         rc, err = (rc2, err2) if rc == 0 else (rc, err)
     if not named:
-        problems.append(_failure("rocm-smi", rc, err) if rc != 0 else
-                        "rocm-smi lists no GPU" + (f": {err.strip().splitlines()[-1]}" if err.strip() else ""))
+        problems.append(
+            _failure("rocm-smi", rc, err)
+            if rc != 0
+            else "rocm-smi lists no GPU" + (f": {err.strip().splitlines()[-1]}" if err.strip() else "")
+        )
     rc_a, out_a, err_a = run(["amd-smi", "list"])
     listed = parse_amd_smi_list(out_a) if rc_a == 0 else []
     if not listed:
@@ -287,6 +292,7 @@ def probe(vendor: str, run: Runner = run_tool, env: Mapping[str, str] | None = N
 
 
 # ------------------------------------------------------------------------------ visibility
+
 
 def _strtoul(s: str) -> int:
     """Leading integer of ``s`` like C's strtoul as the runtimes use it ('1gpu' -> 1); -1 if none."""
@@ -344,12 +350,14 @@ class Visibility:
 
 def visibility_variables(vendor: str) -> tuple[str, ...]:
     """The variables the vendor's runtime reads, in the order it applies them."""
-    return ("CUDA_VISIBLE_DEVICES",) if vendor == NVIDIA else (
-        "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+    return (
+        ("CUDA_VISIBLE_DEVICES",)
+        if vendor == NVIDIA
+        else ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+    )
 
 
-def visible_gpus(vendor: str, present: Sequence[Gpu], env: Mapping[str, str],
-                 migs: Sequence[Gpu] = ()) -> Visibility:
+def visible_gpus(vendor: str, present: Sequence[Gpu], env: Mapping[str, str], migs: Sequence[Gpu] = ()) -> Visibility:
     """The GPUs a process started with ``env`` may use, in runtime order.
 
     NVIDIA: ``CUDA_VISIBLE_DEVICES`` indexes the GPUs (in nvidia-smi's PCI order when

@@ -44,51 +44,90 @@ class LaunchError(Exception):
 
 # ------------------------------------------------------------------------------- arguments
 
+
 def build_parser(vendor: str | None = None) -> argparse.ArgumentParser:
     script = SCRIPT_NAME.get(vendor or "", "run_<vendor>_all.sh")
     p = suggest.ArgumentParser(  # one-line errors, 'did you mean', no abbreviations (--engin is refused)
         prog=f"bash {script}",
         usage=f"bash {script} [options] [-- training-script arguments]",
         description="Train on every GPU this job may use (visibility variables honoured), with the vendor's "
-                    "environment, on one node or many (NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT/RDZV_ID or "
-                    "Slurm's variables). No GPU: one CPU process with gloo.",
+        "environment, on one node or many (NNODES/NODE_RANK/MASTER_ADDR/MASTER_PORT/RDZV_ID or "
+        "Slurm's variables). No GPU: one CPU process with gloo.",
         epilog="Everything after -- goes to the training script unchanged, e.g.\n"
-               f"  bash {script} --engine fsdp -- --config_name tiny --max_steps 10 --output_dir outputs/tiny\n"
-               "Each exported variable keeps the value the caller set. See docs/launchers.md.",
+        f"  bash {script} --engine fsdp -- --config_name tiny --max_steps 10 --output_dir outputs/tiny\n"
+        "Each exported variable keeps the value the caller set. See docs/launchers.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--vendor", choices=gpu_detect.VENDORS, required=vendor is None,
-                   default=vendor, help=argparse.SUPPRESS if vendor else "GPU vendor (the .sh scripts set it).")
-    p.add_argument("--engine", choices=sorted(ENGINES), default="hf",
-                   help="hf: HF Trainer through `accelerate launch` (default); fsdp: native FSDP2 through torchrun.")
-    p.add_argument("--accelerate-config", metavar="NAME|PATH",
-                   help="--engine hf: a config in accelerate_configs/ (ddp, fsdp, fsdp_offload, deepspeed_zero2, "
-                        "deepspeed_zero3, deepspeed_zero3_offload, multi_node) or a YAML path. Default: fsdp "
-                        "(FSDP2) for more than one GPU, ddp for one GPU or on CPU.")
-    p.add_argument("--nproc", type=int, metavar="N",
-                   help="Processes on this node: N of the usable GPUs (the first N), or N CPU processes "
-                        "when there is no GPU. Default: every usable GPU, or 1 CPU process.")
-    p.add_argument("--gpus", metavar="LIST",
-                   help="Use these GPUs, e.g. 0,1,3: indices into the usable GPUs as listed at start-up.")
-    p.add_argument("--cpu", action="store_true",
-                   help="Train on CPU even where GPUs are present (hides them from the job).")
-    p.add_argument("--master-port", type=int, metavar="PORT",
-                   help="Fix the rendezvous port. Default: a free port on one node; MASTER_PORT or "
-                        f"{DEFAULT_MASTER_PORT} on many.")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="Restart the workers up to K times after a failure (torchrun elastic); the engine "
-                        "resumes from its latest checkpoint.")
-    p.add_argument("--script", metavar="PATH",
-                   help="Run this training script instead of the engine's (same environment and launch).")
-    p.add_argument("--ifname", metavar="IFACE",
-                   help="Network interface for NCCL/RCCL and gloo (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) "
-                        "when the wrong one is picked on a multi-node job.")
-    p.add_argument("--count-from", choices=("auto", "smi", "torch"), default="auto",
-                   help="auto (default): the smi tools and the visibility rules, checked against torch's count "
-                        "when torch is importable (torch wins); smi: the smi tools only (e.g. a dry run on a "
-                        "login node); torch: torch's count is required.")
-    p.add_argument("--dry-run", action="store_true",
-                   help="Print every exported variable and the exact command, then exit 0.")
+    p.add_argument(
+        "--vendor",
+        choices=gpu_detect.VENDORS,
+        required=vendor is None,
+        default=vendor,
+        help=argparse.SUPPRESS if vendor else "GPU vendor (the .sh scripts set it).",
+    )
+    p.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="hf",
+        help="hf: HF Trainer through `accelerate launch` (default); fsdp: native FSDP2 through torchrun.",
+    )
+    p.add_argument(
+        "--accelerate-config",
+        metavar="NAME|PATH",
+        help="--engine hf: a config in accelerate_configs/ (ddp, fsdp, fsdp_offload, deepspeed_zero2, "
+        "deepspeed_zero3, deepspeed_zero3_offload, multi_node) or a YAML path. Default: fsdp "
+        "(FSDP2) for more than one GPU, ddp for one GPU or on CPU.",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="Processes on this node: N of the usable GPUs (the first N), or N CPU processes "
+        "when there is no GPU. Default: every usable GPU, or 1 CPU process.",
+    )
+    p.add_argument(
+        "--gpus", metavar="LIST", help="Use these GPUs, e.g. 0,1,3: indices into the usable GPUs as listed at start-up."
+    )
+    p.add_argument(
+        "--cpu", action="store_true", help="Train on CPU even where GPUs are present (hides them from the job)."
+    )
+    p.add_argument(
+        "--master-port",
+        type=int,
+        metavar="PORT",
+        help="Fix the rendezvous port. Default: a free port on one node; MASTER_PORT or "
+        f"{DEFAULT_MASTER_PORT} on many.",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="Restart the workers up to K times after a failure (torchrun elastic); the engine "
+        "resumes from its latest checkpoint.",
+    )
+    p.add_argument(
+        "--script",
+        metavar="PATH",
+        help="Run this training script instead of the engine's (same environment and launch).",
+    )
+    p.add_argument(
+        "--ifname",
+        metavar="IFACE",
+        help="Network interface for NCCL/RCCL and gloo (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME) "
+        "when the wrong one is picked on a multi-node job.",
+    )
+    p.add_argument(
+        "--count-from",
+        choices=("auto", "smi", "torch"),
+        default="auto",
+        help="auto (default): the smi tools and the visibility rules, checked against torch's count "
+        "when torch is importable (torch wins); smi: the smi tools only (e.g. a dry run on a "
+        "login node); torch: torch's count is required.",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="Print every exported variable and the exact command, then exit 0."
+    )
     return p
 
 
@@ -97,7 +136,7 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     argv = list(argv)
     if "--" in argv:
         i = argv.index("--")
-        return argv[:i], argv[i + 1:]
+        return argv[:i], argv[i + 1 :]
     return argv, []
 
 
@@ -109,12 +148,15 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = build_parser(vendor if vendor in gpu_detect.VENDORS else None)
     args, unknown = parser.parse_known_args(mine)
     if unknown:
-        parser.error(f"{suggest.unknown_options_message(unknown, parser)}; training-script arguments go after --, "
-                     f"e.g. {parser.prog} -- {' '.join(unknown)}")
+        parser.error(
+            f"{suggest.unknown_options_message(unknown, parser)}; training-script arguments go after --, "
+            f"e.g. {parser.prog} -- {' '.join(unknown)}"
+        )
     return args, script_args
 
 
 # ----------------------------------------------------------------------------------- nodes
+
 
 @dataclass
 class Nodes:
@@ -164,19 +206,25 @@ def resolve_nodes(env: Mapping[str, str], master_port: int | None, run: Runner =
             return Nodes(master_port=master_port)
         for name in ("NODE_RANK", "MASTER_ADDR"):
             if not env.get(name):
-                raise LaunchError(f"NNODES={nnodes} needs {name} too (NODE_RANK 0..{nnodes - 1} on each node, "
-                                  "MASTER_ADDR the address of node 0, the same on every node)")
+                raise LaunchError(
+                    f"NNODES={nnodes} needs {name} too (NODE_RANK 0..{nnodes - 1} on each node, "
+                    "MASTER_ADDR the address of node 0, the same on every node)"
+                )
         rank = _int_env(env, "NODE_RANK", 0, nnodes - 1)
         addr, source = env["MASTER_ADDR"], "NNODES/NODE_RANK/MASTER_ADDR"
         rdzv = env.get("RDZV_ID") or env.get("SLURM_JOB_ID") or ""
     elif env.get("SLURM_JOB_ID") and slurm_nodes and slurm_nodes.isdigit() and int(slurm_nodes) > 1:
         nnodes = int(slurm_nodes)
         if env.get("SLURM_LOCALID", "0") != "0":
-            raise LaunchError("Slurm started more than one launcher on this node (SLURM_LOCALID="
-                              f"{env['SLURM_LOCALID']}); start one per node: srun --ntasks-per-node=1")
+            raise LaunchError(
+                "Slurm started more than one launcher on this node (SLURM_LOCALID="
+                f"{env['SLURM_LOCALID']}); start one per node: srun --ntasks-per-node=1"
+            )
         if "SLURM_NODEID" not in env:
-            raise LaunchError(f"this Slurm job has {nnodes} nodes but SLURM_NODEID is unset: start the launcher "
-                              "on every node with srun --ntasks-per-node=1 (see slurm/train.sbatch)")
+            raise LaunchError(
+                f"this Slurm job has {nnodes} nodes but SLURM_NODEID is unset: start the launcher "
+                "on every node with srun --ntasks-per-node=1 (see slurm/train.sbatch)"
+            )
         rank = _int_env(env, "SLURM_NODEID", 0, nnodes - 1)
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
         addr = env.get("MASTER_ADDR") or (first_slurm_host(nodelist, run) if nodelist else "")
@@ -185,8 +233,11 @@ def resolve_nodes(env: Mapping[str, str], master_port: int | None, run: Runner =
         rdzv, source = env.get("RDZV_ID") or env["SLURM_JOB_ID"], "Slurm"
     else:
         return Nodes(master_port=master_port)
-    port = master_port if master_port is not None else (
-        _int_env(env, "MASTER_PORT", 1, 65535) if env.get("MASTER_PORT") else DEFAULT_MASTER_PORT)
+    port = (
+        master_port
+        if master_port is not None
+        else (_int_env(env, "MASTER_PORT", 1, 65535) if env.get("MASTER_PORT") else DEFAULT_MASTER_PORT)
+    )
     if port == 0:
         raise LaunchError("--master-port 0 (a free port) only works on one node: every node must know the port")
     return Nodes(nnodes, rank, addr, port, rdzv or f"anygpu-{addr}-{port}", source)
@@ -194,20 +245,22 @@ def resolve_nodes(env: Mapping[str, str], master_port: int | None, run: Runner =
 
 # ---------------------------------------------------------------------------------- torch
 
-TORCH_PROBE = ("import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
-               "'hip': getattr(torch.version, 'hip', None), 'count': torch.cuda.device_count()}))")
+TORCH_PROBE = (
+    "import json, torch; print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, "
+    "'hip': getattr(torch.version, 'hip', None), 'count': torch.cuda.device_count()}))"
+)
 
 
 def torch_probe(env: Mapping[str, str]) -> dict | None:
     """torch's version, build and ``torch.cuda.device_count()`` under ``env``; None without torch."""
     if importlib.util.find_spec("torch") is None:
         return None
-    p = subprocess.run([sys.executable, "-c", TORCH_PROBE], env=dict(env), capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run([sys.executable, "-c", TORCH_PROBE], env=dict(env), capture_output=True, text=True, timeout=300)
     lines = p.stdout.strip().splitlines()
     if p.returncode != 0 or not lines:
-        raise LaunchError(f"importing torch failed (exit {p.returncode}): "
-                          f"{(p.stderr.strip().splitlines() or ['no output'])[-1]}")
+        raise LaunchError(
+            f"importing torch failed (exit {p.returncode}): {(p.stderr.strip().splitlines() or ['no output'])[-1]}"
+        )
     return json.loads(lines[-1])
 
 
@@ -226,6 +279,7 @@ def torchrun_forwards_signals() -> bool:
 
 
 # ----------------------------------------------------------------------------------- plan
+
 
 @dataclass
 class Plan:
@@ -251,8 +305,10 @@ def _resolve_config(name: str) -> Path:
     if candidate.is_file():
         return candidate
     valid = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
-    raise LaunchError(f"--accelerate-config {name!r}: no such file, and no {candidate.name} in {CONFIG_DIR} "
-                      f"(valid names: {', '.join(valid) or 'none yet'}; or a path to a YAML file)")
+    raise LaunchError(
+        f"--accelerate-config {name!r}: no such file, and no {candidate.name} in {CONFIG_DIR} "
+        f"(valid names: {', '.join(valid) or 'none yet'}; or a path to a YAML file)"
+    )
 
 
 def _config_kind(path: Path) -> str:
@@ -266,8 +322,9 @@ def _parse_gpu_list(text: str, num_usable: int) -> list[int]:
     for item in text.split(","):
         item = item.strip()
         if not item.isdigit() or int(item) >= num_usable:
-            raise LaunchError(f"--gpus {text!r}: {item!r} is not a usable GPU (valid: indices 0..{num_usable - 1}, "
-                              "comma-separated)")
+            raise LaunchError(
+                f"--gpus {text!r}: {item!r} is not a usable GPU (valid: indices 0..{num_usable - 1}, comma-separated)"
+            )
         if int(item) in picked:
             raise LaunchError(f"--gpus {text!r}: GPU {item} is named twice")
         picked.append(int(item))
@@ -289,6 +346,7 @@ def _pin(vendor: str, chosen: Sequence[Gpu], present: Sequence[Gpu], env: Mappin
 @dataclass
 class Devices:
     """What the device step found: the GPUs present, the ones this job uses, or why it runs on CPU."""
+
     present: list[Gpu] = field(default_factory=list)
     chosen: list[Gpu] = field(default_factory=list)
     cpu_reason: str = ""  # non-empty: no GPU for this job, and why
@@ -302,8 +360,11 @@ class Devices:
 
 def validate_args(args: argparse.Namespace) -> Path:
     """Refuse contradictory or out-of-range launcher options; return the training script."""
-    for flag, value, lo in (("--nproc", args.nproc, 1), ("--max-restarts", args.max_restarts, 0),
-                            ("--master-port", args.master_port, 0)):
+    for flag, value, lo in (
+        ("--nproc", args.nproc, 1),
+        ("--max-restarts", args.max_restarts, 0),
+        ("--master-port", args.master_port, 0),
+    ):
         if value is not None and (value < lo or (flag == "--master-port" and value > 65535)):
             raise LaunchError(f"{flag} {value}: must be {'0..65535' if flag == '--master-port' else f'>= {lo}'}")
     if args.accelerate_config and args.engine != "hf":
@@ -316,8 +377,13 @@ def validate_args(args: argparse.Namespace) -> Path:
     return script
 
 
-def detect_devices(args: argparse.Namespace, env: dict[str, str], exported: dict[str, str], lines: list[str],
-                   run: Runner = gpu_detect.run_tool) -> Devices:
+def detect_devices(
+    args: argparse.Namespace,
+    env: dict[str, str],
+    exported: dict[str, str],
+    lines: list[str],
+    run: Runner = gpu_detect.run_tool,
+) -> Devices:
     """The GPUs present (smi tools), those the visibility variables and --gpus leave; may pin ``env``."""
     vendor = args.vendor
     label = VENDOR_LABEL[vendor]
@@ -325,7 +391,11 @@ def detect_devices(args: argparse.Namespace, env: dict[str, str], exported: dict
     usable: list[Gpu] = []
     if args.cpu:
         dev.cpu_reason = "--cpu given"
-        hide = {"CUDA_VISIBLE_DEVICES": ""} if vendor == NVIDIA else {"HIP_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": ""}
+        hide = (
+            {"CUDA_VISIBLE_DEVICES": ""}
+            if vendor == NVIDIA
+            else {"HIP_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": ""}
+        )
         env.update(hide)
         exported.update(hide)
     else:
@@ -341,11 +411,14 @@ def detect_devices(args: argparse.Namespace, env: dict[str, str], exported: dict
                 raise LaunchError(
                     f"this is the {label} launcher, but this machine has {len(theirs.gpus)} "
                     f"{VENDOR_LABEL[other]} GPU(s) ({', '.join(names)}) and no {label} GPU ({found.problem}): "
-                    f"run `bash {SCRIPT_NAME[other]}` instead (or pass --cpu to train on the CPU)")
+                    f"run `bash {SCRIPT_NAME[other]}` instead (or pass --cpu to train on the CPU)"
+                )
             dev.cpu_reason = f"no {label} GPU ({found.problem})"
         else:
-            lines.append(f"{plural(len(dev.present), label + ' GPU')} present ({found.tool}): "
-                         + gpu_detect.summarize(dev.present))
+            lines.append(
+                f"{plural(len(dev.present), label + ' GPU')} present ({found.tool}): "
+                + gpu_detect.summarize(dev.present)
+            )
             lines += [f"{label} visibility: {n}" for n in vis.notes]
             if dev.unresolved:
                 if args.count_from == "smi":
@@ -357,8 +430,10 @@ def detect_devices(args: argparse.Namespace, env: dict[str, str], exported: dict
     dev.chosen = usable
     if args.gpus is not None:
         if not usable:
-            raise LaunchError(f"--gpus {args.gpus}: there is no usable {label} GPU to choose from "
-                              f"({dev.cpu_reason or dev.unresolved})")
+            raise LaunchError(
+                f"--gpus {args.gpus}: there is no usable {label} GPU to choose from "
+                f"({dev.cpu_reason or dev.unresolved})"
+            )
         picked = _parse_gpu_list(args.gpus, len(usable))
         dev.chosen = [usable[i] for i in picked]
         pin = _pin(vendor, dev.chosen, dev.present, env)
@@ -368,8 +443,15 @@ def detect_devices(args: argparse.Namespace, env: dict[str, str], exported: dict
     return dev
 
 
-def apply_torch_count(args: argparse.Namespace, dev: Devices, env: Mapping[str, str], lines: list[str],
-                      warnings: list[str], probe_torch: TorchProbe = torch_probe, python: str = sys.executable) -> None:
+def apply_torch_count(
+    args: argparse.Namespace,
+    dev: Devices,
+    env: Mapping[str, str],
+    lines: list[str],
+    warnings: list[str],
+    probe_torch: TorchProbe = torch_probe,
+    python: str = sys.executable,
+) -> None:
     """torch has the last word on the count: it applies the visibility variables itself."""
     vendor = args.vendor
     label = VENDOR_LABEL[vendor]
@@ -377,8 +459,10 @@ def apply_torch_count(args: argparse.Namespace, dev: Devices, env: Mapping[str, 
         dev.torch_info = probe_torch(env)
         if dev.torch_info is None:
             if args.count_from == "torch" or dev.unresolved:
-                raise LaunchError((dev.unresolved + ", and t" if dev.unresolved else "--count-from torch: t")
-                                  + f"orch is not importable by {python}")
+                raise LaunchError(
+                    (dev.unresolved + ", and t" if dev.unresolved else "--count-from torch: t")
+                    + f"orch is not importable by {python}"
+                )
             lines.append("torch is not importable here: counted with the smi tools only")
     torch_info = dev.torch_info
     if torch_info is not None:
@@ -388,20 +472,28 @@ def apply_torch_count(args: argparse.Namespace, dev: Devices, env: Mapping[str, 
         unresolved = dev.unresolved
         problem = ""
         if build is None and (expected or unresolved):
-            problem = (f"torch {torch_info['torch']} is a CPU-only build and cannot use the {label} GPU(s) "
-                       f"listed above: install a {'CUDA' if vendor == NVIDIA else 'ROCm'} build "
-                       "(bash scripts/setup.sh picks it), or pass --cpu to train on the CPU")
+            problem = (
+                f"torch {torch_info['torch']} is a CPU-only build and cannot use the {label} GPU(s) "
+                f"listed above: install a {'CUDA' if vendor == NVIDIA else 'ROCm'} build "
+                "(bash scripts/setup.sh picks it), or pass --cpu to train on the CPU"
+            )
         elif build is not None and build != vendor and (expected or unresolved or tcount):
-            problem = (f"torch {torch_info['torch']} is built for {VENDOR_LABEL[build]}, but this is the {label} "
-                       f"launcher: install the matching torch (bash scripts/setup.sh), or run "
-                       f"`bash {SCRIPT_NAME[build]}`")
+            problem = (
+                f"torch {torch_info['torch']} is built for {VENDOR_LABEL[build]}, but this is the {label} "
+                f"launcher: install the matching torch (bash scripts/setup.sh), or run "
+                f"`bash {SCRIPT_NAME[build]}`"
+            )
         elif build == vendor and tcount == 0 and (expected or unresolved):
-            problem = (f"torch {torch_info['torch']} sees no GPU under this environment although the smi "
-                       f"tools list usable {label} GPU(s) (driver too old for this torch?)")
+            problem = (
+                f"torch {torch_info['torch']} sees no GPU under this environment although the smi "
+                f"tools list usable {label} GPU(s) (driver too old for this torch?)"
+            )
         elif build == vendor and (tcount != expected or unresolved):
             if not unresolved:
-                warnings.append(f"torch counts {tcount} GPU(s) where the smi tools and the visibility rules "
-                                f"give {expected}: using torch's count")
+                warnings.append(
+                    f"torch counts {tcount} GPU(s) where the smi tools and the visibility rules "
+                    f"give {expected}: using torch's count"
+                )
             dev.chosen = dev.chosen[:tcount] if len(dev.chosen) >= tcount else [Gpu(i) for i in range(tcount)]
             dev.cpu_reason = dev.unresolved = ""
         if problem:
@@ -421,8 +513,7 @@ def processes_per_node(args: argparse.Namespace, dev: Devices, lines: list[str])
         if args.gpus is not None and args.nproc is not None and args.nproc != count:
             raise LaunchError(f"--nproc {args.nproc} disagrees with --gpus {args.gpus} ({count} GPUs)")
         if nproc > count:
-            raise LaunchError(f"--nproc {nproc}: only {count} {label} GPU(s) usable here "
-                              f"(valid: 1..{count})")
+            raise LaunchError(f"--nproc {nproc}: only {count} {label} GPU(s) usable here (valid: 1..{count})")
         dev.chosen = dev.chosen[:nproc]
         lines.append(f"using {plural(nproc, label + ' GPU')}: " + gpu_detect.summarize(dev.chosen))
         return nproc
@@ -430,13 +521,19 @@ def processes_per_node(args: argparse.Namespace, dev: Devices, lines: list[str])
     return args.nproc or 1
 
 
-def export_environment(args: argparse.Namespace, dev: Devices, nproc: int, env: dict[str, str],
-                       exported: dict[str, str]) -> dict[str, str]:
+def export_environment(
+    args: argparse.Namespace, dev: Devices, nproc: int, env: dict[str, str], exported: dict[str, str]
+) -> dict[str, str]:
     """Apply the vendor presets (a value the caller set is kept) and --ifname; return the kept ones."""
     rocm = vendor_env.parse_rocm_version((dev.torch_info or {}).get("hip"))
-    wanted = vendor_env.presets(args.vendor, use_gpus=dev.count > 0, nproc_per_node=nproc,
-                                gpu_names=[g.name for g in dev.chosen], rocm_version=rocm,
-                                restarts=args.max_restarts > 0)
+    wanted = vendor_env.presets(
+        args.vendor,
+        use_gpus=dev.count > 0,
+        nproc_per_node=nproc,
+        gpu_names=[g.name for g in dev.chosen],
+        rocm_version=rocm,
+        restarts=args.max_restarts > 0,
+    )
     preset_exported, kept = vendor_env.apply(env, wanted)
     exported.update(preset_exported)
     if args.ifname:
@@ -446,35 +543,64 @@ def export_environment(args: argparse.Namespace, dev: Devices, nproc: int, env: 
     return kept
 
 
-def build_command(args: argparse.Namespace, script: Path, script_args: Sequence[str], dev: Devices, nproc: int,
-                  nodes: Nodes, env: dict[str, str], exported: dict[str, str], lines: list[str],
-                  python: str = sys.executable) -> list[str]:
+def build_command(
+    args: argparse.Namespace,
+    script: Path,
+    script_args: Sequence[str],
+    dev: Devices,
+    nproc: int,
+    nodes: Nodes,
+    env: dict[str, str],
+    exported: dict[str, str],
+    lines: list[str],
+    python: str = sys.executable,
+) -> list[str]:
     """The exact command: plain python, torchrun (fsdp) or accelerate launch (hf)."""
     engine = args.engine
     use_gpus = dev.count > 0
     total = nproc * nodes.nnodes
-    plain = nodes.nnodes == 1 and nproc == 1 and args.max_restarts == 0 and not (engine == "hf" and args.accelerate_config)
+    plain = (
+        nodes.nnodes == 1 and nproc == 1 and args.max_restarts == 0 and not (engine == "hf" and args.accelerate_config)
+    )
     cpu_line = f"{dev.cpu_reason}: training on the CPU, {plural(nproc, 'process')} with gloo"
     if plain:
         cmd = [python, str(script), *script_args]
         how = "one process: plain python, no distributed launcher needed"
         if not use_gpus:
-            how = cpu_line + (" (plain python; accelerate's FSDP does not run on CPU)" if engine == "hf" else
-                              " (plain python)")
+            how = cpu_line + (
+                " (plain python; accelerate's FSDP does not run on CPU)" if engine == "hf" else " (plain python)"
+            )
         lines.append(how)
     elif engine == "fsdp":
         cmd = [python, "-m", "torch.distributed.run"]
         if nodes.nnodes == 1 and nodes.master_port in (None, 0):
             cmd += ["--standalone", "--nnodes", "1"]
         elif nodes.nnodes == 1:
-            cmd += ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{nodes.master_port}",
-                    "--rdzv-id", f"anygpu-{nodes.master_port}"]
+            cmd += [
+                "--nnodes",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"localhost:{nodes.master_port}",
+                "--rdzv-id",
+                f"anygpu-{nodes.master_port}",
+            ]
         else:
             # c10d rendezvous; node 0 hosts the store (explicit, so an address that does not match
             # the host name, e.g. an IP on another interface, still works).
-            cmd += ["--nnodes", str(nodes.nnodes), "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"{nodes.master_addr}:{nodes.master_port}", "--rdzv-id", nodes.rdzv_id,
-                    "--rdzv-conf", f"is_host={'true' if nodes.node_rank == 0 else 'false'}"]
+            cmd += [
+                "--nnodes",
+                str(nodes.nnodes),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"{nodes.master_addr}:{nodes.master_port}",
+                "--rdzv-id",
+                nodes.rdzv_id,
+                "--rdzv-conf",
+                f"is_host={'true' if nodes.node_rank == 0 else 'false'}",
+            ]
         cmd += ["--nproc-per-node", str(nproc)]
         if args.max_restarts:
             cmd += ["--max-restarts", str(args.max_restarts)]
@@ -486,10 +612,12 @@ def build_command(args: argparse.Namespace, script: Path, script_args: Sequence[
         lines.append((cpu_line if not use_gpus else f"{plural(nproc, 'process')} per node") + ", torchrun")
     else:
         if nodes.nnodes > 1 and args.max_restarts:
-            raise LaunchError("--max-restarts with --engine hf on several nodes: accelerate starts them with a "
-                              "static rendezvous, where a restart on one node cannot bring the others along; "
-                              "use --engine fsdp (torchrun's c10d rendezvous restarts every node), or resubmit "
-                              "the job (it resumes from the latest checkpoint)")
+            raise LaunchError(
+                "--max-restarts with --engine hf on several nodes: accelerate starts them with a "
+                "static rendezvous, where a restart on one node cannot bring the others along; "
+                "use --engine fsdp (torchrun's c10d rendezvous restarts every node), or resubmit "
+                "the job (it resumes from the latest checkpoint)"
+            )
         requested = _resolve_config(args.accelerate_config) if args.accelerate_config else None
         if not use_gpus:
             config = requested or _resolve_config("ddp")
@@ -497,17 +625,36 @@ def build_command(args: argparse.Namespace, script: Path, script_args: Sequence[
             if kind == "DEEPSPEED":
                 lines.append(f"{config.name} on CPU: DeepSpeed's CPU accelerator over gloo (slow; for testing)")
             elif kind == "FSDP":
-                lines.append(f"accelerate's FSDP does not run on CPU: run_hf_standalone.py stops with {config.name} "
-                             "unless given --allow_strategy_fallback true (then DDP); or use --engine fsdp")
+                lines.append(
+                    f"accelerate's FSDP does not run on CPU: run_hf_standalone.py stops with {config.name} "
+                    "unless given --allow_strategy_fallback true (then DDP); or use --engine fsdp"
+                )
         else:
             config = requested or _resolve_config("fsdp" if total > 1 else "ddp")
-        cmd = [python, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--num_processes", str(total), "--num_machines", str(nodes.nnodes)]
+        cmd = [
+            python,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            "--num_processes",
+            str(total),
+            "--num_machines",
+            str(nodes.nnodes),
+        ]
         if nodes.nnodes > 1:
             # static: node ranks are NODE_RANK, and with the configs' same_network: true accelerate
             # hands torchrun MASTER_ADDR/PORT (its c10d would then look for the store on localhost).
-            cmd += ["--machine_rank", str(nodes.node_rank), "--main_process_ip", nodes.master_addr,
-                    "--main_process_port", str(nodes.master_port), "--rdzv_backend", "static"]
+            cmd += [
+                "--machine_rank",
+                str(nodes.node_rank),
+                "--main_process_ip",
+                nodes.master_addr,
+                "--main_process_port",
+                str(nodes.master_port),
+                "--rdzv_backend",
+                "static",
+            ]
         else:
             cmd += ["--main_process_port", str(nodes.master_port or 0)]  # 0: a free port
         if not use_gpus and _config_kind(config) not in ("DEEPSPEED", "FSDP"):
@@ -532,13 +679,20 @@ def check_runnable(args: argparse.Namespace, cmd: Sequence[str], python: str = s
     needed += ["accelerate"] if "accelerate.commands.launch" in cmd else []
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
-        raise LaunchError(f"{' and '.join(missing)} not importable by {python}: run `bash scripts/setup.sh` "
-                          "(it creates ./.venv, which the launchers use), or set PYTHON to an interpreter "
-                          "that has them")
+        raise LaunchError(
+            f"{' and '.join(missing)} not importable by {python}: run `bash scripts/setup.sh` "
+            "(it creates ./.venv, which the launchers use), or set PYTHON to an interpreter "
+            "that has them"
+        )
 
 
-def make_plan(argv: Sequence[str], environ: Mapping[str, str], run: Runner = gpu_detect.run_tool,
-              probe_torch: TorchProbe = torch_probe, python: str = sys.executable) -> Plan:
+def make_plan(
+    argv: Sequence[str],
+    environ: Mapping[str, str],
+    run: Runner = gpu_detect.run_tool,
+    probe_torch: TorchProbe = torch_probe,
+    python: str = sys.executable,
+) -> Plan:
     """parse → validate → nodes → devices → torch's count → processes → environment → command."""
     args, script_args = parse_args(argv)
     env = dict(environ)
@@ -555,10 +709,13 @@ def make_plan(argv: Sequence[str], environ: Mapping[str, str], run: Runner = gpu
     if not args.dry_run:
         check_runnable(args, cmd, python)
     if nodes.nnodes > 1:
-        lines.append(f"node {nodes.node_rank} of {nodes.nnodes} ({nodes.source}), rendezvous "
-                     f"{nodes.master_addr}:{nodes.master_port} id {nodes.rdzv_id}")
-    return Plan(args.vendor, args.engine, dev.count > 0, dev.chosen, nproc, nodes, cmd, env, exported, kept,
-                lines, warnings)
+        lines.append(
+            f"node {nodes.node_rank} of {nodes.nnodes} ({nodes.source}), rendezvous "
+            f"{nodes.master_addr}:{nodes.master_port} id {nodes.rdzv_id}"
+        )
+    return Plan(
+        args.vendor, args.engine, dev.count > 0, dev.chosen, nproc, nodes, cmd, env, exported, kept, lines, warnings
+    )
 
 
 def plural(n: int, word: str) -> str:
@@ -574,8 +731,10 @@ def _shown(path: Path) -> str:
 
 def render_dry_run(plan: Plan) -> str:
     """A shell-pasteable account: exported variables, kept ones, then the exact command."""
-    out = [f"# anygpu dry run: {VENDOR_LABEL[plan.vendor]} launcher, engine {plan.engine}, "
-           f"{plural(plan.nproc, 'process')} on node {plan.nodes.node_rank} of {plan.nodes.nnodes}"]
+    out = [
+        f"# anygpu dry run: {VENDOR_LABEL[plan.vendor]} launcher, engine {plan.engine}, "
+        f"{plural(plan.nproc, 'process')} on node {plan.nodes.node_rank} of {plan.nodes.nnodes}"
+    ]
     out += [f"# {line}" for line in plan.lines]
     out += [f"# warning: {w}" for w in plan.warnings]
     out += [f"export {k}={shlex.quote(v)}" for k, v in plan.exported.items()]
@@ -590,7 +749,7 @@ def preflight(plan: Plan) -> int | None:
     script = next(i for i, word in enumerate(plan.cmd) if word.endswith(tuple(ENGINES.values())))
     env = {**plan.env, "ANYGPU_PREFLIGHT_ONLY": "1", "RANK": "0"}
     rc = subprocess.run([plan.cmd[0], *plan.cmd[script:]], env=env).returncode
-    if rc == 2 or (rc == 0 and any(w in ("-h", "--help") for w in plan.cmd[script + 1:])):
+    if rc == 2 or (rc == 0 and any(w in ("-h", "--help") for w in plan.cmd[script + 1 :])):
         return rc
     return None  # any other failure: the real launch shows it in full
 
@@ -611,8 +770,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for w in plan.warnings:
         print(f"{PREFIX} warning: {w}", file=sys.stderr)
     if plan.exported:
-        print(f"{PREFIX} exported: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.exported.items()),
-              file=sys.stderr)
+        print(
+            f"{PREFIX} exported: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.exported.items()),
+            file=sys.stderr,
+        )
     if not args.script and plan.cmd[1:2] == ["-m"]:
         # torchrun / accelerate: a bad argument would come back once per rank plus the launcher's own wall of
         # ChildFailedError; the engine checks its arguments (no torch) in one process first: one line, exit 2.

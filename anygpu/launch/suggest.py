@@ -1,6 +1,7 @@
 """'Did you mean …' for mistyped commands and options, and an argparse parser that says it in one line.
 
 Standard library only (it sits in launch/ so that the vendor launchers, which import nothing else, use it too)."""
+
 from __future__ import annotations
 
 import argparse

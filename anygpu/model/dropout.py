@@ -20,6 +20,7 @@ config asks for attention dropout runs eager attention, whose dropout is a plain
 The masks come from the device's own generator type: identical across world sizes on the same kind
 of device (CPU or one GPU vendor), not between a CPU and a GPU.
 """
+
 from __future__ import annotations
 
 import collections
@@ -48,7 +49,12 @@ def dropout_rates(config) -> dict[str, float]:
     """The config's non-zero dropout probabilities (classifier heads and layer drop left out)."""
     out = {}
     for key, value in config.to_dict().items():
-        if ("dropout" in key or "pdrop" in key) and key not in _IGNORED and isinstance(value, (int, float)) and value > 0:
+        if (
+            ("dropout" in key or "pdrop" in key)
+            and key not in _IGNORED
+            and isinstance(value, (int, float))
+            and value > 0
+        ):
             out[key] = float(value)
     return out
 
@@ -78,8 +84,11 @@ def install(model: nn.Module, seed: int) -> str | None:
     except UsageError:  # no decoder layer class named: call sites start at the model
         pass
     object.__setattr__(model, ATTR, state)  # not a submodule, not a parameter
-    note = "dropout: " + ", ".join(f"{k} {v:g}" for k, v in sorted(rates.items())) + \
-           "; masks keyed by (seed, step, sample, call site): the same on any number of ranks"
+    note = (
+        "dropout: "
+        + ", ".join(f"{k} {v:g}" for k, v in sorted(rates.items()))
+        + "; masks keyed by (seed, step, sample, call site): the same on any number of ranks"
+    )
     if any(k in rates for k in _ATTENTION_KEYS) and model.config._attn_implementation != "eager":
         # sdpa/flash draw their attention-dropout masks inside the kernel, from the rank's own stream.
         model.set_attn_implementation("eager")
@@ -121,7 +130,9 @@ def keys(model: nn.Module, step: int, samples: Sequence[int]) -> Iterator[None]:
     original = torch.nn.functional.dropout
     state.step, state.samples = step, list(samples)
 
-    def keyed_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    def keyed_dropout(
+        input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
+    ) -> torch.Tensor:
         if not training or p == 0.0:
             return original(input, p, training, inplace)
         if p == 1.0:

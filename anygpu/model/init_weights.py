@@ -11,6 +11,7 @@ through `distribute_tensor`) and dropped. The values depend only on the seed, th
 unit's name: not on the world size, the engine or the device (CPU generators everywhere), and no
 process ever holds more than one decoder layer beyond its own shards.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,6 +27,7 @@ def unit_seed(seed: int, name: str) -> int:
 
 def _units(model: nn.Module, layer_classes: tuple[type, ...]) -> Iterator[tuple[str, nn.Module, bool]]:
     """(name, module, whole_subtree) in post-order: decoder layers whole, other modules alone."""
+
     def walk(prefix: str, module: nn.Module) -> Iterator[tuple[str, nn.Module, bool]]:
         if isinstance(module, layer_classes):
             yield prefix, module, True
@@ -57,7 +59,9 @@ def distribute_tensor_local(full: torch.Tensor, param) -> torch.Tensor:
 
 
 @torch.no_grad()
-def initialize(targets: dict[str, list[torch.Tensor]], scratch: nn.Module, seed: int, layer_classes: tuple[type, ...]) -> None:
+def initialize(
+    targets: dict[str, list[torch.Tensor]], scratch: nn.Module, seed: int, layer_classes: tuple[type, ...]
+) -> None:
     """Fill the `targets` (base parameter name → the model's parameters that start from it; plain or
     sharded) with `scratch`'s own `_init_weights` scheme, unit by unit.
 

@@ -16,6 +16,7 @@ applies the family's logit soft-capping or scaling per chunk, and returns the to
 own `ForCausalLMLoss`. A MoE router loss is still added by the model on top. Outside `active` the model
 is untouched (full logits, its own loss), e.g. for exports or generation.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -69,9 +70,13 @@ def _identity(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 # Families that change the logits between the output projection and `self.loss_function`, and how
 # (tests/test_lean_loss.py checks each against the model's own loss).
 POST: dict[str, Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]]] = {
-    "gemma2": _softcap, "gemma3_text": _softcap,  # final_logit_softcapping
-    "cohere": _multiply, "cohere2": _multiply,  # logit_scale
-    "granite": _divide, "granitemoe": _divide, "granitemoeshared": _divide,  # logits_scaling
+    "gemma2": _softcap,
+    "gemma3_text": _softcap,  # final_logit_softcapping
+    "cohere": _multiply,
+    "cohere2": _multiply,  # logit_scale
+    "granite": _divide,
+    "granitemoe": _divide,
+    "granitemoeshared": _divide,  # logits_scaling
 }
 
 
@@ -90,8 +95,10 @@ def _straight_to_the_loss(base: nn.Module) -> bool:
         return False
     call = r"(?:[^()\n]|\([^()\n]*\))*"  # arguments with at most one level of parentheses
     filler = r"(?:[ \t]*(?:#[^\n]*)?\n|[ \t]*loss = None[ \t]*\n|[ \t]*if labels is not None:[ \t]*\n)*"
-    pattern = (rf"\n[ \t]*(\w+) = self\.{re.escape(name)}\({call}\)(?:\.contiguous\(\))?[ \t]*\n{filler}"
-               rf"[ \t]*loss = self\.loss_function\(\s*(?:logits\s*=\s*)?\1\s*[,)]")
+    pattern = (
+        rf"\n[ \t]*(\w+) = self\.{re.escape(name)}\({call}\)(?:\.contiguous\(\))?[ \t]*\n{filler}"
+        rf"[ \t]*loss = self\.loss_function\(\s*(?:logits\s*=\s*)?\1\s*[,)]"
+    )
     return re.search(pattern, source) is not None
 
 
@@ -128,8 +135,10 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if base.get_output_embeddings() is None:
         return f"{type(base).__name__} has no output projection"
     if _post(base) is None:
-        return (f"{type(base).__name__}'s forward changes the logits before its loss_function in a way it does not "
-                f"repeat (or does not call self.loss_function)")
+        return (
+            f"{type(base).__name__}'s forward changes the logits before its loss_function in a way it does not "
+            f"repeat (or does not call self.loss_function)"
+        )
     return None
 
 
@@ -162,8 +171,9 @@ def _install(model: nn.Module, enabled: bool, off_reason: str | None) -> str:
         state.hidden = hidden  # the loss_function below consumes it; no logits are computed here
         return hidden.new_empty(*hidden.shape[:-1], 0)
 
-    def loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX,
-                      shift_labels=None, **kwargs):
+    def loss_function(
+        logits, labels, vocab_size, num_items_in_batch=None, ignore_index=IGNORE_INDEX, shift_labels=None, **kwargs
+    ):
         hidden, state.hidden = state.hidden, None
         if hidden is None:  # not under `active`: the model's own loss
             from transformers.loss.loss_utils import ForCausalLMLoss
@@ -171,7 +181,9 @@ def _install(model: nn.Module, enabled: bool, off_reason: str | None) -> str:
             return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
         if shift_labels is None:  # position t predicts token t+1, as transformers shifts them
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        total, count = token_loss_sum(hidden, shift_labels, head, state.head_forward, state.post, vocab_size, ignore_index)
+        total, count = token_loss_sum(
+            hidden, shift_labels, head, state.head_forward, state.post, vocab_size, ignore_index
+        )
         if num_items_in_batch is None:
             return total / count
         if torch.is_tensor(num_items_in_batch):
@@ -182,7 +194,9 @@ def _install(model: nn.Module, enabled: bool, off_reason: str | None) -> str:
     base.loss_function = loss_function  # PreTrainedModel's setter: this model's loss, not the family's
     base._anygpu_lean = state
     size = f"{chunk_rows(base.config.vocab_size)} tokens"
-    size += f" (${CHUNK_TOKENS_ENV})" if os.environ.get(CHUNK_TOKENS_ENV) else f" ({CHUNK_BYTES >> 20} MiB of fp32 logits)"
+    size += (
+        f" (${CHUNK_TOKENS_ENV})" if os.environ.get(CHUNK_TOKENS_ENV) else f" ({CHUNK_BYTES >> 20} MiB of fp32 logits)"
+    )
     return f"loss: lean (chunked cross-entropy, {size} at a time; --lean_loss false: the model's own)"
 
 
@@ -229,13 +243,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         linear = type(head) is nn.Linear and not torch.is_autocast_enabled(hidden.device.type)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], rows):
-            h, y = hidden[start:start + rows], labels[start:start + rows]
+            h, y = hidden[start : start + rows], labels[start : start + rows]
             if linear:
                 loss, grad_h = _linear_chunk(h, y, head, post, ignore_index, need, grads)
             else:
                 loss, grad_h = _module_chunk(h, y, head_forward, post, ignore_index, need_hidden, params, need, grads)
             if need_hidden:
-                grad_hidden[start:start + rows] = grad_h
+                grad_hidden[start : start + rows] = grad_h
             total += loss
         out = [grads[id(p)].to(p.dtype) if id(p) in grads else None for p in params]
         ctx.save_for_backward(grad_hidden, *out)
@@ -255,7 +269,9 @@ def _accumulate(grads: dict[int, torch.Tensor], param: torch.Tensor, grad: torch
         grads[id(param)] = grad.float()
 
 
-def _linear_chunk(h, y, head: nn.Linear, post, ignore_index: int, need: dict[int, bool], grads: dict[int, torch.Tensor]):
+def _linear_chunk(
+    h, y, head: nn.Linear, post, ignore_index: int, need: dict[int, bool], grads: dict[int, torch.Tensor]
+):
     """One chunk through a plain linear head: (loss, gradient to h); the weight's gradient summed into `grads`."""
     weight, bias = head.weight, head.bias
     logits = F.linear(h, weight, bias).float().requires_grad_()  # computed without a graph: a leaf
@@ -273,8 +289,17 @@ def _linear_chunk(h, y, head: nn.Linear, post, ignore_index: int, need: dict[int
     return loss.detach(), g @ weight
 
 
-def _module_chunk(h, y, head_forward, post, ignore_index: int, need_hidden: bool, params, need: dict[int, bool],
-                  grads: dict[int, torch.Tensor]):
+def _module_chunk(
+    h,
+    y,
+    head_forward,
+    post,
+    ignore_index: int,
+    need_hidden: bool,
+    params,
+    need: dict[int, bool],
+    grads: dict[int, torch.Tensor],
+):
     """One chunk through any head (its own forward, under autograd): (loss, gradient to h or None)."""
     h = h.detach().requires_grad_(need_hidden)
     wanted = [p for p in params if need[id(p)]]
@@ -287,9 +312,15 @@ def _module_chunk(h, y, head_forward, post, ignore_index: int, need_hidden: bool
     return loss.detach(), grad_h
 
 
-def token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
-                   head_forward: Callable[[torch.Tensor], torch.Tensor], post: Callable[[torch.Tensor], torch.Tensor],
-                   vocab_size: int, ignore_index: int = IGNORE_INDEX) -> tuple[torch.Tensor, torch.Tensor]:
+def token_loss_sum(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head: nn.Module,
+    head_forward: Callable[[torch.Tensor], torch.Tensor],
+    post: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the token losses, number of target tokens) of hidden (…, H) against already shifted labels (…),
     computing `CHUNK_BYTES` of fp32 logits at a time; `head_forward` is `head`'s own forward."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -299,7 +330,7 @@ def token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module,
     if not torch.is_grad_enabled():  # evaluation: the chunks' losses alone
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in range(0, hidden.shape[0], rows):
-            total += _chunk_loss(hidden[s:s + rows], labels[s:s + rows], head_forward, post, ignore_index)
+            total += _chunk_loss(hidden[s : s + rows], labels[s : s + rows], head_forward, post, ignore_index)
         return total, count
     # The head's parameters as they are now (FSDP2: the unsharded ones of this forward), so their gradients
     # reach them through autograd as the model's own loss would send them.

@@ -12,6 +12,7 @@ Without `--lora_target_modules` the adapted modules are peft's choice for the mo
 attention's query and value projections, found by name among the model's linear layers (peft's choice for the
 types it lists); where no such name exists, every linear layer but the output head (peft's `all-linear`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,8 +50,14 @@ def wrap(model: nn.Module, args) -> nn.Module:
     target = target or default_targets(model)
     if target == ["all-linear"]:
         target = "all-linear"  # a string to peft (any other string is a regex on the full module name)
-    config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=target,
-                        modules_to_save=args.lora_modules_to_save, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=target,
+        modules_to_save=args.lora_modules_to_save,
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config)
 
 
@@ -83,8 +90,10 @@ def check_targets(model: nn.Module, targets: list[str]) -> None:
     names = [name for name, _ in model.named_modules()]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
-        raise UsageError(f"--lora_target_modules {','.join(missing)}: the model has no such module. Its linear modules: "
-                         f"{','.join(linear_names(model))} (or all-linear).")
+        raise UsageError(
+            f"--lora_target_modules {','.join(missing)}: the model has no such module. Its linear modules: "
+            f"{','.join(linear_names(model))} (or all-linear)."
+        )
 
 
 def is_peft(model: nn.Module) -> bool:
@@ -121,7 +130,9 @@ def init_adapter(model: nn.Module, seed: int) -> None:
             continue
         value = torch.zeros(param.shape)
         if ".lora_A." in name or ".lora_embedding_A." in name:
-            gen = torch.Generator().manual_seed(int(hashlib.sha256(f"{seed}:lora:{name}".encode()).hexdigest()[:15], 16))
+            gen = torch.Generator().manual_seed(
+                int(hashlib.sha256(f"{seed}:lora:{name}".encode()).hexdigest()[:15], 16)
+            )
             bound = 1.0 / math.sqrt(param.shape[1])  # kaiming_uniform_(a=√5) on a (r, in) matrix
             value.uniform_(-bound, bound, generator=gen)
         assign(param, value)
@@ -133,4 +144,3 @@ def trainable_line(model: nn.Module) -> str:
     targets = model.peft_config["default"].target_modules
     targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list, tuple)) else targets
     return f"LoRA: {trainable / 1e6:.3f}M trainable / {total / 1e6:.1f}M parameters ({100 * trainable / total:.2f}%); targets {targets}"
-

@@ -6,6 +6,7 @@ before any memory is spent on it; `init_parameters` then fills them with the fam
 (`anygpu.model.init_weights`), which gives the same weights whatever the sharding, the device, and
 the same as the unsharded model the HF engine builds.
 """
+
 from __future__ import annotations
 
 import copy
@@ -88,7 +89,9 @@ def build_meta_model(config: PretrainedConfig, args: ModelArguments) -> nn.Modul
     """The model with parameters on the meta device and real buffers (RoPE tables), in fp32."""
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=args.attn_implementation, trust_remote_code=args.trust_remote_code,
+            config,
+            attn_implementation=args.attn_implementation,
+            trust_remote_code=args.trust_remote_code,
             dtype=torch.float32,
         )
     # from_config ties lm_head to the input embedding (tie_word_embeddings) only outside
@@ -101,8 +104,11 @@ def build_full_model(config: PretrainedConfig, args: ModelArguments, seed: int) 
     """A materialised model on CPU: pretrained weights, or `init_parameters` from scratch (HF engine)."""
     if args.model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(
-            args.model_name_or_path, config=config, attn_implementation=args.attn_implementation,
-            trust_remote_code=args.trust_remote_code, dtype=torch.float32,
+            args.model_name_or_path,
+            config=config,
+            attn_implementation=args.attn_implementation,
+            trust_remote_code=args.trust_remote_code,
+            dtype=torch.float32,
         )
     buffers = {n: b.clone() for n, b in build_meta_model(config, args).named_buffers()}
     model = build_meta_model(config, args)
@@ -141,7 +147,9 @@ def load_pretrained_weights(model: nn.Module, path: str) -> None:
         folder = Path(snapshot_download(path, allow_patterns=["*.safetensors", "*.json"]))
         files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise UsageError(f"--model_name_or_path {path}: no *.safetensors weights found (convert .bin weights with save_pretrained).")
+        raise UsageError(
+            f"--model_name_or_path {path}: no *.safetensors weights found (convert .bin weights with save_pretrained)."
+        )
     params = lora.base_targets(model)  # under a LoRA adapter, the base weights' own names
     missing = set(params)
     for file in files:
@@ -172,7 +180,9 @@ def check_loss_kwargs(model: nn.Module) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper
     accepts = getattr(base, "accepts_loss_kwargs", None)
     if accepts is None:
-        accepts = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(base.forward).parameters.values())
+        accepts = any(
+            p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(base.forward).parameters.values()
+        )
     if not accepts:
         raise UsageError(
             f"{type(base).__name__}.forward takes no num_items_in_batch: its loss could not be normalised over the "

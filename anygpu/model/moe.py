@@ -11,6 +11,7 @@ width depends on the split) and averaged over the G rows, so the step's loss is
 a function of the global batch only. A LoRA adapter changes nothing: the base model's function and
 numbers are used.
 """
+
 from __future__ import annotations
 
 import sys
@@ -45,8 +46,10 @@ def _balancing_fn(model: nn.Module):
         fn = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
         if fn is not None:
             return fn
-    raise ValueError(f"{type(model).__name__}: output_router_logits is set but its module has no load_balancing_loss_func; "
-                     "set output_router_logits false in the config.")
+    raise ValueError(
+        f"{type(model).__name__}: output_router_logits is set but its module has no load_balancing_loss_func; "
+        "set output_router_logits false in the config."
+    )
 
 
 def per_sample_aux(model: nn.Module, router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor) -> torch.Tensor:
@@ -57,10 +60,12 @@ def per_sample_aux(model: nn.Module, router_logits: tuple[torch.Tensor, ...], ma
     top_k = getattr(model, "num_experts_per_tok", None) or model.config.num_experts_per_tok
     rows = mask.shape[0]
     per_layer = [logits.reshape(rows, -1, logits.shape[-1]) for logits in router_logits]
-    return torch.stack([
-        torch.as_tensor(fn(tuple(layer[i] for layer in per_layer), num_experts, top_k, mask[i:i + 1]))
-        for i in range(rows)
-    ])
+    return torch.stack(
+        [
+            torch.as_tensor(fn(tuple(layer[i] for layer in per_layer), num_experts, top_k, mask[i : i + 1]))
+            for i in range(rows)
+        ]
+    )
 
 
 def global_batch_loss(model: nn.Module, output, batch: dict[str, torch.Tensor], global_batch_size: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ budget with a safety margin. Elsewhere (CPU, or before the model exists) the pla
 after each candidate the ranks take the minimum of their verdicts: the smallest fitting wins. The
 accumulation steps follow: A = G / (m · W).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,9 +33,11 @@ class Probe:
 
     def line(self) -> str:
         tried = ", ".join(f"{m} → {b / GIB:.3f} GiB {'fits' if ok else 'too big'}" for m, b, ok in self.tried)
-        return (f"micro-batch auto ({self.how}, budget {self.budget_bytes / GIB:.3f} GiB × "
-                f"{memory_plan.SAFETY:.0%} per device): {tried}; chosen {self.micro_batch} on every rank "
-                f"(divisors of the {self.per_rank} sequences per rank)")
+        return (
+            f"micro-batch auto ({self.how}, budget {self.budget_bytes / GIB:.3f} GiB × "
+            f"{memory_plan.SAFETY:.0%} per device): {tried}; chosen {self.micro_batch} on every rank "
+            f"(divisors of the {self.per_rank} sequences per rank)"
+        )
 
 
 def divisors_desc(n: int) -> list[int]:
@@ -70,17 +73,26 @@ def choose(per_rank: int, cost: Callable[[int], int], budget_bytes: int, device:
     )
 
 
-def estimate_cost(shapes: memory_plan.Shapes, strategy: str, precision: str, world: int, block_size: int,
-                  checkpointing: bool, lean_loss: bool = True) -> Callable[[int], int]:
+def estimate_cost(
+    shapes: memory_plan.Shapes,
+    strategy: str,
+    precision: str,
+    world: int,
+    block_size: int,
+    checkpointing: bool,
+    lean_loss: bool = True,
+) -> Callable[[int], int]:
     """Per-device bytes the plan expects at micro-batch m (model states, activations, working copies)."""
     states = sum(memory_plan.model_state_bytes(shapes, strategy, precision, world)[0].values())
     extra = memory_plan.transient_bytes(shapes, strategy, precision, world)
-    return lambda m: states + extra + memory_plan.activation_bytes(shapes, m, block_size, precision, checkpointing,
-                                                                    lean_loss)
+    return lambda m: (
+        states + extra + memory_plan.activation_bytes(shapes, m, block_size, precision, checkpointing, lean_loss)
+    )
 
 
-def measured_cost(model: torch.nn.Module, vocab_size: int, block_size: int, device: torch.device,
-                  optimizer_bytes: int) -> Callable[[int], int]:
+def measured_cost(
+    model: torch.nn.Module, vocab_size: int, block_size: int, device: torch.device, optimizer_bytes: int
+) -> Callable[[int], int]:
     """Peak device bytes of one forward + backward at micro-batch m, plus the optimizer state to come."""
 
     def cost(m: int) -> int:
@@ -110,15 +122,26 @@ def budget(max_memory_per_device_gb: float | None, device: torch.device) -> int:
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     given = int(max_memory_per_device_gb * GIB) if max_memory_per_device_gb else None
     if given is None and total is None:
-        raise UsageError("--per_device_train_batch_size auto on CPU needs --max_memory_per_device_gb (the memory a "
-                         "process may use, e.g. 8): there is no GPU memory to probe.")
+        raise UsageError(
+            "--per_device_train_batch_size auto on CPU needs --max_memory_per_device_gb (the memory a "
+            "process may use, e.g. 8): there is no GPU memory to probe."
+        )
     return min(x for x in (given, total) if x is not None)
 
 
-def resolve(plan: BatchPlan, shapes: memory_plan.Shapes, strategy: str, precision: str, block_size: int,
-            checkpointing: bool, max_memory_per_device_gb: float | None, device: torch.device,
-            model: torch.nn.Module | None = None, shard_size: int | None = None,
-            lean_loss: bool = True) -> tuple[BatchPlan, Probe]:
+def resolve(
+    plan: BatchPlan,
+    shapes: memory_plan.Shapes,
+    strategy: str,
+    precision: str,
+    block_size: int,
+    checkpointing: bool,
+    max_memory_per_device_gb: float | None,
+    device: torch.device,
+    model: torch.nn.Module | None = None,
+    shard_size: int | None = None,
+    lean_loss: bool = True,
+) -> tuple[BatchPlan, Probe]:
     """The batch plan with the chosen micro-batch (G and W unchanged) and the probe's report. `shard_size`: the
     ranks the state is sharded over when fewer than W (HSDP's dp_shard)."""
     per_rank = plan.global_batch_size // plan.world_size
@@ -128,13 +151,24 @@ def resolve(plan: BatchPlan, shapes: memory_plan.Shapes, strategy: str, precisio
         states = memory_plan.model_state_bytes(shapes, strategy, precision, shards)[0]
         cost, how = measured_cost(model, shapes.vocab_size, block_size, device, states["optimizer"]), "measured"
     else:
-        cost, how = estimate_cost(shapes, strategy, precision, shards, block_size, checkpointing, lean_loss), "estimated"
+        cost, how = (
+            estimate_cost(shapes, strategy, precision, shards, block_size, checkpointing, lean_loss),
+            "estimated",
+        )
     probe = choose(per_rank, cost, limit, device, how)
     return plan_batch(plan.global_batch_size, plan.world_size, probe.micro_batch), probe
 
 
-def apply(prep, model_args, train_args, device: torch.device, strategy: str,
-          model: torch.nn.Module | None = None, shard_size: int | None = None, lean: bool | None = None) -> Probe:
+def apply(
+    prep,
+    model_args,
+    train_args,
+    device: torch.device,
+    strategy: str,
+    model: torch.nn.Module | None = None,
+    shard_size: int | None = None,
+    lean: bool | None = None,
+) -> Probe:
     """Choose the micro-batch for a prepared run and put it into ``prep.plan``; return the probe. `lean`: whether
     the lean loss runs (the engine knows: a strategy or a family may keep the model's own; default --lean_loss)."""
     from anygpu.model import lora, modeling
@@ -143,7 +177,17 @@ def apply(prep, model_args, train_args, device: torch.device, strategy: str,
     meta = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args)
     shapes = memory_plan.shapes_from_model(meta, prep.config)
     precision = "bf16" if (train_args.bf16 or train_args.fp16) else "fp32"
-    prep.plan, probe = resolve(prep.plan, shapes, strategy, precision, prep.block_size,
-                               train_args.gradient_checkpointing, train_args.max_memory_per_device_gb, device, model,
-                               shard_size, lean_loss=train_args.lean_loss if lean is None else lean)
+    prep.plan, probe = resolve(
+        prep.plan,
+        shapes,
+        strategy,
+        precision,
+        prep.block_size,
+        train_args.gradient_checkpointing,
+        train_args.max_memory_per_device_gb,
+        device,
+        model,
+        shard_size,
+        lean_loss=train_args.lean_loss if lean is None else lean,
+    )
     return probe

@@ -3,6 +3,7 @@
 Memory is what torch reports per device (GiB), a little under the marketed figure; an MI250X shows
 as two devices of 64 GiB. Peak FLOP/s come from runtime.hardware.PEAK_TFLOPS by the device name.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple

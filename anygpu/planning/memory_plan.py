@@ -25,6 +25,7 @@ log-softmaxed in fp32; the lean loss (the engines' default, `anygpu.model.lean_l
 final hidden states' gradient instead, and one chunk's logits (`LEAN_CHUNK_BYTES` of fp32) at a time.
 With activation checkpointing each layer keeps only its input, and one layer is recomputed at a time.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,12 @@ from dataclasses import asdict, dataclass, field
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_offload", "zero2", "zero2_offload", "zero3", "zero3_offload")
 ACCELERATE_CONFIG = {
-    "ddp": "ddp", "fsdp2": "fsdp", "fsdp2_offload": "fsdp_offload", "zero2": "deepspeed_zero2",
-    "zero2_offload": "deepspeed_zero2 with offload_optimizer_device: cpu", "zero3": "deepspeed_zero3",
+    "ddp": "ddp",
+    "fsdp2": "fsdp",
+    "fsdp2_offload": "fsdp_offload",
+    "zero2": "deepspeed_zero2",
+    "zero2_offload": "deepspeed_zero2 with offload_optimizer_device: cpu",
+    "zero3": "deepspeed_zero3",
     "zero3_offload": "deepspeed_zero3_offload",
 }
 # Memory the framework holds besides tensors (CUDA/HIP context, allocator slack, kernels' workspaces).
@@ -87,9 +92,17 @@ def shapes_from_model(model, config, lora_r: int = 0, lora_targets: tuple[str, .
 
         from anygpu.model import lora
 
-        model = lora.wrap(model, SimpleNamespace(
-            use_peft=True, lora_r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.0,
-            lora_target_modules=list(lora_targets) or None, lora_modules_to_save=None))
+        model = lora.wrap(
+            model,
+            SimpleNamespace(
+                use_peft=True,
+                lora_r=lora_r,
+                lora_alpha=2 * lora_r,
+                lora_dropout=0.0,
+                lora_target_modules=list(lora_targets) or None,
+                lora_modules_to_save=None,
+            ),
+        )
     seen: set[int] = set()
     params: list[Param] = []
     for name, p in model.named_parameters():
@@ -102,9 +115,17 @@ def shapes_from_model(model, config, lora_r: int = 0, lora_targets: tuple[str, .
     layers = [m for m in model.modules() if isinstance(m, decoder_layer_classes(model))]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return Shapes(tuple(params), config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size),
-                  config.num_hidden_layers, heads, getattr(config, "num_key_value_heads", None) or heads, head_dim,
-                  config.vocab_size, sum(p.numel() for p in layers[0].parameters()) if layers else 0)
+    return Shapes(
+        tuple(params),
+        config.hidden_size,
+        getattr(config, "intermediate_size", 4 * config.hidden_size),
+        config.num_hidden_layers,
+        heads,
+        getattr(config, "num_key_value_heads", None) or heads,
+        head_dim,
+        config.vocab_size,
+        sum(p.numel() for p in layers[0].parameters()) if layers else 0,
+    )
 
 
 def _fsdp_rows(shape: tuple[int, ...], world: int, rank: int) -> int:
@@ -140,7 +161,9 @@ class Row:
         return {**asdict(self), "total_bytes": self.total}
 
 
-def model_state_bytes(shapes: Shapes, strategy: str, precision: str, world: int, rank: int = 0) -> tuple[dict[str, int], int]:
+def model_state_bytes(
+    shapes: Shapes, strategy: str, precision: str, world: int, rank: int = 0
+) -> tuple[dict[str, int], int]:
     """(GPU bytes of parameters, gradients, optimizer on ``rank``; CPU bytes) for one strategy. ``world``: the ranks
     the state is sharded over (for HSDP the shard group S, ``rank`` the rank within it)."""
     if strategy not in (*STRATEGIES, HSDP):
@@ -180,15 +203,18 @@ def model_state_bytes(shapes: Shapes, strategy: str, precision: str, world: int,
 LEAN_CHUNK_BYTES = 128 << 20  # anygpu.model.lean_loss.CHUNK_BYTES (this module stays free of torch)
 
 
-def activation_bytes(shapes: Shapes, micro_batch: int, block_size: int, precision: str, checkpointing: bool,
-                     lean_loss: bool = True) -> int:
+def activation_bytes(
+    shapes: Shapes, micro_batch: int, block_size: int, precision: str, checkpointing: bool, lean_loss: bool = True
+) -> int:
     """Saved activations of one micro-batch (an estimate; see the module docstring)."""
     e = 2 if precision == "bf16" else 4
     h, i, v = shapes.hidden_size, shapes.intermediate_size, shapes.vocab_size
     q = shapes.num_heads * shapes.head_dim
     kv = shapes.num_kv_heads * shapes.head_dim
-    layer = (e * (h + q + 2 * kv + q + h + 4 * i)  # norm outs, q/k/v, attention out, norm out, SwiGLU
-             + 2 * 4 * h)  # both RMSNorms' inputs upcast to fp32
+    layer = (
+        e * (h + q + 2 * kv + q + h + 4 * i)  # norm outs, q/k/v, attention out, norm out, SwiGLU
+        + 2 * 4 * h
+    )  # both RMSNorms' inputs upcast to fp32
     tokens = micro_batch * block_size
     per_token = shapes.num_layers * (e * h if checkpointing else layer) + (layer if checkpointing else 0)
     if lean_loss:  # embedding out, final norm, the hidden states' gradient; one chunk's logits at a time
@@ -242,16 +268,29 @@ def hsdp_command(num_gpus: int, dp_shard: int) -> str:
     return f"run_fsdp_standalone.py --dp_replicate {num_gpus // dp_shard} --dp_shard {dp_shard}"
 
 
-def row_for(shapes: Shapes, machine: Machine, strategy: str, precision: str, checkpointing: bool, lora: bool,
-            micro_batch: int, block_size: int, dp_shard: int | None = None, lean_loss: bool = True) -> Row:
+def row_for(
+    shapes: Shapes,
+    machine: Machine,
+    strategy: str,
+    precision: str,
+    checkpointing: bool,
+    lora: bool,
+    micro_batch: int,
+    block_size: int,
+    dp_shard: int | None = None,
+    lean_loss: bool = True,
+) -> Row:
     """One strategy's per-GPU bytes; `dp_shard`: HSDP's shard group (the ranks its state is divided by)."""
     world = max(1, machine.num_gpus)  # no GPU detected: the plan of one process
     shards = (dp_shard or world) if strategy == HSDP else world
     states, cpu = model_state_bytes(shapes, strategy, precision, shards)
     acts = activation_bytes(shapes, micro_batch, block_size, precision, checkpointing, lean_loss)
-    per_gpu = {**states, "activations": acts,
-               "transient": transient_bytes(shapes, strategy, precision, shards),
-               "reserved": RESERVED_BYTES if machine.gpu_memory_bytes else 0}
+    per_gpu = {
+        **states,
+        "activations": acts,
+        "transient": transient_bytes(shapes, strategy, precision, shards),
+        "reserved": RESERVED_BYTES if machine.gpu_memory_bytes else 0,
+    }
     budget = machine.gpu_memory_bytes * SAFETY
     fits = bool(machine.gpu_memory_bytes) and sum(per_gpu.values()) <= budget
     how = hsdp_command(world, shards) if strategy == HSDP else ACCELERATE_CONFIG[strategy]
@@ -263,22 +302,36 @@ def row_for(shapes: Shapes, machine: Machine, strategy: str, precision: str, che
 PREFERENCE = ("ddp", HSDP, "fsdp2", "zero2", "zero3", "zero2_offload", "fsdp2_offload", "zero3_offload")
 
 
-def make_plan(shapes: Shapes, machine: Machine, block_size: int, global_batch_size: int, *, lora: bool = False,
-              precisions: tuple[str, ...] = ("bf16", "fp32"), mfu: float = 0.4,
-              flops_per_token: float = 0.0, dp_shard: int | None = None) -> PlanResult:
+def make_plan(
+    shapes: Shapes,
+    machine: Machine,
+    block_size: int,
+    global_batch_size: int,
+    *,
+    lora: bool = False,
+    precisions: tuple[str, ...] = ("bf16", "fp32"),
+    mfu: float = 0.4,
+    flops_per_token: float = 0.0,
+    dp_shard: int | None = None,
+) -> PlanResult:
     """Every strategy × precision × checkpointing at micro-batch 1, and the recommendation: the
     fastest strategy that fits (bf16 first, without checkpointing first) at the largest micro-batch
     dividing the per-GPU share of the global batch. `dp_shard` smaller than the GPUs adds HSDP's rows
     (e.g. the GPUs of one node, replicated across nodes)."""
     n = max(1, machine.num_gpus)
     if global_batch_size % n:
-        raise ValueError(f"--global_batch_size {global_batch_size} cannot be split over {n} GPUs: use a multiple of {n}")
+        raise ValueError(
+            f"--global_batch_size {global_batch_size} cannot be split over {n} GPUs: use a multiple of {n}"
+        )
     if dp_shard is not None and (dp_shard < 1 or n % dp_shard):
-        raise ValueError(f"--dp_shard {dp_shard} does not divide the {n} GPUs: use one of "
-                         f"{', '.join(map(str, divisors(n)))} (e.g. the GPUs of one node)")
+        raise ValueError(
+            f"--dp_shard {dp_shard} does not divide the {n} GPUs: use one of "
+            f"{', '.join(map(str, divisors(n)))} (e.g. the GPUs of one node)"
+        )
     strategies = (*STRATEGIES, HSDP) if dp_shard is not None and dp_shard < n else STRATEGIES
-    result = PlanResult(shapes, machine, block_size, global_batch_size, mfu=mfu, flops_per_token=flops_per_token,
-                        dp_shard=dp_shard)
+    result = PlanResult(
+        shapes, machine, block_size, global_batch_size, mfu=mfu, flops_per_token=flops_per_token, dp_shard=dp_shard
+    )
     for precision in precisions:
         for strategy in strategies:
             for ckpt in (False, True):
@@ -287,8 +340,11 @@ def make_plan(shapes: Shapes, machine: Machine, block_size: int, global_batch_si
     for precision in precisions:
         for ckpt in (False, True):
             for strategy in (s for s in PREFERENCE if s in strategies):
-                fitting = [r for m in reversed(divisors(share))
-                           if (r := row_for(shapes, machine, strategy, precision, ckpt, lora, m, block_size, dp_shard)).fits]
+                fitting = [
+                    r
+                    for m in reversed(divisors(share))
+                    if (r := row_for(shapes, machine, strategy, precision, ckpt, lora, m, block_size, dp_shard)).fits
+                ]
                 if fitting:
                     result.recommended = fitting[0]
                     result.gradient_accumulation_steps = share // fitting[0].micro_batch

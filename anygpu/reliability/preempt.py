@@ -11,6 +11,7 @@ finish its step, save a checkpoint together and exit with `errors.EXIT_PREEMPTED
   reaches its checkpoint.
 - `--save_on_preempt false`: the first signal exits at once (75).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,12 +61,16 @@ class Preemption:
     def _handler(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if not self.save_on_preempt:
-            _say(f"{name}: --save_on_preempt false: exiting at once (exit {EXIT_NO_CHECKPOINT}); the last checkpoint is kept")
+            _say(
+                f"{name}: --save_on_preempt false: exiting at once (exit {EXIT_NO_CHECKPOINT}); the last checkpoint is kept"
+            )
             _exit_now()
         if self.requested is not None:
             if signum == signal.SIGTERM:
-                _say(f"second SIGTERM: exiting at once without a new checkpoint (exit {EXIT_NO_CHECKPOINT}); "
-                     "the previous checkpoint is intact")
+                _say(
+                    f"second SIGTERM: exiting at once without a new checkpoint (exit {EXIT_NO_CHECKPOINT}); "
+                    "the previous checkpoint is intact"
+                )
                 _exit_now()
             return
         self.requested = name
@@ -77,8 +82,10 @@ class Preemption:
             if progress.PROGRESS.protected_depth or progress.PROGRESS.beats != seen:
                 seen = progress.PROGRESS.beats
                 continue
-            _say(f"{self.requested}: no progress for {self.grace_s:.0f} s, stuck in a collective (a peer rank is gone?): "
-                 f"exiting without a checkpoint (exit {EXIT_NO_CHECKPOINT})")
+            _say(
+                f"{self.requested}: no progress for {self.grace_s:.0f} s, stuck in a collective (a peer rank is gone?): "
+                f"exiting without a checkpoint (exit {EXIT_NO_CHECKPOINT})"
+            )
             _exit_now()
 
 

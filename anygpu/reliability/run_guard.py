@@ -22,6 +22,7 @@ Once the process group exists (`check_ranks`, `check_data_agrees`, `agreed_resum
 - the checkpoint to resume is rank 0's verdict, reached once at start-up (hashing every file) and broadcast:
   the other ranks hash nothing.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -70,8 +71,9 @@ def claim_output_dir(train_args: Any, rank: int) -> None:
             return
         damaged = store.checkpoints(root)  # none is intact, or resolve_resume would have found it
         if damaged and not train_args.overwrite_output_dir:
-            why = "; ".join(f"{c.name}: {manifest.problem(c, checksums=False) or 'does not match its checksums'}"
-                            for c in damaged)
+            why = "; ".join(
+                f"{c.name}: {manifest.problem(c, checksums=False) or 'does not match its checksums'}" for c in damaged
+            )
             how = f"--resume_from_checkpoint {resume}" if resume else "a torchelastic restart"
             raise UsageError(
                 f"{how}: no intact checkpoint in --output_dir {root}, only damaged ones ({why}). Nothing was deleted: "
@@ -273,8 +275,12 @@ def check_ranks(info: Any, resolved: dict[str, Any], output_dir: str) -> None:
 
 def check_data_agrees(info: Any, corpus_fingerprint: str) -> None:
     """After data preparation: every rank read the same corpus."""
-    _first_difference(_gather({"rank": info.rank, "host": socket.gethostname(),
-                               "fields": {"corpus fingerprint": corpus_fingerprint[:16]}}), "data")
+    _first_difference(
+        _gather(
+            {"rank": info.rank, "host": socket.gethostname(), "fields": {"corpus fingerprint": corpus_fingerprint[:16]}}
+        ),
+        "data",
+    )
 
 
 # ---------------------------------------------------------------------- the checkpoint to resume, verified once

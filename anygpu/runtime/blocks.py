@@ -1,5 +1,6 @@
 """The model's decoder-layer classes: the unit FSDP2 shards, activation checkpointing recomputes,
 initialisation runs one at a time and the preemption heartbeat watches."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -12,5 +13,7 @@ def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not classes:
-        raise UsageError(f"{type(model).__name__} names no decoder layer class (_no_split_modules={sorted(names)}): cannot shard it per layer.")
+        raise UsageError(
+            f"{type(model).__name__} names no decoder layer class (_no_split_modules={sorted(names)}): cannot shard it per layer."
+        )
     return tuple(classes)

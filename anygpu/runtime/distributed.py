@@ -1,5 +1,6 @@
 """Process-group set-up and the few collectives the engines need; the only module that
 decides ranks, devices and backends (models and data know nothing of distribution)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -47,10 +48,14 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ:
-            dist.init_process_group(backend_for(device), timeout=timeout, device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(
+                backend_for(device), timeout=timeout, device_id=device if device.type == "cuda" else None
+            )
         else:  # plain `python script.py`: a one-rank group, so FSDP2 and DCP work the same
             store = os.path.join(tempfile.mkdtemp(prefix="anygpu-pg-"), "store")
-            dist.init_process_group(backend_for(device), init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(
+                backend_for(device), init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout
+            )
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device)
 
 
@@ -113,8 +118,9 @@ def wait_for_key(store, key: str, what: str, poll_s: float = 0.5, say_every_s: f
         time.sleep(poll_s)
         if time.monotonic() - last >= say_every_s:
             last = time.monotonic()
-            logging.getLogger("anygpu").warning("rank %d: still waiting for %s (%.0f s)", dist.get_rank(), what,
-                                                last - start)
+            logging.getLogger("anygpu").warning(
+                "rank %d: still waiting for %s (%.0f s)", dist.get_rank(), what, last - start
+            )
 
 
 def wait_for_all(what: str) -> None:

@@ -1,5 +1,6 @@
 """Fault injection for the tests, off unless its environment variables are set; called at the points
 a fault matters (an evaluation, a checkpoint write)."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """File-system helpers that checkpoints, exports and LoRA share: atomic folder replace, fsync, JSON written durably."""
+
 from __future__ import annotations
 
 import json

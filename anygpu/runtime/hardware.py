@@ -3,6 +3,7 @@
 ROCm builds of torch keep the `torch.cuda` API and set `torch.version.hip`, so one code
 path serves NVIDIA and AMD; the vendor only changes names, peak numbers and defaults.
 """
+
 from __future__ import annotations
 
 import logging
@@ -127,7 +128,9 @@ def configure_tf32(enabled: bool | None) -> bool:
 
 
 def _has_fp32_precision_api() -> bool:
-    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
+    return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(
+        getattr(torch.backends.cudnn, "conv", None), "fp32_precision"
+    )
 
 
 def supports_bf16() -> bool:
@@ -138,6 +141,8 @@ def describe() -> str:
     """One line per device, for the banner and `anygpu info`."""
     if vendor() == "cpu":
         return f"CPU only (torch {torch.__version__}, {torch.get_num_threads()} threads)"
-    lines = [f"{vendor().upper()} (torch {torch.__version__}, {'HIP ' + torch.version.hip if vendor() == 'amd' else 'CUDA ' + str(torch.version.cuda)})"]
+    lines = [
+        f"{vendor().upper()} (torch {torch.__version__}, {'HIP ' + torch.version.hip if vendor() == 'amd' else 'CUDA ' + str(torch.version.cuda)})"
+    ]
     lines += [f"  [{d.index}] {d.name}, {d.total_memory_gb:.0f} GiB, {d.capability}" for d in devices()]
     return "\n".join(lines)

@@ -7,6 +7,7 @@ CPU per process (and probes for CUDA). No model can be a `DeepSpeedEngine` unles
 so while it is not, the check asks for it no more; once a run imports DeepSpeed (its accelerate plugin does,
 before any model is wrapped), the check is accelerate's own again.
 """
+
 from __future__ import annotations
 
 import sys

@@ -5,6 +5,7 @@ processes per node a group is one node, and only the gradient all-reduce of each
 The data is still split over all W = R·S ranks (rank r reads its G/W sequences), so the mesh changes
 where the state lives and how gradients travel, never the math.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,10 @@ class MeshShape:
             return head + f"FSDP2, parameters, gradients and optimizer state sharded over all {self.dp_shard} ranks"
         if self.dp_shard == 1:
             return head + f"HSDP, {self.dp_replicate} whole replicas (nothing sharded), gradients averaged across them"
-        return (head + f"HSDP, state sharded over the {self.dp_shard} ranks of each of {self.dp_replicate} replica "
-                f"groups, gradients averaged across the groups")
+        return (
+            head + f"HSDP, state sharded over the {self.dp_shard} ranks of each of {self.dp_replicate} replica "
+            f"groups, gradients averaged across the groups"
+        )
 
 
 def local_world_size_from_env() -> int:
@@ -59,12 +62,14 @@ def resolve(dp_replicate: int | None, dp_shard: int | None, world_size: int, loc
         if dp_replicate * dp_shard != world_size:
             raise UsageError(
                 f"--dp_replicate {dp_replicate} × --dp_shard {dp_shard} = {dp_replicate * dp_shard}, not the world "
-                f"size {world_size}: give R × S = {world_size}, e.g. (R × S) {_pairs(world_size)}.")
+                f"size {world_size}: give R × S = {world_size}, e.g. (R × S) {_pairs(world_size)}."
+            )
         return MeshShape(dp_replicate, dp_shard)
     given, value = ("dp_replicate", dp_replicate) if dp_shard is None else ("dp_shard", dp_shard)
     if world_size % value:
         raise UsageError(
             f"--{given} {value} does not divide the world size {world_size} (--dp_replicate × --dp_shard must equal "
-            f"it): use one of (R × S) {_pairs(world_size)}.")
+            f"it): use one of (R × S) {_pairs(world_size)}."
+        )
     other = world_size // value
     return MeshShape(value, other) if given == "dp_replicate" else MeshShape(other, value)

@@ -3,6 +3,7 @@ decoder layer → root (torchtitan's order: each wrap sees the module the previo
 Over a 1-D mesh of all ranks (FSDP2), or a 2-D (dp_replicate, dp_shard) mesh (HSDP: `fully_shard`
 shards over the second dimension and replicates over the first; see `anygpu.runtime.mesh`).
 One fp32 process has nothing to shard: the model stays a plain module there (`needs_sharding`)."""
+
 from __future__ import annotations
 
 import torch
@@ -66,7 +67,9 @@ def shard_model(
         return model
     mesh = build_mesh(device, mesh_shape)
     # bf16 compute and all-gathers, fp32 gradient reduction and master weights.
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     # With one rank per shard group, resharding frees nothing worth the re-gather in the backward.
     reshard_after_forward = reshard_after_forward and mesh_shape.dp_shard > 1
     for i, layer in enumerate(layers):

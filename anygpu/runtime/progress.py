@@ -2,6 +2,7 @@
 
 It sits below checkpoints and exports (which hold the watchdog off while they write) and below the
 preemption handler (which reads it), so neither needs the other."""
+
 from __future__ import annotations
 
 import contextlib

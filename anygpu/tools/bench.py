@@ -6,6 +6,7 @@ Each run is started exactly as the vendor launcher would start it (its own plan,
 with a fixed global batch (strong scaling: the same work per step whatever N). Tokens/s is the mean
 over the logged steps after the first (compilation, allocator and communicator warm-up).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,17 +37,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="anygpu bench",
         description="Run a short fixed training job at each process count and print tokens/s, tokens/s per "
-                    "process, scaling efficiency against one process and MFU (on GPUs), as a table and a PNG "
-                    "plot (bench.png) in --output_dir.",
+        "process, scaling efficiency against one process and MFU (on GPUs), as a table and a PNG "
+        "plot (bench.png) in --output_dir.",
     )
     p.add_argument("--engine", choices=sorted(launcher.ENGINES), default="fsdp", help="Engine (default fsdp).")
     p.add_argument("--nproc", default="1,2,4,8", help="Comma-separated process counts (default 1,2,4,8).")
     p.add_argument("--output_dir", default="outputs/bench", help="Runs, bench.json and bench.png go here.")
     p.add_argument("--config_name", default="default", help="Model preset or config.json (default: default).")
     p.add_argument("--block_size", type=int, default=256, help="Tokens per sequence (default 256).")
-    p.add_argument("--per_process_batch", type=int, default=4,
-                   help="Sequences per process per step at the largest count; the global batch is this × the "
-                        "least common multiple of the counts, fixed for every run (default 4).")
+    p.add_argument(
+        "--per_process_batch",
+        type=int,
+        default=4,
+        help="Sequences per process per step at the largest count; the global batch is this × the "
+        "least common multiple of the counts, fixed for every run (default 4).",
+    )
     p.add_argument("--max_steps", type=int, default=10, help="Optimizer steps per run (default 10).")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs).")
     p.add_argument("--json", action="store_true", help="Print the results as JSON instead of a table.")
@@ -65,10 +70,37 @@ def parse_counts(text: str) -> list[int]:
 
 def engine_args(args: argparse.Namespace, global_batch: int, out: Path) -> list[str]:
     extra = ["--bf16", "true"] if args.bf16 else []
-    return ["--config_name", args.config_name, "--block_size", str(args.block_size), "--max_corpus_mb", "1",
-            "--global_batch_size", str(global_batch), "--max_steps", str(args.max_steps), "--logging_steps", "1",
-            "--eval_steps", "0", "--eval_on_start", "false", "--export_final", "false", "--report_to", "none",
-            "--disable_tqdm", "true", "--warmup_steps", "1", "--save_steps", "0", "--output_dir", str(out), *extra]
+    return [
+        "--config_name",
+        args.config_name,
+        "--block_size",
+        str(args.block_size),
+        "--max_corpus_mb",
+        "1",
+        "--global_batch_size",
+        str(global_batch),
+        "--max_steps",
+        str(args.max_steps),
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "0",
+        "--eval_on_start",
+        "false",
+        "--export_final",
+        "false",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--warmup_steps",
+        "1",
+        "--save_steps",
+        "0",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
 
 
 def vendor_here() -> str:
@@ -82,8 +114,20 @@ def run_one(args: argparse.Namespace, nproc: int, global_batch: int) -> Result:
     out = Path(args.output_dir) / f"nproc{nproc}"
     if (out / "metrics.jsonl").exists():
         (out / "metrics.jsonl").unlink()  # a fresh measurement, not an append to an old one
-    plan = launcher.make_plan(["--vendor", vendor_here(), "--engine", args.engine, "--nproc", str(nproc),
-                               "--dry-run", "--", *engine_args(args, global_batch, out)], os.environ)
+    plan = launcher.make_plan(
+        [
+            "--vendor",
+            vendor_here(),
+            "--engine",
+            args.engine,
+            "--nproc",
+            str(nproc),
+            "--dry-run",
+            "--",
+            *engine_args(args, global_batch, out),
+        ],
+        os.environ,
+    )
     proc = subprocess.run(plan.cmd, env=plan.env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{nproc} process(es) failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -130,8 +174,9 @@ def table(results: list[Result]) -> str:
     for r in results:
         eff = f"{r.scaling_efficiency:.1%}" if r.scaling_efficiency is not None else "—"
         mfu = f"{r.mfu:.1%}" if r.mfu is not None else "—"
-        lines.append(f"{r.nproc:>9} {r.tokens_per_second:>12.0f} {r.tokens_per_second_per_process:>14.0f} "
-                     f"{eff:>10} {mfu:>7}")
+        lines.append(
+            f"{r.nproc:>9} {r.tokens_per_second:>12.0f} {r.tokens_per_second_per_process:>14.0f} {eff:>10} {mfu:>7}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -149,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     results = []
     for n in counts:
-        print(f"[bench] {args.engine} engine, {n} process(es), global batch {global_batch}", file=sys.stderr, flush=True)
+        print(
+            f"[bench] {args.engine} engine, {n} process(es), global batch {global_batch}", file=sys.stderr, flush=True
+        )
         results.append(run_one(args, n, global_batch))
     one = next((r for r in results if r.nproc == 1), None)
     for r in results:
@@ -158,11 +205,22 @@ def main(argv: list[str] | None = None) -> int:
     (out / "bench.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
     png = plot(results, out / "bench.png", args.engine)
     if args.json:
-        print(json.dumps({"engine": args.engine, "global_batch_size": global_batch,
-                          "results": [asdict(r) for r in results], "plot": str(png)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "engine": args.engine,
+                    "global_batch_size": global_batch,
+                    "results": [asdict(r) for r in results],
+                    "plot": str(png),
+                },
+                indent=2,
+            )
+        )
     else:
-        sys.stdout.write(f"{args.engine} engine, {args.config_name}, block {args.block_size}, global batch "
-                         f"{global_batch}, {args.max_steps} steps (tokens/s: mean after the first step)\n")
+        sys.stdout.write(
+            f"{args.engine} engine, {args.config_name}, block {args.block_size}, global batch "
+            f"{global_batch}, {args.max_steps} steps (tokens/s: mean after the first step)\n"
+        )
         sys.stdout.write(table(results))
         print(f"plot: {png}")
     return 0

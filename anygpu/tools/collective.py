@@ -5,6 +5,7 @@
 Rank 0 prints one JSON line: per size the time, algorithm bandwidth (bytes / time) and bus bandwidth
 as nccl-tests defines it for all-reduce (algbw × 2(n−1)/n), and whether every result was right.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,13 @@ def measure(size_bytes: int, info: distributed.DistInfo, iters: int = 5) -> dict
     seconds = (time.perf_counter() - start) / iters
     algbw = n * 4 / seconds
     busbw = algbw * 2 * (info.world_size - 1) / info.world_size
-    return {"bytes": n * 4, "seconds": seconds, "algbw_gbps": algbw / 1e9, "busbw_gbps": busbw / 1e9,
-            "correct": correct}
+    return {
+        "bytes": n * 4,
+        "seconds": seconds,
+        "algbw_gbps": algbw / 1e9,
+        "busbw_gbps": busbw / 1e9,
+        "correct": correct,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,8 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(a) for a in argv] or (DEFAULT_SIZES_GPU if info.device.type == "cuda" else DEFAULT_SIZES_CPU)
     results = [measure(s, info) for s in sizes]
     if info.is_main:
-        print("COLLECTIVE " + json.dumps({"backend": dist.get_backend(), "world_size": info.world_size,
-                                          "results": results}), flush=True)
+        print(
+            "COLLECTIVE "
+            + json.dumps({"backend": dist.get_backend(), "world_size": info.world_size, "results": results}),
+            flush=True,
+        )
     distributed.destroy()
     return 0
 

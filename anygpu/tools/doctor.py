@@ -6,6 +6,7 @@ planning code). Then active checks, each with pass/fail and a one-line fix: a bf
 an all-reduce over one process per GPU (gloo on CPU) with bus bandwidth as nccl-tests defines it,
 peer access between GPU pairs, and the output folder (writable; shared across nodes on multi-node).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,23 @@ from anygpu.launch import launcher
 
 PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft")
 VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
-SHARED_FS = {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cifs", "smb3", "cephfs", "ceph", "fuse.glusterfs",
-             "glusterfs", "wekafs", "fuse.juicefs", "9p", "virtiofs"}
+SHARED_FS = {
+    "nfs",
+    "nfs4",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "cifs",
+    "smb3",
+    "cephfs",
+    "ceph",
+    "fuse.glusterfs",
+    "glusterfs",
+    "wekafs",
+    "fuse.juicefs",
+    "9p",
+    "virtiofs",
+}
 
 
 @dataclass
@@ -44,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="anygpu doctor",
         description="What this machine can do (vendor, driver, torch build, GPUs, visibility variables, NCCL/RCCL, "
-                    "library versions, the command each launcher would run here) and active checks (bf16 and TF32 "
-                    "matmuls, an all-reduce over one process per GPU with bus bandwidth, peer access, the output "
-                    "folder). Exit code 1 when a check fails, each failure with a one-line fix.",
+        "library versions, the command each launcher would run here) and active checks (bf16 and TF32 "
+        "matmuls, an all-reduce over one process per GPU with bus bandwidth, peer access, the output "
+        "folder). Exit code 1 when a check fails, each failure with a one-line fix.",
     )
     p.add_argument("--output_dir", default="outputs", help="The folder training will write to (default: outputs).")
     p.add_argument("--nproc", type=int, help="Processes of the collective check (default: one per GPU, 2 on CPU).")
@@ -56,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------ facts
+
 
 def versions() -> dict[str, str | None]:
     out = {}
@@ -83,15 +100,28 @@ def torch_facts() -> dict:
 
     from anygpu.runtime import hardware
 
-    facts = {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
-             "vendor": hardware.vendor(), "gpus": [], "nccl": None}
+    facts = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "vendor": hardware.vendor(),
+        "gpus": [],
+        "nccl": None,
+    }
     if facts["vendor"] != "cpu":
         for d in hardware.devices():
             props = torch.cuda.get_device_properties(d.index)
             major = getattr(props, "major", 0)
-            facts["gpus"].append({"index": d.index, "name": d.name, "memory_gib": round(d.total_memory_gb, 1),
-                                  "capability": d.capability, "bf16": bool(torch.cuda.is_bf16_supported()),
-                                  "tf32": facts["vendor"] == "nvidia" and major >= 8})
+            facts["gpus"].append(
+                {
+                    "index": d.index,
+                    "name": d.name,
+                    "memory_gib": round(d.total_memory_gb, 1),
+                    "capability": d.capability,
+                    "bf16": bool(torch.cuda.is_bf16_supported()),
+                    "tf32": facts["vendor"] == "nvidia" and major >= 8,
+                }
+            )
         try:
             v = torch.cuda.nccl.version()
             facts["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
@@ -118,14 +148,19 @@ def launch_commands(vendor: str) -> dict[str, dict]:
     for engine in sorted(launcher.ENGINES):
         try:
             plan = launcher.make_plan(["--vendor", vendor, "--engine", engine, "--dry-run"], os.environ)
-            out[engine] = {"command": shlex.join(plan.cmd), "processes": plan.nproc, "exported": plan.exported,
-                           "warnings": plan.warnings}
+            out[engine] = {
+                "command": shlex.join(plan.cmd),
+                "processes": plan.nproc,
+                "exported": plan.exported,
+                "warnings": plan.warnings,
+            }
         except launcher.LaunchError as e:
             out[engine] = {"command": None, "error": str(e)}
     return out
 
 
 # ------------------------------------------------------------------------------ checks
+
 
 def check_bf16() -> Check:
     import torch
@@ -140,8 +175,12 @@ def check_bf16() -> Check:
     ref = a.double() @ b.double()
     err = ((got.double() - ref).norm() / ref.norm()).item()
     ok = err < 2e-2
-    return Check("bf16 matmul", ok, f"{device}: relative error {err:.1e} against fp64",
-                 "" if ok else "bf16 results are wrong here: update the driver/torch, or train in fp32")
+    return Check(
+        "bf16 matmul",
+        ok,
+        f"{device}: relative error {err:.1e} against fp64",
+        "" if ok else "bf16 results are wrong here: update the driver/torch, or train in fp32",
+    )
 
 
 def check_tf32() -> Check:
@@ -156,7 +195,7 @@ def check_tf32() -> Check:
         return Check("TF32 matmul", True, f"{where} has no TF32: fp32 matmuls stay fp32 (nothing to switch)")
     gen = torch.Generator(device="cpu").manual_seed(0)
     a, b = (torch.randn(1024, 1024, generator=gen).cuda() for _ in range(2))
-    ref = (a.double() @ b.double())
+    ref = a.double() @ b.double()
     try:
         hardware.configure_tf32(True)
         on = a @ b
@@ -167,18 +206,35 @@ def check_tf32() -> Check:
     err_on = ((on.double() - ref).norm() / ref.norm()).item()
     err_off = ((off.double() - ref).norm() / ref.norm()).item()
     ok = err_on > 10 * err_off and err_off < 1e-5
-    return Check("TF32 matmul", ok, f"relative error TF32 on {err_on:.1e}, off {err_off:.1e}",
-                 "" if ok else "the TF32 switch has no effect here: check torch.backends.cuda.matmul settings "
-                               "(NVIDIA_TF32_OVERRIDE in the environment?)")
+    return Check(
+        "TF32 matmul",
+        ok,
+        f"relative error TF32 on {err_on:.1e}, off {err_off:.1e}",
+        ""
+        if ok
+        else "the TF32 switch has no effect here: check torch.backends.cuda.matmul settings "
+        "(NVIDIA_TF32_OVERRIDE in the environment?)",
+    )
 
 
 def check_collective(nproc: int, use_gpus: bool) -> tuple[Check, dict | None]:
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "PYTHONPATH": os.pathsep.join([str(launcher.ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONPATH": os.pathsep.join([str(launcher.ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
     if not use_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "anygpu.tools.collective"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "anygpu.tools.collective",
+    ]
     fix = "set NCCL_DEBUG=INFO and rerun; on several interfaces set NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME (--ifname)"
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -188,11 +244,15 @@ def check_collective(nproc: int, use_gpus: bool) -> tuple[Check, dict | None]:
     if proc.returncode != 0 or line is None:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return Check("all-reduce", False, f"{nproc} processes failed (exit {proc.returncode}): {last}", fix), None
-    data = json.loads(line[len("COLLECTIVE "):])
+    data = json.loads(line[len("COLLECTIVE ") :])
     ok = all(r["correct"] for r in data["results"])
     bw = ", ".join(f"{r['bytes'] / 2**20:g} MiB: {r['busbw_gbps']:.2f} GB/s" for r in data["results"])
-    return Check("all-reduce", ok, f"{data['backend']}, {nproc} processes, bus bandwidth {bw}",
-                 "" if ok else "all-reduce results are wrong: " + fix), data
+    return Check(
+        "all-reduce",
+        ok,
+        f"{data['backend']}, {nproc} processes, bus bandwidth {bw}",
+        "" if ok else "all-reduce results are wrong: " + fix,
+    ), data
 
 
 def check_peer_access() -> Check:
@@ -204,9 +264,12 @@ def check_peer_access() -> Check:
     missing = [(i, j) for i in range(n) for j in range(n) if i != j and not torch.cuda.can_device_access_peer(i, j)]
     if not missing:
         return Check("peer access", True, f"all {n * (n - 1)} GPU pairs")
-    return Check("peer access", False, f"no peer access for {len(missing)} pair(s), e.g. {missing[:3]}",
-                 "collectives will go through host memory: check IOMMU/ACS settings (AMD PCIe: "
-                 "HSA_FORCE_FINE_GRAIN_PCIE=1)")
+    return Check(
+        "peer access",
+        False,
+        f"no peer access for {len(missing)} pair(s), e.g. {missing[:3]}",
+        "collectives will go through host memory: check IOMMU/ACS settings (AMD PCIe: HSA_FORCE_FINE_GRAIN_PCIE=1)",
+    )
 
 
 def filesystem_type(path: Path) -> str:
@@ -233,17 +296,26 @@ def check_output_dir(output_dir: str, multi_node: bool) -> Check:
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
-        return Check("output folder", False, f"{path} cannot be written ({e.strerror or e})",
-                     "choose a writable folder with --output_dir (e.g. ./outputs), or fix its permissions")
+        return Check(
+            "output folder",
+            False,
+            f"{path} cannot be written ({e.strerror or e})",
+            "choose a writable folder with --output_dir (e.g. ./outputs), or fix its permissions",
+        )
     kind = filesystem_type(existing)
     state = "writable" if existing == path else f"can be created (in {existing})"
     if multi_node and kind not in SHARED_FS:
-        return Check("output folder", False, f"{path} {state} but on {kind}, not a shared filesystem",
-                     "on several nodes put --output_dir on a filesystem every node sees (NFS, Lustre, GPFS…)")
+        return Check(
+            "output folder",
+            False,
+            f"{path} {state} but on {kind}, not a shared filesystem",
+            "on several nodes put --output_dir on a filesystem every node sees (NFS, Lustre, GPFS…)",
+        )
     return Check("output folder", True, f"{path} {state} ({kind}{', shared' if kind in SHARED_FS else ''})")
 
 
 # ------------------------------------------------------------------------------ report
+
 
 def facts(args: argparse.Namespace) -> dict:
     """What this machine is: vendor, driver, torch, GPUs, visibility, versions, the launchers' commands."""
@@ -251,11 +323,16 @@ def facts(args: argparse.Namespace) -> dict:
     smi_vendor, smi_list, smi_problem = smi_gpus()
     vendor = {"nvidia": gpu_detect.NVIDIA, "amd": gpu_detect.AMD}.get(found["vendor"]) or smi_vendor
     return {
-        "vendor": vendor, "driver": driver_version(vendor or smi_vendor),
-        "torch": {k: found[k] for k in ("torch", "cuda", "hip")}, "torch_sees": found["vendor"],
-        "gpus": found["gpus"], "smi_gpus": smi_list, "smi_problem": smi_problem,
+        "vendor": vendor,
+        "driver": driver_version(vendor or smi_vendor),
+        "torch": {k: found[k] for k in ("torch", "cuda", "hip")},
+        "torch_sees": found["vendor"],
+        "gpus": found["gpus"],
+        "smi_gpus": smi_list,
+        "smi_problem": smi_problem,
         "visibility": {k: os.environ[k] for k in VISIBILITY if k in os.environ},
-        "nccl": found["nccl"], "versions": versions(),
+        "nccl": found["nccl"],
+        "versions": versions(),
         "launchers": launch_commands(vendor or gpu_detect.NVIDIA),
     }
 
@@ -263,8 +340,10 @@ def facts(args: argparse.Namespace) -> dict:
 def run_checks(args: argparse.Namespace, report: dict, on_check: Callable[[Check], None] = lambda c: None) -> None:
     """The active checks, one after the other, each timed and handed to `on_check` as soon as it is done."""
     usable = len(report["gpus"])
-    multi_node = int(os.environ.get("NNODES", "1") or 1) > 1 or \
-        int(os.environ.get("SLURM_NNODES", os.environ.get("SLURM_JOB_NUM_NODES", "1")) or 1) > 1
+    multi_node = (
+        int(os.environ.get("NNODES", "1") or 1) > 1
+        or int(os.environ.get("SLURM_NNODES", os.environ.get("SLURM_JOB_NUM_NODES", "1")) or 1) > 1
+    )
     report["collective"] = None
 
     def collective() -> Check:
@@ -302,8 +381,10 @@ def render(report: dict) -> str:
     lines = [f"vendor: {report['vendor'] or 'none'}   driver: {report['driver'] or '—'}   torch {t['torch']} ({build})"]
     if report["gpus"]:
         for g in report["gpus"]:
-            lines.append(f"  GPU {g['index']}: {g['name']}, {g['memory_gib']} GiB, capability {g['capability']}, "
-                         f"bf16 {'yes' if g['bf16'] else 'no'}, TF32 {'yes' if g['tf32'] else 'no'}")
+            lines.append(
+                f"  GPU {g['index']}: {g['name']}, {g['memory_gib']} GiB, capability {g['capability']}, "
+                f"bf16 {'yes' if g['bf16'] else 'no'}, TF32 {'yes' if g['tf32'] else 'no'}"
+            )
     elif report["smi_gpus"]:
         lines.append(f"torch sees no GPU; the smi tools list {len(report['smi_gpus'])}:")
         lines += [f"  GPU {g['index']}: {g['name']}, {g['memory_mib'] or '?'} MiB" for g in report["smi_gpus"]]
@@ -311,8 +392,9 @@ def render(report: dict) -> str:
         lines.append(f"no GPU ({report['smi_problem'] or 'torch sees none'}): CPU processes over gloo")
     vis = report["visibility"]
     lines.append("visibility: " + (", ".join(f"{k}={v!r}" for k, v in vis.items()) or "no variable set"))
-    lines.append(f"NCCL/RCCL: {report['nccl'] or '—'}   " +
-                 "  ".join(f"{k} {v or '—'}" for k, v in report["versions"].items()))
+    lines.append(
+        f"NCCL/RCCL: {report['nccl'] or '—'}   " + "  ".join(f"{k} {v or '—'}" for k, v in report["versions"].items())
+    )
     lines.append("launchers would run here:")
     for engine, plan in report["launchers"].items():
         lines.append(f"  --engine {engine}: {plan['command'] or 'refused: ' + plan.get('error', '')}")

@@ -7,6 +7,7 @@ again). Prints the exact command and runs it through the launcher, or stops ther
 is not a terminal, so the dialogue can be scripted:  printf 'fsdp\\n4\\n64\\nouts/run1\\n' | anygpu launch --dry-run
 End of input before the last answer aborts (exit 1); Ctrl-C exits 130.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,20 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="anygpu launch",
         usage="anygpu launch [--interactive] [--vendor nvidia|amd] [--dry-run] [model options] [-- script args]",
         description="Interactive launch: detects the GPUs, shows the plan's recommendation, asks engine, "
-                    "accelerate config, GPUs to use, global batch and output folder (the recommendation or the "
-                    "engine's own default is each default; a wrong answer is asked again), prints the exact "
-                    "command and runs it (or stops with --dry-run). Answers come from standard input, one per "
-                    "line, when it is not a terminal; end of input aborts (exit 1), Ctrl-C exits 130. "
-                    "`anygpu launch --vendor V [options]` without --interactive is the vendor launcher itself "
-                    "(bash run_<vendor>_all.sh; see its --help).",
+        "accelerate config, GPUs to use, global batch and output folder (the recommendation or the "
+        "engine's own default is each default; a wrong answer is asked again), prints the exact "
+        "command and runs it (or stops with --dry-run). Answers come from standard input, one per "
+        "line, when it is not a terminal; end of input aborts (exit 1), Ctrl-C exits 130. "
+        "`anygpu launch --vendor V [options]` without --interactive is the vendor launcher itself "
+        "(bash run_<vendor>_all.sh; see its --help).",
     )
     p.add_argument("--interactive", action="store_true", help="Ask even when --vendor is given.")
     p.add_argument("--vendor", choices=gpu_detect.VENDORS, help="GPU vendor (default: detected; NVIDIA when none).")
     p.add_argument("--dry-run", action="store_true", help="Print the command the answers imply, then exit 0.")
     p.add_argument("--model_name_or_path", help="Model folder or cached hub id (for the plan and the run).")
     p.add_argument("--config_name", help="Preset or config.json (default: 'default' without --model_name_or_path).")
-    p.add_argument("--block_size", type=int, help=f"Tokens per sequence (default: the engine's; the plan assumes "
-                                                  f"{PLAN_BLOCK_SIZE}).")
+    p.add_argument(
+        "--block_size",
+        type=int,
+        help=f"Tokens per sequence (default: the engine's; the plan assumes {PLAN_BLOCK_SIZE}).",
+    )
     return p
 
 
@@ -117,16 +121,25 @@ def offer(vendor: str, args: argparse.Namespace, global_batch: int, output_dir: 
     lines = [*head, *(f"warning: {w}" for w in seen.warnings)]
     if not count:
         return Defaults("hf", "ddp", 1, global_batch, output_dir, None, 0, lines)
-    rec = plan_tool.recommend(args.model_name_or_path, args.config_name, args.block_size or PLAN_BLOCK_SIZE,
-                              global_batch, num_gpus=count, gpu_memory_gb=memory / 1024 if memory else None)
+    rec = plan_tool.recommend(
+        args.model_name_or_path,
+        args.config_name,
+        args.block_size or PLAN_BLOCK_SIZE,
+        global_batch,
+        num_gpus=count,
+        gpu_memory_gb=memory / 1024 if memory else None,
+    )
     if rec.strategy is None:
         lines.append("plan: nothing fits with the detected memory (see anygpu plan); defaults to DDP")
     else:
-        lines.append(f"plan recommends {rec.strategy} (accelerate_configs/{rec.accelerate_config}.yaml), "
-                     f"{rec.per_device_train_batch_size} per device × {count} GPUs × "
-                     f"{rec.gradient_accumulation_steps} accumulation step(s) for a global batch of {global_batch}")
-    return Defaults("hf", rec.accelerate_config, count, global_batch, output_dir,
-                    rec.per_device_train_batch_size, count, lines)
+        lines.append(
+            f"plan recommends {rec.strategy} (accelerate_configs/{rec.accelerate_config}.yaml), "
+            f"{rec.per_device_train_batch_size} per device × {count} GPUs × "
+            f"{rec.gradient_accumulation_steps} accumulation step(s) for a global batch of {global_batch}"
+        )
+    return Defaults(
+        "hf", rec.accelerate_config, count, global_batch, output_dir, rec.per_device_train_batch_size, count, lines
+    )
 
 
 class Asker:
@@ -136,8 +149,13 @@ class Asker:
     def __init__(self, stdin: TextIO, stdout: TextIO) -> None:
         self.stdin, self.stdout = stdin, stdout
 
-    def ask(self, question: str, default: str, valid: tuple[str, ...] | None = None,
-            check: Callable[[str], str | None] | None = None) -> str:
+    def ask(
+        self,
+        question: str,
+        default: str,
+        valid: tuple[str, ...] | None = None,
+        check: Callable[[str], str | None] | None = None,
+    ) -> str:
         """The answer; `check` returns why an answer is wrong (asked again), or None."""
         while True:
             self.stdout.write(f"{question} [{default}]: ")
@@ -149,8 +167,13 @@ class Asker:
             answer = line.strip() or default
             if not self.stdin.isatty():
                 self.stdout.write(answer + "\n")  # echo scripted answers so the transcript reads well
-            problem = f"{answer!r} is not one of {', '.join(valid)}" if valid is not None and answer not in valid \
-                else check(answer) if check is not None else None
+            problem = (
+                f"{answer!r} is not one of {', '.join(valid)}"
+                if valid is not None and answer not in valid
+                else check(answer)
+                if check is not None
+                else None
+            )
             if problem is None:
                 return answer
             self.stdout.write(f"  {problem}; try again (Enter: {default})\n")
@@ -162,8 +185,7 @@ def positive(answer: str) -> str | None:
 
 def configs(num_gpus: int) -> tuple[str, ...]:
     """The accelerate configs that can run here: accelerate's FSDP does not run on CPU."""
-    names = sorted(p.stem for p in launcher.CONFIG_DIR.glob("*.yaml")
-                   if num_gpus or launcher._config_kind(p) != "FSDP")
+    names = sorted(p.stem for p in launcher.CONFIG_DIR.glob("*.yaml") if num_gpus or launcher._config_kind(p) != "FSDP")
     return tuple(names)
 
 
@@ -182,16 +204,29 @@ def dialogue(d: Defaults, asker: Asker, max_nproc: int | None) -> dict:
     def splits(answer: str) -> str | None:
         if problem := positive(answer):
             return problem
-        return f"{answer} does not split over {nproc} processes: use a multiple of {nproc}" if int(answer) % nproc else None
+        return (
+            f"{answer} does not split over {nproc} processes: use a multiple of {nproc}"
+            if int(answer) % nproc
+            else None
+        )
 
-    default_batch = d.global_batch_size if d.global_batch_size % nproc == 0 else nproc * max(1, d.global_batch_size // nproc)
+    default_batch = (
+        d.global_batch_size if d.global_batch_size % nproc == 0 else nproc * max(1, d.global_batch_size // nproc)
+    )
     global_batch = int(asker.ask("global batch (sequences per optimizer step)", str(default_batch), check=splits))
     output_dir = asker.ask("output folder", d.output_dir)
-    return {"engine": engine, "config": config, "nproc": nproc, "global_batch_size": global_batch,
-            "output_dir": output_dir}
+    return {
+        "engine": engine,
+        "config": config,
+        "nproc": nproc,
+        "global_batch_size": global_batch,
+        "output_dir": output_dir,
+    }
 
 
-def launcher_argv(vendor: str, answers: dict, args: argparse.Namespace, d: Defaults, script_args: list[str]) -> list[str]:
+def launcher_argv(
+    vendor: str, answers: dict, args: argparse.Namespace, d: Defaults, script_args: list[str]
+) -> list[str]:
     """The launcher's words: each training option once (the answers replace the same options after --)."""
     argv = ["--vendor", vendor, "--engine", answers["engine"], "--nproc", str(answers["nproc"])]
     if answers["config"]:
@@ -225,8 +260,10 @@ def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = N
     except ValueError:
         args.block_size = 0
     if args.block_size is not None and args.block_size < 1:
-        print(f"anygpu launch: error: --block_size {args.block_size} must be a positive whole number, e.g. 1024",
-              file=sys.stderr)
+        print(
+            f"anygpu launch: error: --block_size {args.block_size} must be a positive whole number, e.g. 1024",
+            file=sys.stderr,
+        )
         return 2
     vendor = args.vendor or detect_vendor()
     batch, output = engine_defaults()
@@ -238,7 +275,7 @@ def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = N
             stdout.write(f"# {line}\n")
         answers = dialogue(d, Asker(stdin, stdout), d.num_gpus or None)
         final = launcher_argv(vendor, answers, args, d, script_args)
-        plan = launcher.make_plan([*final[:final.index("--")], "--dry-run", *final[final.index("--"):]], os.environ)
+        plan = launcher.make_plan([*final[: final.index("--")], "--dry-run", *final[final.index("--") :]], os.environ)
     except KeyboardInterrupt:
         print("\nanygpu launch: interrupted, nothing launched", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -1,4 +1,5 @@
 """`anygpu launch`: the interactive launch, or with `--vendor V` (and no --interactive) the vendor launcher."""
+
 from __future__ import annotations
 
 

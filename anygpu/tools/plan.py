@@ -7,6 +7,7 @@
 The model is built on the meta device (nothing allocated). Model states are exact; activations are
 estimates (see anygpu/planning/memory_plan.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,43 +28,79 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="anygpu plan",
         description="Per-GPU bytes of parameters, gradients, optimizer state and activations for DDP, FSDP2, "
-                    "ZeRO-2, ZeRO-3 and their CPU-offload variants, with and without activation checkpointing, "
-                    "fp32 and bf16, full fine-tuning and LoRA; which fit; the recommended strategy, accelerate "
-                    "config, per-device batch and accumulation steps; the step time at a stated MFU. Model states "
-                    "are exact from the real parameter shapes; activations are estimates (Korthikanti et al.).",
+        "ZeRO-2, ZeRO-3 and their CPU-offload variants, with and without activation checkpointing, "
+        "fp32 and bf16, full fine-tuning and LoRA; which fit; the recommended strategy, accelerate "
+        "config, per-device batch and accumulation steps; the step time at a stated MFU. Model states "
+        "are exact from the real parameter shapes; activations are estimates (Korthikanti et al.).",
         epilog="Example: anygpu plan --config_name llama-8b --block_size 4096 --global_batch_size 64 "
-               "--num_gpus 8 --gpu_memory_gb 80",
+        "--num_gpus 8 --gpu_memory_gb 80",
     )
     p.add_argument("--model_name_or_path", help="A local model folder or a cached hub id (only its config is read).")
-    p.add_argument("--config_name", help="A preset (tiny, default, llama-1b, llama-8b), a config.json or a folder. "
-                                         "Default: 'default' when --model_name_or_path is not given.")
+    p.add_argument(
+        "--config_name",
+        help="A preset (tiny, default, llama-1b, llama-8b), a config.json or a folder. "
+        "Default: 'default' when --model_name_or_path is not given.",
+    )
     p.add_argument("--block_size", type=int, default=1024, help="Tokens per sequence (default 1024).")
     p.add_argument("--global_batch_size", type=int, default=64, help="Sequences per optimizer step (default 64).")
-    p.add_argument("--gpu", metavar="NAME", help=f"Plan for this GPU, not the one here: {', '.join(GPUS)} (memory "
-                                                 "and peak FLOP/s from anygpu's table).")
-    p.add_argument("--num_gpus", type=int, help="GPUs in the job, all nodes together (default: the GPUs detected "
-                                                "here × --num_nodes; with --gpu and none here, " f"{ASSUMED_GPUS}).")
-    p.add_argument("--num_nodes", type=int, default=1,
-                   help="Nodes in the job (default 1). With more than one, the FSDP2 engine's default HSDP mesh "
-                        "(shard within a node, replicate across nodes) gets rows of its own: strategy hsdp.")
-    p.add_argument("--dp_shard", type=int,
-                   help="HSDP's shard group: the GPUs each replica group shards the model over, as the FSDP2 "
-                        "engine's --dp_shard (default: the GPUs per node, --num_gpus / --num_nodes). Smaller than "
-                        "--num_gpus: hsdp rows, whose states are divided by it, not by --num_gpus.")
+    p.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help=f"Plan for this GPU, not the one here: {', '.join(GPUS)} (memory and peak FLOP/s from anygpu's table).",
+    )
+    p.add_argument(
+        "--num_gpus",
+        type=int,
+        help="GPUs in the job, all nodes together (default: the GPUs detected "
+        "here × --num_nodes; with --gpu and none here, "
+        f"{ASSUMED_GPUS}).",
+    )
+    p.add_argument(
+        "--num_nodes",
+        type=int,
+        default=1,
+        help="Nodes in the job (default 1). With more than one, the FSDP2 engine's default HSDP mesh "
+        "(shard within a node, replicate across nodes) gets rows of its own: strategy hsdp.",
+    )
+    p.add_argument(
+        "--dp_shard",
+        type=int,
+        help="HSDP's shard group: the GPUs each replica group shards the model over, as the FSDP2 "
+        "engine's --dp_shard (default: the GPUs per node, --num_gpus / --num_nodes). Smaller than "
+        "--num_gpus: hsdp rows, whose states are divided by it, not by --num_gpus.",
+    )
     p.add_argument("--gpu_memory_gb", type=float, help="Memory per GPU in GiB (default: detected).")
     p.add_argument("--gpu_name", help="GPU model for the peak FLOP/s of the step time, e.g. H100 (default: detected).")
-    p.add_argument("--per_device_train_batch_size", type=int, default=1,
-                   help="Micro-batch of the table's rows (default 1); the recommendation picks its own.")
-    p.add_argument("--finetune", choices=("full", "lora"), default="full",
-                   help="What the recommendation is for (the table shows both).")
+    p.add_argument(
+        "--per_device_train_batch_size",
+        type=int,
+        default=1,
+        help="Micro-batch of the table's rows (default 1); the recommendation picks its own.",
+    )
+    p.add_argument(
+        "--finetune",
+        choices=("full", "lora"),
+        default="full",
+        help="What the recommendation is for (the table shows both).",
+    )
     p.add_argument("--lora_r", type=int, default=16, help="LoRA rank of the LoRA rows (default 16).")
-    p.add_argument("--lora_target_modules", default="",
-                   help="Modules that get adapters, comma-separated, or all-linear (default: the engines' choice "
-                        "when their --lora_target_modules is left out).")
-    p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"Model FLOP utilisation of the step-time "
-                                                                  f"estimate (default {DEFAULT_MFU}).")
-    p.add_argument("--table", action="store_true", help="Also the full tables: every strategy, precision and "
-                                                         "checkpointing setting, full and LoRA.")
+    p.add_argument(
+        "--lora_target_modules",
+        default="",
+        help="Modules that get adapters, comma-separated, or all-linear (default: the engines' choice "
+        "when their --lora_target_modules is left out).",
+    )
+    p.add_argument(
+        "--mfu",
+        type=float,
+        default=DEFAULT_MFU,
+        help=f"Model FLOP utilisation of the step-time estimate (default {DEFAULT_MFU}).",
+    )
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="Also the full tables: every strategy, precision and checkpointing setting, full and LoRA.",
+    )
     p.add_argument("--json", action="store_true", help="One JSON object (rows, recommendation) instead of text.")
     return p
 
@@ -78,8 +115,10 @@ def check_args(args: argparse.Namespace) -> str | None:
     if args.num_nodes < 1:
         return f"--num_nodes {args.num_nodes} must be at least 1, e.g. 2"
     if args.num_gpus is not None and args.num_gpus % args.num_nodes:
-        return (f"--num_gpus {args.num_gpus} is not the same number of GPUs on each of --num_nodes {args.num_nodes}: "
-                f"give a multiple of {args.num_nodes}, e.g. {args.num_nodes * max(1, args.num_gpus // args.num_nodes)}")
+        return (
+            f"--num_gpus {args.num_gpus} is not the same number of GPUs on each of --num_nodes {args.num_nodes}: "
+            f"give a multiple of {args.num_nodes}, e.g. {args.num_nodes * max(1, args.num_gpus // args.num_nodes)}"
+        )
     if args.dp_shard is not None and args.dp_shard < 1:
         return f"--dp_shard {args.dp_shard} must be at least 1, e.g. 8 (the GPUs of one node)"
     if args.dp_shard is not None and args.num_gpus is not None and args.num_gpus % args.dp_shard:
@@ -90,13 +129,16 @@ def check_args(args: argparse.Namespace) -> str | None:
     if not 0 < args.mfu <= 1:
         return f"--mfu {args.mfu} must be in (0, 1], e.g. {DEFAULT_MFU}"
     if args.gpu is not None and args.gpu.lower() not in GPUS:
-        return f"--gpu {args.gpu} is not in anygpu's table{did_you_mean(args.gpu.lower(), GPUS)}: use one of " \
-               f"{', '.join(GPUS)}, or give --gpu_memory_gb (and --gpu_name for the peak FLOP/s)"
+        return (
+            f"--gpu {args.gpu} is not in anygpu's table{did_you_mean(args.gpu.lower(), GPUS)}: use one of "
+            f"{', '.join(GPUS)}, or give --gpu_memory_gb (and --gpu_name for the peak FLOP/s)"
+        )
     return None
 
 
-def load_shapes(model_name_or_path: str | None, config_name: str | None, lora_r: int = 0,
-                lora_targets: tuple[str, ...] = ()) -> tuple[Shapes, object, int]:
+def load_shapes(
+    model_name_or_path: str | None, config_name: str | None, lora_r: int = 0, lora_targets: tuple[str, ...] = ()
+) -> tuple[Shapes, object, int]:
     """(shapes, config, parameters without embeddings) of the model, built on the meta device."""
     from anygpu.config.args import ModelArguments
     from anygpu.model import modeling
@@ -109,8 +151,9 @@ def load_shapes(model_name_or_path: str | None, config_name: str | None, lora_r:
     return shapes, config, modeling.count_parameters(model, exclude_embeddings=True)
 
 
-def detect_machine(num_gpus: int | None, gpu_memory_gb: float | None, gpu_name: str | None,
-                   gpu: str | None = None, num_nodes: int = 1) -> Machine:
+def detect_machine(
+    num_gpus: int | None, gpu_memory_gb: float | None, gpu_name: str | None, gpu: str | None = None, num_nodes: int = 1
+) -> Machine:
     """The GPUs of this machine (torch, else the smi tools) × `num_nodes`, overridden by what was given."""
     from anygpu.runtime import hardware
 
@@ -121,7 +164,9 @@ def detect_machine(num_gpus: int | None, gpu_memory_gb: float | None, gpu_name: 
         same = [d for d in found if hardware.peak_bf16_flops(d.name) == hardware.peak_bf16_flops(known.device_name)]
         count = len(same) if same else ASSUMED_GPUS
         memory, name = int(known.memory_gib * GIB), known.device_name
-        source = f"--gpu {gpu}" + ("" if same or num_gpus is not None else f"; {ASSUMED_GPUS} assumed, change with --num_gpus")
+        source = f"--gpu {gpu}" + (
+            "" if same or num_gpus is not None else f"; {ASSUMED_GPUS} assumed, change with --num_gpus"
+        )
     elif found:
         count, memory, name, source = len(found), int(found[0].total_memory_gb * GIB), found[0].name, "torch"
     else:
@@ -157,12 +202,31 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     dp_shard = dp_shard_of(args, machine)
     out = []
     for shapes, is_lora in ((full, False), (lora, True)):
-        result = memory_plan.make_plan(shapes, machine, args.block_size, args.global_batch_size, lora=is_lora,
-                                       mfu=args.mfu, flops_per_token=fpt, dp_shard=dp_shard)
+        result = memory_plan.make_plan(
+            shapes,
+            machine,
+            args.block_size,
+            args.global_batch_size,
+            lora=is_lora,
+            mfu=args.mfu,
+            flops_per_token=fpt,
+            dp_shard=dp_shard,
+        )
         if args.per_device_train_batch_size != 1:
-            result.rows = [memory_plan.row_for(shapes, machine, r.strategy, r.precision, r.activation_checkpointing,
-                                               is_lora, args.per_device_train_batch_size, args.block_size, dp_shard)
-                           for r in result.rows]
+            result.rows = [
+                memory_plan.row_for(
+                    shapes,
+                    machine,
+                    r.strategy,
+                    r.precision,
+                    r.activation_checkpointing,
+                    is_lora,
+                    args.per_device_train_batch_size,
+                    args.block_size,
+                    dp_shard,
+                )
+                for r in result.rows
+            ]
         out.append(result)
     return out[0], out[1]
 
@@ -179,14 +243,19 @@ def gib(n: int) -> str:
 
 
 def table(result: PlanResult, title: str) -> list[str]:
-    lines = [title, f"{'strategy':<14} {'prec':<5} {'ckpt':<4} {'params':>8} {'grads':>8} {'optim':>8} {'activ*':>8} "
-                    f"{'other':>7} {'total':>8} {'cpu':>7}  fits"]
+    lines = [
+        title,
+        f"{'strategy':<14} {'prec':<5} {'ckpt':<4} {'params':>8} {'grads':>8} {'optim':>8} {'activ*':>8} "
+        f"{'other':>7} {'total':>8} {'cpu':>7}  fits",
+    ]
     for r in result.rows:
         b = r.per_gpu_bytes
-        lines.append(f"{r.strategy:<14} {r.precision:<5} {'yes' if r.activation_checkpointing else 'no':<4} "
-                     f"{gib(b['parameters']):>8} {gib(b['gradients']):>8} {gib(b['optimizer']):>8} "
-                     f"{gib(b['activations']):>8} {gib(b['transient'] + b['reserved']):>7} {gib(r.total):>8} "
-                     f"{gib(r.cpu_bytes):>7}  {'yes' if r.fits else 'no'}")
+        lines.append(
+            f"{r.strategy:<14} {r.precision:<5} {'yes' if r.activation_checkpointing else 'no':<4} "
+            f"{gib(b['parameters']):>8} {gib(b['gradients']):>8} {gib(b['optimizer']):>8} "
+            f"{gib(b['activations']):>8} {gib(b['transient'] + b['reserved']):>7} {gib(r.total):>8} "
+            f"{gib(r.cpu_bytes):>7}  {'yes' if r.fits else 'no'}"
+        )
     return lines
 
 
@@ -196,18 +265,25 @@ def recommendation(result: PlanResult) -> list[str]:
     if rec is None:
         if not result.machine.gpu_memory_bytes:
             return ["recommendation: no GPU memory known (no GPU detected): pass --num_gpus and --gpu_memory_gb"]
-        return ["recommendation: nothing fits, even with offload and checkpointing: more GPUs, a shorter "
-                "--block_size, or LoRA"]
-    lines = [f"recommendation: {rec.strategy}, {rec.precision}, activation checkpointing "
-             f"{'on' if rec.activation_checkpointing else 'off'}: accelerate config accelerate_configs/"
-             f"{rec.accelerate_config}.yaml" if " " not in rec.accelerate_config else
-             f"recommendation: {rec.strategy}, {rec.precision}: {rec.accelerate_config}",
-             f"  global batch {result.global_batch_size} = {rec.micro_batch} per device × {n} devices × "
-             f"{result.gradient_accumulation_steps} accumulation step{'' if result.gradient_accumulation_steps == 1 else 's'} "
-             f"(peak ≈ {gib(rec.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU)"]
+        return [
+            "recommendation: nothing fits, even with offload and checkpointing: more GPUs, a shorter "
+            "--block_size, or LoRA"
+        ]
+    lines = [
+        f"recommendation: {rec.strategy}, {rec.precision}, activation checkpointing "
+        f"{'on' if rec.activation_checkpointing else 'off'}: accelerate config accelerate_configs/"
+        f"{rec.accelerate_config}.yaml"
+        if " " not in rec.accelerate_config
+        else f"recommendation: {rec.strategy}, {rec.precision}: {rec.accelerate_config}",
+        f"  global batch {result.global_batch_size} = {rec.micro_batch} per device × {n} devices × "
+        f"{result.gradient_accumulation_steps} accumulation step{'' if result.gradient_accumulation_steps == 1 else 's'} "
+        f"(peak ≈ {gib(rec.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU)",
+    ]
     if result.step_seconds is not None:
-        lines.append(f"  estimated step time {result.step_seconds:.2f} s at MFU {result.mfu:.0%} "
-                     f"({result.flops_per_token / 1e9:.2f} GFLOP/token)")
+        lines.append(
+            f"  estimated step time {result.step_seconds:.2f} s at MFU {result.mfu:.0%} "
+            f"({result.flops_per_token / 1e9:.2f} GFLOP/token)"
+        )
     return lines
 
 
@@ -222,17 +298,31 @@ def to_json(full: PlanResult, lora: PlanResult) -> dict:
     def rec(r: PlanResult) -> dict | None:
         if r.recommended is None:
             return None
-        return {**r.recommended.to_json(), "gradient_accumulation_steps": r.gradient_accumulation_steps,
-                "step_seconds": r.step_seconds, "mfu": r.mfu}
+        return {
+            **r.recommended.to_json(),
+            "gradient_accumulation_steps": r.gradient_accumulation_steps,
+            "step_seconds": r.step_seconds,
+            "mfu": r.mfu,
+        }
 
     m = full.machine
     return {
-        "model": {"parameters": full.shapes.num_params, "lora_trainable_parameters": lora.shapes.num_trainable,
-                  "layers": full.shapes.num_layers, "hidden_size": full.shapes.hidden_size,
-                  "vocab_size": full.shapes.vocab_size},
-        "machine": {"num_gpus": m.num_gpus, "gpu_memory_bytes": m.gpu_memory_bytes, "gpu_name": m.gpu_name,
-                    "source": m.source},
-        "block_size": full.block_size, "global_batch_size": full.global_batch_size, "hsdp": hsdp_mesh(full),
+        "model": {
+            "parameters": full.shapes.num_params,
+            "lora_trainable_parameters": lora.shapes.num_trainable,
+            "layers": full.shapes.num_layers,
+            "hidden_size": full.shapes.hidden_size,
+            "vocab_size": full.shapes.vocab_size,
+        },
+        "machine": {
+            "num_gpus": m.num_gpus,
+            "gpu_memory_bytes": m.gpu_memory_bytes,
+            "gpu_name": m.gpu_name,
+            "source": m.source,
+        },
+        "block_size": full.block_size,
+        "global_batch_size": full.global_batch_size,
+        "hsdp": hsdp_mesh(full),
         "activations_are_estimates": True,
         "rows": [r.to_json() for r in full.rows + lora.rows],
         "recommended": {"full": rec(full), "lora": rec(lora)},
@@ -243,22 +333,28 @@ def hsdp_lines(result: PlanResult) -> list[str]:
     mesh = hsdp_mesh(result)
     if mesh is None:
         return []
-    return [f"hsdp = the FSDP2 engine's mesh {mesh['dp_replicate']} × {mesh['dp_shard']} (dp_replicate × dp_shard): "
-            f"states sharded over {mesh['dp_shard']} GPUs, not {result.machine.num_gpus}, replicated "
-            f"{mesh['dp_replicate']} times"]
+    return [
+        f"hsdp = the FSDP2 engine's mesh {mesh['dp_replicate']} × {mesh['dp_shard']} (dp_replicate × dp_shard): "
+        f"states sharded over {mesh['dp_shard']} GPUs, not {result.machine.num_gpus}, replicated "
+        f"{mesh['dp_replicate']} times"
+    ]
 
 
 def render(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
     m = full.machine
-    head = [f"model: {full.shapes.num_params / 1e6:.1f}M parameters ({full.shapes.num_layers} layers, hidden "
-            f"{full.shapes.hidden_size}, vocab {full.shapes.vocab_size}); LoRA r={args.lora_r}: "
-            f"{lora.shapes.num_trainable / 1e6:.2f}M trainable",
-            f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source}); block "
-            f"{full.block_size}, global batch {full.global_batch_size}, micro-batch "
-            f"{args.per_device_train_batch_size} in the tables",
-            "GiB per GPU; activ* = estimate (Korthikanti et al., real shapes); other = gathered layers / bf16 "
-            f"copies + {gib(memory_plan.RESERVED_BYTES)} GiB reserved; fits = total ≤ {memory_plan.SAFETY:.0%} "
-            "of the GPU", *hsdp_lines(full), ""]
+    head = [
+        f"model: {full.shapes.num_params / 1e6:.1f}M parameters ({full.shapes.num_layers} layers, hidden "
+        f"{full.shapes.hidden_size}, vocab {full.shapes.vocab_size}); LoRA r={args.lora_r}: "
+        f"{lora.shapes.num_trainable / 1e6:.2f}M trainable",
+        f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source}); block "
+        f"{full.block_size}, global batch {full.global_batch_size}, micro-batch "
+        f"{args.per_device_train_batch_size} in the tables",
+        "GiB per GPU; activ* = estimate (Korthikanti et al., real shapes); other = gathered layers / bf16 "
+        f"copies + {gib(memory_plan.RESERVED_BYTES)} GiB reserved; fits = total ≤ {memory_plan.SAFETY:.0%} "
+        "of the GPU",
+        *hsdp_lines(full),
+        "",
+    ]
     body = table(full, "full fine-tuning") + [""] + table(lora, f"LoRA (r={args.lora_r})") + [""]
     chosen = lora if args.finetune == "lora" else full
     return "\n".join(head + body + recommendation(chosen)) + "\n"
@@ -267,6 +363,7 @@ def render(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
 @dataclass
 class Recommendation:
     """What the interactive launcher offers as defaults."""
+
     strategy: str | None
     accelerate_config: str
     num_gpus: int
@@ -274,8 +371,14 @@ class Recommendation:
     gradient_accumulation_steps: int | None
 
 
-def recommend(model_name_or_path: str | None, config_name: str | None, block_size: int, global_batch_size: int,
-              num_gpus: int | None = None, gpu_memory_gb: float | None = None) -> Recommendation:
+def recommend(
+    model_name_or_path: str | None,
+    config_name: str | None,
+    block_size: int,
+    global_batch_size: int,
+    num_gpus: int | None = None,
+    gpu_memory_gb: float | None = None,
+) -> Recommendation:
     args = build_parser().parse_args([])
     args.model_name_or_path, args.config_name = model_name_or_path, config_name
     args.block_size, args.global_batch_size = block_size, global_batch_size
@@ -299,8 +402,18 @@ def runners_up(result: PlanResult, lora: bool, limit: int = 3) -> list[tuple[Row
         if rec is not None and strategy == rec.strategy:
             continue
         for precision, ckpt in (("bf16", False), ("bf16", True), ("fp32", False), ("fp32", True)):
-            row = next((r for m in reversed(memory_plan.divisors(share)) if (r := memory_plan.row_for(
-                result.shapes, result.machine, strategy, precision, ckpt, lora, m, result.block_size)).fits), None)
+            row = next(
+                (
+                    r
+                    for m in reversed(memory_plan.divisors(share))
+                    if (
+                        r := memory_plan.row_for(
+                            result.shapes, result.machine, strategy, precision, ckpt, lora, m, result.block_size
+                        )
+                    ).fits
+                ),
+                None,
+            )
             if row is not None:
                 out.append((row, share // row.micro_batch))
                 break
@@ -313,14 +426,18 @@ def compact(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str
     """The answer in a few lines: the recommendation, memory per GPU, and the runners-up."""
     chosen = lora if args.finetune == "lora" else full
     m = chosen.machine
-    lines = [f"model: {full.shapes.num_params / 1e6:.1f}M parameters ({full.shapes.num_layers} layers, hidden "
-             f"{full.shapes.hidden_size}); {'LoRA r=' + str(args.lora_r) if args.finetune == 'lora' else 'full fine-tuning'}; "
-             f"block {chosen.block_size}, global batch {chosen.global_batch_size}",
-             f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source})"]
+    lines = [
+        f"model: {full.shapes.num_params / 1e6:.1f}M parameters ({full.shapes.num_layers} layers, hidden "
+        f"{full.shapes.hidden_size}); {'LoRA r=' + str(args.lora_r) if args.finetune == 'lora' else 'full fine-tuning'}; "
+        f"block {chosen.block_size}, global batch {chosen.global_batch_size}",
+        f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source})",
+    ]
     if chosen.recommended is None:
         if not m.gpu_memory_bytes:
-            lines.append("no GPU here and none given: plan for one with --gpu NAME (e.g. h100, mi300x) or "
-                         "--gpu_memory_gb N, and --num_gpus N")
+            lines.append(
+                "no GPU here and none given: plan for one with --gpu NAME (e.g. h100, mi300x) or "
+                "--gpu_memory_gb N, and --num_gpus N"
+            )
         else:
             lines += recommendation(chosen)
         return "\n".join(lines) + "\n"
@@ -328,8 +445,11 @@ def compact(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str
     others = runners_up(chosen, args.finetune == "lora")
     if others:
         lines.append("runners-up (micro-batch × accumulation, memory per GPU):")
-        lines += [f"  {r.strategy:<14} {r.precision:<5} ckpt {'on ' if r.activation_checkpointing else 'off'}  "
-                  f"{r.micro_batch} × {acc}  {gib(r.total)} GiB" for r, acc in others]
+        lines += [
+            f"  {r.strategy:<14} {r.precision:<5} ckpt {'on ' if r.activation_checkpointing else 'off'}  "
+            f"{r.micro_batch} × {acc}  {gib(r.total)} GiB"
+            for r, acc in others
+        ]
     lines.append("every strategy and precision: add --table; as JSON: --json")
     return "\n".join(lines) + "\n"
 

@@ -1,4 +1,5 @@
 """`anygpu train [config.yaml] [--option value ...]`: the native FSDP2 engine in this process."""
+
 from __future__ import annotations
 
 from anygpu.config.args import preflight

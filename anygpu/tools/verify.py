@@ -9,6 +9,7 @@ the reference; every other run's per-step loss and grad norm (metrics.jsonl) and
 are compared with it. The largest relative difference decides: exit 0 within --tolerance, 1 beyond it
 (or when a run failed), 2 for bad input. The result goes to <output_dir>/verify/result.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,7 @@ JOB_OWNED = ("resume_from_checkpoint", "stop_at_step")  # verify sets these itse
 @dataclass
 class Run:
     """One training run of the comparison, and what it logged."""
+
     name: str
     engine: str
     world_size: int
@@ -51,6 +53,7 @@ class Run:
 @dataclass
 class Worst:
     """The largest relative difference of the comparison, and where it is."""
+
     value: float = 0.0
     quantity: str = ""  # loss, grad_norm or weights
     where: str = ""  # the step, or the tensor's name
@@ -66,28 +69,42 @@ def build_parser() -> argparse.ArgumentParser:
         prog="anygpu verify",
         usage="anygpu verify [options] -- <job arguments>",
         description="Train a few steps of your job at each world size and/or engine (and, with --resume_at, "
-                    "stop on the first world size and resume on the last), compare per-step loss, grad norm and "
-                    "the final weights with the first run, print a table and one verdict line, and write "
-                    "<output_dir>/verify/result.json. Exit 0: every relative difference within --tolerance; "
-                    "1: beyond it (or a run failed); 2: bad input.",
+        "stop on the first world size and resume on the last), compare per-step loss, grad norm and "
+        "the final weights with the first run, print a table and one verdict line, and write "
+        "<output_dir>/verify/result.json. Exit 0: every relative difference within --tolerance; "
+        "1: beyond it (or a run failed); 2: bad input.",
         epilog="Everything after -- is your job's arguments, as you pass them to the engine (model, data, LoRA, "
-               "batch, engine options; a YAML/JSON file first is read too). verify sets --output_dir "
-               "<output_dir>/verify/<run>, --max_steps, --logging_steps 1, --report_to none, --export_final true, "
-               "--eval_on_start false, --eval_steps 0 and --disable_tqdm true itself. See docs/verify.md.",
+        "batch, engine options; a YAML/JSON file first is read too). verify sets --output_dir "
+        "<output_dir>/verify/<run>, --max_steps, --logging_steps 1, --report_to none, --export_final true, "
+        "--eval_on_start false, --eval_steps 0 and --disable_tqdm true itself. See docs/verify.md.",
     )
     p.add_argument("--world_sizes", default="1,2", help="Comma-separated process counts to compare (default 1,2).")
     p.add_argument("--engines", default="fsdp", help="Comma-separated engines: fsdp, hf or fsdp,hf (default fsdp).")
-    p.add_argument("--resume_at", type=int, metavar="K",
-                   help="Also resume each engine's first-world-size run from its checkpoint at step K on the last "
-                        "world size, and compare the steps after K.")
-    p.add_argument("--tolerance", type=float, default=1e-5,
-                   help="Largest relative difference allowed (default 1e-5: fp32 reductions in another order).")
+    p.add_argument(
+        "--resume_at",
+        type=int,
+        metavar="K",
+        help="Also resume each engine's first-world-size run from its checkpoint at step K on the last "
+        "world size, and compare the steps after K.",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-5,
+        help="Largest relative difference allowed (default 1e-5: fp32 reductions in another order).",
+    )
     p.add_argument("--max_steps", type=int, default=3, help="Optimizer steps per run (default 3).")
-    p.add_argument("--cpu", action="store_true",
-                   help="CPU processes (gloo) even where GPUs are present, e.g. for world sizes beyond the GPUs.")
-    p.add_argument("--compare_only", action="store_true",
-                   help="Train nothing: compare the runs an earlier verify of this job left in "
-                        "<output_dir>/verify (e.g. with another --tolerance).")
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="CPU processes (gloo) even where GPUs are present, e.g. for world sizes beyond the GPUs.",
+    )
+    p.add_argument(
+        "--compare_only",
+        action="store_true",
+        help="Train nothing: compare the runs an earlier verify of this job left in "
+        "<output_dir>/verify (e.g. with another --tolerance).",
+    )
     return p
 
 
@@ -114,13 +131,17 @@ def check_options(opts: argparse.Namespace) -> tuple[list[int], list[str]]:
     if opts.max_steps < 1:
         raise UsageError(f"--max_steps {opts.max_steps}: must be at least 1, e.g. 3")
     if opts.resume_at is not None and not 1 <= opts.resume_at < opts.max_steps:
-        raise UsageError(f"--resume_at {opts.resume_at}: must be a step before the last (valid: 1..{opts.max_steps - 1}, "
-                         f"or a larger --max_steps)")
+        raise UsageError(
+            f"--resume_at {opts.resume_at}: must be a step before the last (valid: 1..{opts.max_steps - 1}, "
+            f"or a larger --max_steps)"
+        )
     if not opts.tolerance > 0:
         raise UsageError(f"--tolerance {opts.tolerance}: must be positive, e.g. 1e-5")
     if len(sizes) * len(engines) < 2 and opts.resume_at is None:
-        raise UsageError(f"--world_sizes {opts.world_sizes} --engines {opts.engines}: one run has nothing to compare "
-                         "with; give two world sizes (e.g. 1,2), two engines (fsdp,hf) or --resume_at K")
+        raise UsageError(
+            f"--world_sizes {opts.world_sizes} --engines {opts.engines}: one run has nothing to compare "
+            "with; give two world sizes (e.g. 1,2), two engines (fsdp,hf) or --resume_at K"
+        )
     return sizes, engines
 
 
@@ -138,21 +159,35 @@ def check_job(job: list[str], engines: list[str], sizes: list[int]) -> str:
         from anygpu.engines.hf.engine import HFEngineArguments
 
         extra = (HFEngineArguments,)
-    if "fsdp" in engines and "hf" in engines and any(a.lstrip("-").split("=")[0] == "allow_strategy_fallback" for a in job):
-        raise UsageError("job argument --allow_strategy_fallback is an HF-engine option the fsdp engine refuses: "
-                         "drop it, or verify --engines hf alone")
+    if (
+        "fsdp" in engines
+        and "hf" in engines
+        and any(a.lstrip("-").split("=")[0] == "allow_strategy_fallback" for a in job)
+    ):
+        raise UsageError(
+            "job argument --allow_strategy_fallback is an HF-engine option the fsdp engine refuses: "
+            "drop it, or verify --engines hf alone"
+        )
     parsed = parse_args(job, extra=extra)
     train = parsed[2]
     for name in JOB_OWNED:
         if getattr(train, name) is not None:
-            raise UsageError(f"job argument --{name} {getattr(train, name)}: verify starts every run fresh and "
-                             f"sets it itself; drop it (see --resume_at)")
+            raise UsageError(
+                f"job argument --{name} {getattr(train, name)}: verify starts every run fresh and "
+                f"sets it itself; drop it (see --resume_at)"
+            )
     block = parsed[1].block_size
     for w in sizes:  # the batch split every world size will ask for (refused here, not after a minute of runs)
         if train.global_batch_tokens is not None and block is None:
             break  # the block size comes from the model: the runs check it
-        g = resolve_global_batch(train.global_batch_size, train.global_batch_tokens, block or 1,
-                                 train.per_device_train_batch_size, train.gradient_accumulation_steps, w)
+        g = resolve_global_batch(
+            train.global_batch_size,
+            train.global_batch_tokens,
+            block or 1,
+            train.per_device_train_batch_size,
+            train.gradient_accumulation_steps,
+            w,
+        )
         try:
             plan_batch(g, w, train.per_device_train_batch_size, train.gradient_accumulation_steps)
         except UsageError as e:
@@ -162,8 +197,24 @@ def check_job(job: list[str], engines: list[str], sizes: list[int]) -> str:
 
 def job_overrides(out: Path, max_steps: int) -> list[str]:
     """What verify sets in every run (after the job's own arguments: the last value wins)."""
-    return ["--output_dir", str(out), "--max_steps", str(max_steps), "--logging_steps", "1", "--report_to", "none",
-            "--disable_tqdm", "true", "--export_final", "true", "--eval_on_start", "false", "--eval_steps", "0"]
+    return [
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(max_steps),
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--export_final",
+        "true",
+        "--eval_on_start",
+        "false",
+        "--eval_steps",
+        "0",
+    ]
 
 
 def plan_runs(root: Path, sizes: list[int], engines: list[str], resume_at: int | None) -> list[Run]:
@@ -203,11 +254,17 @@ def usable_sizes(sizes: list[int], cpu: bool, vendor: str, probe) -> tuple[list[
     label = launcher.VENDOR_LABEL[vendor]
     kept = [w for w in sizes if w <= plan.nproc]
     if dropped := [w for w in sizes if w > plan.nproc]:
-        print(f"{PREFIX} world size {', '.join(map(str, dropped))} skipped: {launcher.plural(plan.nproc, label + ' GPU')} "
-              "here (one process per GPU); pass --cpu to compare CPU processes instead", file=sys.stderr, flush=True)
+        print(
+            f"{PREFIX} world size {', '.join(map(str, dropped))} skipped: {launcher.plural(plan.nproc, label + ' GPU')} "
+            "here (one process per GPU); pass --cpu to compare CPU processes instead",
+            file=sys.stderr,
+            flush=True,
+        )
     if not kept:
-        raise UsageError(f"--world_sizes {','.join(map(str, sizes))}: only {plan.nproc} {label} GPU(s) here: "
-                         f"give sizes up to {plan.nproc}, or --cpu")
+        raise UsageError(
+            f"--world_sizes {','.join(map(str, sizes))}: only {plan.nproc} {label} GPU(s) here: "
+            f"give sizes up to {plan.nproc}, or --cpu"
+        )
     return kept, f"{label} GPUs"
 
 
@@ -220,8 +277,16 @@ def launch(run: Run, job: list[str], max_steps: int, cpu: bool, vendor: str, pro
         args += ["--save_steps", str(run.save_at), "--save_total_limit", str(max_steps)]
     if run.resumed_from:
         args += ["--resume_from_checkpoint", run.resumed_from]
-    flags = ["--vendor", vendor, "--engine", run.engine, "--nproc", str(run.world_size), "--dry-run",
-             *(["--cpu"] if cpu else [])]
+    flags = [
+        "--vendor",
+        vendor,
+        "--engine",
+        run.engine,
+        "--nproc",
+        str(run.world_size),
+        "--dry-run",
+        *(["--cpu"] if cpu else []),
+    ]
     try:
         plan = launcher.make_plan([*flags, "--", *args], os.environ, probe_torch=probe)
     except launcher.LaunchError as e:
@@ -325,8 +390,10 @@ def hints(runs: list[Run]) -> list[str]:
     batches = {r.name: r.global_batch_size for r in runs}
     if len(set(batches.values())) > 1:
         shown = ", ".join(f"{g} ({n})" for n, g in batches.items())
-        return [f"the global batch differs between runs: {shown}; it follows the world size when only "
-                "--per_device_train_batch_size is given: pass --global_batch_size to fix it"]
+        return [
+            f"the global batch differs between runs: {shown}; it follows the world size when only "
+            "--per_device_train_batch_size is given: pass --global_batch_size to fix it"
+        ]
     return []
 
 
@@ -342,12 +409,16 @@ def table(runs: list[Run]) -> str:
     for s in steps:
         lines.append(f"{s:>5}" + "".join(f"{r.loss[s]:>{width}.7f}" if s in r.loss else f"{'':>{width}}" for r in runs))
     lines.append("")
-    lines.append(f"{'run':<{width}}{'world':>6}{'engine':>7}{'seconds':>9}{'loss':>11}{'grad norm':>11}{'weights':>11}"
-                 "   (largest relative difference from the first run)")
+    lines.append(
+        f"{'run':<{width}}{'world':>6}{'engine':>7}{'seconds':>9}{'loss':>11}{'grad norm':>11}{'weights':>11}"
+        "   (largest relative difference from the first run)"
+    )
     for i, r in enumerate(runs):
         d = r.max_rel_diff
         secs = f"{r.seconds:.1f}" if r.seconds is not None else "—"
-        cells = ("reference", "", "") if i == 0 else (fmt(d.get("loss")), fmt(d.get("grad_norm")), fmt(d.get("weights")))
+        cells = (
+            ("reference", "", "") if i == 0 else (fmt(d.get("loss")), fmt(d.get("grad_norm")), fmt(d.get("weights")))
+        )
         lines.append(f"{r.name:<{width}}{r.world_size:>6}{r.engine:>7}{secs:>9}" + "".join(f"{c:>11}" for c in cells))
     return "\n".join(ln.rstrip() for ln in lines) + "\n"
 
@@ -357,7 +428,9 @@ def verdict(worst: Worst, tolerance: float) -> str:
     place = f"{what}, {worst.where}, {worst.run}"
     if worst.value <= tolerance:
         return f"verdict: PASS: largest relative difference {fmt(worst.value)} ({place}) is within the tolerance {tolerance:g}"
-    return f"verdict: FAIL: largest relative difference {fmt(worst.value)} ({place}) exceeds the tolerance {tolerance:g}"
+    return (
+        f"verdict: FAIL: largest relative difference {fmt(worst.value)} ({place}) exceeds the tolerance {tolerance:g}"
+    )
 
 
 def finite(value: Any) -> Any:
@@ -371,13 +444,27 @@ def finite(value: Any) -> Any:
     return value
 
 
-def write_result(root: Path, opts: argparse.Namespace, job: list[str], runs: list[Run], worst: Worst | None,
-                 passed: bool, error: str = "") -> Path:
+def write_result(
+    root: Path,
+    opts: argparse.Namespace,
+    job: list[str],
+    runs: list[Run],
+    worst: Worst | None,
+    passed: bool,
+    error: str = "",
+) -> Path:
     """<output_dir>/verify/result.json, written whole under a temporary name, then renamed."""
-    result = {"passed": passed, "tolerance": opts.tolerance, "max_steps": opts.max_steps, "resume_at": opts.resume_at,
-              "job_args": job, "reference": runs[0].name if runs else None,
-              "largest_relative_difference": asdict(worst) if worst else None, "error": error or None,
-              "runs": [asdict(r) for r in runs]}
+    result = {
+        "passed": passed,
+        "tolerance": opts.tolerance,
+        "max_steps": opts.max_steps,
+        "resume_at": opts.resume_at,
+        "job_args": job,
+        "reference": runs[0].name if runs else None,
+        "largest_relative_difference": asdict(worst) if worst else None,
+        "error": error or None,
+        "runs": [asdict(r) for r in runs],
+    }
     path = root / "result.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(finite(result), indent=2, allow_nan=False))
@@ -405,11 +492,17 @@ def main(argv: list[str] | None = None) -> int:
             sizes, where = usable_sizes(sizes, opts.cpu, vendor, probe)
         runs = plan_runs(root, sizes, engines, opts.resume_at)
         if len(runs) < 2:
-            raise UsageError(f"--world_sizes {opts.world_sizes}: only world size {sizes[0]} can run here, which leaves "
-                             "nothing to compare; pass --cpu to compare CPU processes, or add --engines fsdp,hf")
-        if opts.compare_only and (missing := [r.name for r in runs if not (Path(r.output_dir) / "metrics.jsonl").is_file()]):
-            raise UsageError(f"--compare_only: no earlier run {', '.join(missing)} in {root}: run verify without "
-                             "--compare_only first (with the same --world_sizes, --engines and --resume_at)")
+            raise UsageError(
+                f"--world_sizes {opts.world_sizes}: only world size {sizes[0]} can run here, which leaves "
+                "nothing to compare; pass --cpu to compare CPU processes, or add --engines fsdp,hf"
+            )
+        if opts.compare_only and (
+            missing := [r.name for r in runs if not (Path(r.output_dir) / "metrics.jsonl").is_file()]
+        ):
+            raise UsageError(
+                f"--compare_only: no earlier run {', '.join(missing)} in {root}: run verify without "
+                "--compare_only first (with the same --world_sizes, --engines and --resume_at)"
+            )
     except UsageError as e:
         print(f"anygpu verify: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -417,12 +510,20 @@ def main(argv: list[str] | None = None) -> int:
     worst = None
     try:
         if not opts.compare_only:
-            print(f"{PREFIX} {len(runs)} runs of {opts.max_steps} steps on {where}, in {root}", file=sys.stderr, flush=True)
+            print(
+                f"{PREFIX} {len(runs)} runs of {opts.max_steps} steps on {where}, in {root}",
+                file=sys.stderr,
+                flush=True,
+            )
             for i, run in enumerate(runs, 1):
                 processes = launcher.plural(run.world_size, "process")
-                print(f"{PREFIX} {i}/{len(runs)} {run.name}: {run.engine} engine, {processes}"
-                      + (f", resumed from {run.resumed_from}" if run.resumed_from else "") + " …",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{PREFIX} {i}/{len(runs)} {run.name}: {run.engine} engine, {processes}"
+                    + (f", resumed from {run.resumed_from}" if run.resumed_from else "")
+                    + " …",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 launch(run, job, opts.max_steps, opts.cpu, vendor, probe)
                 print(f"{PREFIX} {i}/{len(runs)} {run.name}: done in {run.seconds:.1f} s", file=sys.stderr, flush=True)
         if opts.compare_only:

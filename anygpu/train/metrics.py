@@ -3,6 +3,7 @@
 Only the main rank writes; both engines log through `MetricsWriter` so the files have
 the same keys whichever engine made them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,9 @@ def flops_per_token(config: PretrainedConfig, num_params_no_embedding: int, seq_
     return 6 * num_params_no_embedding + 12 * layers * hidden * seq_len
 
 
-def mfu(tokens_per_second: float, flops_per_tok: float, peak_flops_per_device: float | None, world_size: int) -> float | None:
+def mfu(
+    tokens_per_second: float, flops_per_tok: float, peak_flops_per_device: float | None, world_size: int
+) -> float | None:
     if not peak_flops_per_device:
         return None
     return tokens_per_second * flops_per_tok / (peak_flops_per_device * world_size)
@@ -129,8 +132,12 @@ def max_memory_gb(device: torch.device) -> float | None:
 def format_line(rec: dict[str, Any], max_steps: int) -> str:
     parts = [f"step {rec['step']}/{max_steps}"]
     if "loss" in rec:
-        parts += [f"loss {rec['loss']:.4f}", f"lr {rec['learning_rate']:.2e}", f"grad_norm {rec['grad_norm']:.3f}",
-                  f"{rec['tokens_per_second']:,.0f} tok/s"]
+        parts += [
+            f"loss {rec['loss']:.4f}",
+            f"lr {rec['learning_rate']:.2e}",
+            f"grad_norm {rec['grad_norm']:.3f}",
+            f"{rec['tokens_per_second']:,.0f} tok/s",
+        ]
     if rec.get("padding_fraction") is not None:
         parts.append(f"padding {100 * rec['padding_fraction']:.1f}%")
     if rec.get("mfu") is not None:
@@ -149,7 +156,9 @@ def perplexity(loss: float) -> float:
 class MetricsWriter:
     """Appends one JSON object per record to <output_dir>/metrics.jsonl and sends its scalars to the --report_to trackers."""
 
-    def __init__(self, output_dir: str, enabled: bool, report_to: Sequence[str] = (), resume_step: int | None = None) -> None:
+    def __init__(
+        self, output_dir: str, enabled: bool, report_to: Sequence[str] = (), resume_step: int | None = None
+    ) -> None:
         """`report_to`: names from `trackers.resolve`; `resume_step`: the step resumed from, whose later records are dropped."""
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
@@ -161,7 +170,9 @@ class MetricsWriter:
         """Drop records of steps past the resumed one (they will be redone); TensorBoard's purge_step does the same there."""
         if not self.path.exists():
             return
-        keep = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        keep = [
+            line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
+        ]
         self.path.write_text("".join(line + "\n" for line in keep))
 
     def write(self, record: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
 """AdamW and the learning-rate schedule, the same for both engines."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -34,7 +35,9 @@ def build_optimizer(model: nn.Module, args: TrainArguments, device: torch.device
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainArguments, num_training_steps: int):
     return get_scheduler(
-        args.lr_scheduler_type, optimizer, num_warmup_steps=min(args.warmup_steps, num_training_steps),
+        args.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=min(args.warmup_steps, num_training_steps),
         num_training_steps=num_training_steps,
     )
 
@@ -75,8 +78,11 @@ def _dtensor_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 def _row_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
-        rows = (torch.linalg.vector_norm(g, 2.0, dim=tuple(range(1, g.ndim)), dtype=torch.float32) if g.ndim > 1
-                else g.detach().float().abs())
+        rows = (
+            torch.linalg.vector_norm(g, 2.0, dim=tuple(range(1, g.ndim)), dtype=torch.float32)
+            if g.ndim > 1
+            else g.detach().float().abs()
+        )
         by_device[g.device].append(rows.reshape(-1))
     parts = [torch.linalg.vector_norm(torch.cat(rows).double(), 2.0) for rows in by_device.values()]
     first = grads[0].device

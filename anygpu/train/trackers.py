@@ -8,6 +8,7 @@ events of the steps that are redone, so the curves never show two branches.
 Not accelerate's tracking classes: their logging needs accelerate's `PartialState`, which the
 FSDP2 engine does not create (it owns its process group).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -22,8 +23,12 @@ logger = logging.getLogger(__name__)
 
 TRACKERS = ("tensorboard", "mlflow", "wandb", "trackio")
 # tensorboard is a core requirement; the others are extras of pyproject.toml
-INSTALL = {"tensorboard": "pip install tensorboard", "mlflow": "pip install 'anygpu[mlflow]'",
-           "wandb": "pip install 'anygpu[wandb]'", "trackio": "pip install 'anygpu[trackio]'"}
+INSTALL = {
+    "tensorboard": "pip install tensorboard",
+    "mlflow": "pip install 'anygpu[mlflow]'",
+    "wandb": "pip install 'anygpu[wandb]'",
+    "trackio": "pip install 'anygpu[trackio]'",
+}
 EVAL_KEYS = ("eval_loss", "perplexity")
 
 
@@ -39,10 +44,14 @@ def resolve(report_to: list[str] | str) -> list[str]:
     valid = (*TRACKERS, "all", "none")
     for word in words:
         if word not in valid:
-            raise UsageError(f"--report_to {word!r} is unknown: use {', '.join(valid)} "
-                             "(several comma-separated, e.g. --report_to tensorboard,mlflow).")
+            raise UsageError(
+                f"--report_to {word!r} is unknown: use {', '.join(valid)} "
+                "(several comma-separated, e.g. --report_to tensorboard,mlflow)."
+            )
     if "none" in words and len(set(words)) > 1:
-        raise UsageError(f"--report_to {','.join(words)}: 'none' turns every tracker off; give it alone, or leave it out.")
+        raise UsageError(
+            f"--report_to {','.join(words)}: 'none' turns every tracker off; give it alone, or leave it out."
+        )
     if "all" in words:
         return [name for name in TRACKERS if installed(name)]
     chosen = [name for name in TRACKERS if name in words]
@@ -54,8 +63,11 @@ def resolve(report_to: list[str] | str) -> list[str]:
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """A metrics.jsonl record as tracker scalars: `train/<key>`, or `eval/<key>` for the evaluation's keys."""
-    return {("eval/" if key in EVAL_KEYS else "train/") + key: value for key, value in record.items()
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return {
+        ("eval/" if key in EVAL_KEYS else "train/") + key: value
+        for key, value in record.items()
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
 
 
 def mlflow_uri(output_dir: str) -> str:

@@ -9,6 +9,7 @@ exit 9, empty stdout; rocm-smi: exit 0, empty stdout, an error on stderr; amd-sm
 empty stdout); absent behaves like a missing binary (exit 127, as the shell reports it).
 FAKE_SMI_LOG, when set, is a file each call appends its argv to.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,8 +62,11 @@ def nvidia_smi(args: list[str]) -> int:
         print("nvidia-smi: command not found", file=sys.stderr)
         return 127
     if mode == "driver-fail":
-        print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-              "Make sure that the latest NVIDIA driver is installed and running.", file=sys.stderr)
+        print(
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+            "Make sure that the latest NVIDIA driver is installed and running.",
+            file=sys.stderr,
+        )
         return 9
     if args == ["-L"]:
         for i in range(count()):
@@ -118,18 +122,23 @@ def amd_smi(args: list[str]) -> int:
         print("amd-smi: command not found", file=sys.stderr)
         return 127
     if mode == "driver-fail":
-        print("ERROR:root:Unable to detect any GPU devices, check amdgpu version and module status "
-              "(sudo modprobe amdgpu)", file=sys.stderr)
+        print(
+            "ERROR:root:Unable to detect any GPU devices, check amdgpu version and module status "
+            "(sudo modprobe amdgpu)",
+            file=sys.stderr,
+        )
         return 255
     if args == ["list"]:
         blocks = []
         for i in range(count()):
-            blocks.append(f"GPU: {i}\n"
-                          f"    BDF: 0000:{0x05 + 0x20 * i:02x}:00.0\n"
-                          f"    UUID: {amd_uuid(i)}\n"
-                          f"    KFD_ID: {45412 + 1117 * i}\n"
-                          f"    NODE_ID: {i + 2}\n"
-                          f"    PARTITION_ID: 0\n")
+            blocks.append(
+                f"GPU: {i}\n"
+                f"    BDF: 0000:{0x05 + 0x20 * i:02x}:00.0\n"
+                f"    UUID: {amd_uuid(i)}\n"
+                f"    KFD_ID: {45412 + 1117 * i}\n"
+                f"    NODE_ID: {i + 2}\n"
+                f"    PARTITION_ID: 0\n"
+            )
         print("\n".join(blocks))
         return 0
     print("amd-smi: error: unsupported arguments " + " ".join(args), file=sys.stderr)

@@ -3,6 +3,7 @@ and rank 1 raises at step 3 (``--fail-rank``/``--fail-step`` change that). The o
 blocked in the next collective; the launcher must bring them down within seconds.
 ``--fail-attempts N`` fails only in the first N attempts (torchrun's TORCHELASTIC_RESTART_COUNT),
 so a job with ``--max-restarts`` >= N then finishes."""
+
 import argparse
 import os
 import time

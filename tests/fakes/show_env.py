@@ -1,5 +1,6 @@
 """A stand-in training script that prints what the launcher gave it: its arguments and
 environment as JSON on stdout, then exits with ANYGPU_TEST_EXIT (default 0)."""
+
 import json
 import os
 import sys

@@ -1,5 +1,6 @@
 """The FSDP2 engine, counting the checksums each rank computes of the checkpoint it resumes from; at the end
 each rank prints `HASHED rank R: checkpoint-N COUNT` (the newest checkpoint in --output_dir at start-up)."""
+
 import os
 import sys
 from pathlib import Path

@@ -1,4 +1,5 @@
 """The FSDP2 engine, killed while the background write of its second periodic checkpoint is under way."""
+
 import os
 import sys
 

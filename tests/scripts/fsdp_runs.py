@@ -6,6 +6,7 @@ Each ARGS is a full argument list of run_fsdp_standalone.py (its own --output_di
 process group and run one after another; before each, rank 0 prints `=== run I ===` on a line of its own
 (between barriers, so every rank's lines of a run come after its marker): split_runs() cuts the output.
 """
+
 import sys
 
 import anygpu

@@ -1,6 +1,7 @@
 """Several HF-engine runs in one launch (start-up costs more than a tiny run): `accelerate launch … hf_runs.py
 ARGS [::: ARGS ...]`, each ARGS a full argument list of run_hf_standalone.py (its own --output_dir). The runs
 share the launch's process group and run one after another; before each, rank 0 prints `=== run I ===`."""
+
 import os
 import sys
 

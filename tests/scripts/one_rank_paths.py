@@ -1,4 +1,5 @@
 """One process: train a few steps with the plain (unsharded) model and with FSDP2 forced on; print both losses."""
+
 import json
 import sys
 

@@ -1,4 +1,5 @@
 """Under torchrun: build the FSDP2 model, take one optimizer step, print each rank's held bytes."""
+
 import json
 import sys
 

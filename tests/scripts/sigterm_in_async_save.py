@@ -13,6 +13,7 @@ wait for it that the preemption watchdog does not know about ends the process. M
 Prints `RESULT <moment> <exit code>` after each run. Then, when RESUME is set, resumes the first moment's
 run with `latest` (the preemption checkpoint must load).
 """
+
 import os
 import signal
 import sys
@@ -43,8 +44,11 @@ def stall(where: str) -> None:
         time.sleep(SLOW_S)
 
 
-real_write_data, real_write_item, real_finish = (filesystem.FileSystemWriter.write_data, filesystem._write_item,
-                                                 filesystem.FileSystemWriter.finish)
+real_write_data, real_write_item, real_finish = (
+    filesystem.FileSystemWriter.write_data,
+    filesystem._write_item,
+    filesystem.FileSystemWriter.finish,
+)
 
 
 def write_data(self, plan, planner):
@@ -72,7 +76,7 @@ filesystem.FileSystemWriter.finish = finish
 if __name__ == "__main__":
     moments, args = sys.argv[1].split(","), sys.argv[2:]
     i = args.index("--output_dir")
-    out, args = args[i + 1], args[:i] + args[i + 2:]
+    out, args = args[i + 1], args[:i] + args[i + 2 :]
     distributed.destroy = lambda sync=True: distributed.barrier()  # keep one process group for all runs
     distributed.init_distributed()
     for moment in moments:
@@ -90,4 +94,6 @@ if __name__ == "__main__":
         print(f"RESULT {moment} {code}", flush=True)
     if os.environ.get("RESUME"):
         moment = ""
-        fsdp_engine.run(*parse_args([*args, "--output_dir", f"{out}/{moments[0]}", "--resume_from_checkpoint", "latest"]))
+        fsdp_engine.run(
+            *parse_args([*args, "--output_dir", f"{out}/{moments[0]}", "--resume_from_checkpoint", "latest"])
+        )

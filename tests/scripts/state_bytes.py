@@ -6,6 +6,7 @@ parameters, gradients and optimizer state, measured from the sharded tensors the
     torchrun … state_bytes.py pretrained --model_name_or_path DIR [--use_peft true …]   the model of DIR
     torchrun … state_bytes.py GROUP ::: GROUP …   several of the above in one launch (also plain python: 1 rank)
 A preset may carry a label, tiny:hsdp, to tell apart two groups of one preset in the BYTES lines."""
+
 import json
 import sys
 from pathlib import Path
@@ -36,18 +37,22 @@ groups = split_args(sys.argv[1:])
 for presets, *args in groups:
     for preset in presets.split(","):
         name = preset.split(":")[0]
-        model_args, data_args, train_args = parse_args([*(["--config_name", name] if name != "pretrained" else []),
-                                                        *args])
+        model_args, data_args, train_args = parse_args(
+            [*(["--config_name", name] if name != "pretrained" else []), *args]
+        )
         prep = prepare(model_args, data_args, train_args, info)
         model = fsdp_engine.build_model(prep, model_args, train_args, info)
         opt = optim.build_optimizer(model, train_args, info.device)
         fsdp_engine.train_step(model, prep, 0, info)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        mine = {"parameters": sum(nbytes(p) for p in model.parameters()),
-                "gradients": sum(nbytes(p.grad) for p in trainable if p.grad is not None)}
+        mine = {
+            "parameters": sum(nbytes(p) for p in model.parameters()),
+            "gradients": sum(nbytes(p.grad) for p in trainable if p.grad is not None),
+        }
         opt.step()  # creates the (sharded) AdamW state; the 0-dim step counters are not state memory
-        mine["optimizer"] = sum(nbytes(v) for s in opt.state.values() for v in s.values()
-                                if isinstance(v, torch.Tensor) and v.dim() > 0)
+        mine["optimizer"] = sum(
+            nbytes(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
         mine["vocab_size"] = prep.config.vocab_size
         every = [None] * info.world_size
         dist.all_gather_object(every, mine)

@@ -10,6 +10,7 @@ the way its `--run-path --start-method fork` options do: a forked process that r
 The ranks are real processes talking gloo; only `exec` is skipped. Tests of the launchers themselves
 (signals, restarts, exit codes, torchrun's failure report) use the real `torchrun`/`accelerate` commands.
 """
+
 import atexit
 import os
 import runpy

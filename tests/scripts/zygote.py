@@ -10,6 +10,7 @@ this process's in variables read at run time, not at import time; others start a
 Protocol: one JSON request per line on stdin ({"argv", "env", "cwd", "stdout", "stderr"}); the answers are
 `{"pid": N}` when the child starts and `{"code": C}` when it ends, on the stdout this process started with.
 """
+
 import json
 import os
 import sys
@@ -20,8 +21,11 @@ from warm_launch import as_a_fresh_interpreter, finish, run_script  # noqa: E402
 
 def child(request: dict) -> None:
     os.setpgrp()  # a timeout kills the child with whatever it started
-    for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY),
-                           (2, request["stderr"], os.O_WRONLY)):
+    for fd, path, mode in (
+        (0, os.devnull, os.O_RDONLY),
+        (1, request["stdout"], os.O_WRONLY),
+        (2, request["stderr"], os.O_WRONLY),
+    ):
         os.dup2(os.open(path, mode), fd)
     os.environ.clear()
     os.environ.update(request["env"])

@@ -7,6 +7,7 @@ Also runs under torchrun (DDP) and as plain `python` (one process; every visible
 nn.DataParallel when there are several). Per optimizer step, G = m · W · A: the global batch G is
 fixed, W is the number of data-parallel devices the launcher started, m and A follow.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from anygpu import errors
 from anygpu.checkpoint import export, resume_guard
-from anygpu.config.args import DataArguments, HFEngineArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
+from anygpu.config.args import (
+    DataArguments,
+    HFEngineArguments,
+    ModelArguments,
+    TrainArguments,
+    parse_args,
+    resolved_dict,
+)
 from anygpu.config.batch import BatchPlan
 from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.engines.hf.gpu_count import check_processes_per_node
@@ -152,16 +160,19 @@ def plan_strategy(plan: hf_strategy.Plan, ds_plugin) -> str:
     return "ddp"
 
 
-def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments,
-        engine_args: HFEngineArguments) -> dict[str, Any]:
+def run(
+    model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments, engine_args: HFEngineArguments
+) -> dict[str, Any]:
     """Train; return the last logged record (rank 0)."""
     train_args.report_to = trackers.resolve(train_args.report_to)  # the FSDP2 engine's check and messages
     check_processes_per_node()  # e.g. a config's num_processes: 8 on a 2-GPU node: stop before any work
     for name in ("dp_replicate", "dp_shard"):
         if getattr(train_args, name) is not None:
-            raise UsageError(f"--{name} {getattr(train_args, name)}: HSDP is the FSDP2 engine's (run_fsdp_standalone.py, "
-                             "or the launchers' --engine fsdp); with the HF engine leave it out (its FSDP2 and ZeRO "
-                             "configs shard over every process).")
+            raise UsageError(
+                f"--{name} {getattr(train_args, name)}: HSDP is the FSDP2 engine's (run_fsdp_standalone.py, "
+                "or the launchers' --engine fsdp); with the HF engine leave it out (its FSDP2 and ZeRO "
+                "configs shard over every process)."
+            )
     on_cpu = hardware.vendor() == "cpu"
     if train_args.fp16 and on_cpu:
         raise UsageError("--fp16 needs a GPU: on CPU train in fp32 (leave it out) or with --bf16.")
@@ -177,7 +188,14 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     from transformers.utils import logging as hf_logging
 
     from anygpu.data.prepare import prepare
-    from anygpu.engines.hf.trainer import AnygpuTrainer, FlowCallback, MetricsCallback, plain_model_construction, read_anygpu_state, zero3_state_dict
+    from anygpu.engines.hf.trainer import (
+        AnygpuTrainer,
+        FlowCallback,
+        MetricsCallback,
+        plain_model_construction,
+        read_anygpu_state,
+        zero3_state_dict,
+    )
     from anygpu.model import dropout, lean_loss, lora, modeling
     from anygpu.runtime.progress import protected
     from anygpu.train import metrics
@@ -214,13 +232,22 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     if train_args.auto_micro_batch:  # from the plan's estimate (Trainer builds the sharded model later); G unchanged
         from anygpu.planning import auto_batch
 
-        probe = auto_batch.apply(prep, model_args, train_args, targs.device, plan_strategy(plan, ds_plugin),
-                                 lean=train_args.lean_loss and lean_loss_off_reason(plan) is None)
+        probe = auto_batch.apply(
+            prep,
+            model_args,
+            train_args,
+            targs.device,
+            plan_strategy(plan, ds_plugin),
+            lean=train_args.lean_loss and lean_loss_off_reason(plan) is None,
+        )
         print(f"rank {targs.process_index}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
     p = prep.plan
     # One process feeds all its GPUs under DataParallel: its micro-batch is m × GPUs, cut by DataParallel.
-    sampler_plan = BatchPlan(p.global_batch_size, p.per_device_train_batch_size * dp_devices, 1,
-                             p.gradient_accumulation_steps) if plan.kind == "dataparallel" else p
+    sampler_plan = (
+        BatchPlan(p.global_batch_size, p.per_device_train_batch_size * dp_devices, 1, p.gradient_accumulation_steps)
+        if plan.kind == "dataparallel"
+        else p
+    )
     targs.per_device_train_batch_size = p.per_device_train_batch_size
     targs.gradient_accumulation_steps = p.gradient_accumulation_steps
     targs.max_steps = prep.total_steps
@@ -243,27 +270,41 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         for layer in (m for m in model.modules() if isinstance(m, blocks.decoder_layer_classes(model))):
             layer.compile()
     # Counted before DeepSpeed/FSDP partition the parameters.
-    fpt = metrics.flops_per_token(prep.config, modeling.count_parameters(model, exclude_embeddings=True), prep.block_size)
+    fpt = metrics.flops_per_token(
+        prep.config, modeling.count_parameters(model, exclude_embeddings=True), prep.block_size
+    )
     precision = hardware.matmul_precision(train_args.bf16, train_args.fp16, tf32)
     peak = hardware.peak_flops(hardware.devices()[0].name, precision) if targs.device.type == "cuda" else None
     banner_text = banner(prep, model, train_args, plan, tf32)
 
-    writer = metrics.MetricsWriter(train_args.output_dir, is_main, train_args.report_to,
-                                   start_step if resume is not None else None)
-    metrics_cb = MetricsCallback(writer, prep, train_args, dp_devices, targs.device, fpt, peak, start_step, end_step, is_main)
+    writer = metrics.MetricsWriter(
+        train_args.output_dir, is_main, train_args.report_to, start_step if resume is not None else None
+    )
+    metrics_cb = MetricsCallback(
+        writer, prep, train_args, dp_devices, targs.device, fpt, peak, start_step, end_step, is_main
+    )
     flow_cb = FlowCallback(train_args, prep.total_steps, end_step, targs.device)
     flow_cb.preemption.watch(model)
     trainer = AnygpuTrainer(
-        model=model, args=targs, train_dataset=prep.datasets["train"], callbacks=[metrics_cb, flow_cb],
-        prep=prep, sampler_plan=sampler_plan, start_step=start_step, train_config=train_args, num_devices=dp_devices,
-        strategy=plan.kind, fingerprint=fingerprint,
+        model=model,
+        args=targs,
+        train_dataset=prep.datasets["train"],
+        callbacks=[metrics_cb, flow_cb],
+        prep=prep,
+        sampler_plan=sampler_plan,
+        start_step=start_step,
+        train_config=train_args,
+        num_devices=dp_devices,
+        strategy=plan.kind,
+        fingerprint=fingerprint,
     )
     trainer.remove_callback(PrinterCallback)  # MetricsCallback prints the FSDP2 engine's lines instead
     trainer.remove_callback(ProgressCallback)
     acc = trainer.accelerator
     fsdp_plugin = getattr(acc.state, "fsdp_plugin", None)
-    hf_strategy.check_in_effect(plan, acc.distributed_type.name, acc.num_processes,
-                                getattr(fsdp_plugin, "fsdp_version", None))
+    hf_strategy.check_in_effect(
+        plan, acc.distributed_type.name, acc.num_processes, getattr(fsdp_plugin, "fsdp_version", None)
+    )
     if not trainer.model_accepts_loss_kwargs:
         raise UsageError(
             f"{type(model).__name__}.forward takes no num_items_in_batch: Trainer could not normalise its loss over the "
@@ -279,9 +320,13 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
             print(f"resumed from {resume} at step {start_step} (was {was} devices, now {dp_devices})", flush=True)
             if line := resume_guard.banner_line(changed):
                 print(line, flush=True)
-        Path(train_args.output_dir, "args.json").write_text(json.dumps(
-            {**resolved_dict(model_args, data_args, train_args, engine_args), "strategy": plan.describe()},
-            indent=2, default=str))
+        Path(train_args.output_dir, "args.json").write_text(
+            json.dumps(
+                {**resolved_dict(model_args, data_args, train_args, engine_args), "strategy": plan.describe()},
+                indent=2,
+                default=str,
+            )
+        )
         prep.tokenizer.save_pretrained(str(Path(train_args.output_dir) / "tokenizer"))
 
     if end_step > start_step:
@@ -294,8 +339,11 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         print(f"nothing to train: the run is at step {start_step} and ends at {end_step}", flush=True)
     if flow_cb.terminated:
         if is_main:
-            print(f"{flow_cb.preemption.requested}: saved checkpoint-{trainer.state.global_step}, exiting "
-                  f"(exit {errors.EXIT_PREEMPTED})", flush=True)
+            print(
+                f"{flow_cb.preemption.requested}: saved checkpoint-{trainer.state.global_step}, exiting "
+                f"(exit {errors.EXIT_PREEMPTED})",
+                flush=True,
+            )
         writer.close()
         distributed.destroy()
         sys.exit(errors.EXIT_PREEMPTED)
@@ -304,11 +352,19 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
         with protected():  # the preemption watchdog waits for the export, however long
             gathered = zero3_state_dict(trainer.model, is_main)  # None unless ZeRO-3: export gathers the rest
             if lora.is_peft(model):
-                out = export.export_adapter(trainer.model, prep.tokenizer, model_args.model_name_or_path, final,
-                                            targs.process_index, model_args.merge_lora, gathered)
+                out = export.export_adapter(
+                    trainer.model,
+                    prep.tokenizer,
+                    model_args.model_name_or_path,
+                    final,
+                    targs.process_index,
+                    model_args.merge_lora,
+                    gathered,
+                )
             else:
-                out = export.export_safetensors(trainer.model, prep.config, prep.tokenizer, final, targs.process_index,
-                                                state_dict=gathered)
+                out = export.export_safetensors(
+                    trainer.model, prep.config, prep.tokenizer, final, targs.process_index, state_dict=gathered
+                )
         if is_main and lora.is_peft(model):
             print(f"final adapter: {out} (PeftModel.from_pretrained loads it over the base)", flush=True)
         elif is_main:

@@ -5,6 +5,7 @@ The shipped accelerate configs carry `num_processes: 8` (TRL's convention: the c
 on an 8-GPU node. Elsewhere torchrun would start 8 processes on fewer GPUs; this check turns that
 into one line naming the `--num_processes` this node can take, or the vendor launcher that counts.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,7 @@ def visible_gpus(env: Mapping[str, str]) -> tuple[int, str | None]:
     return 0, None
 
 
-def check_processes_per_node(env: Mapping[str, str] | None = None,
-                             count: tuple[int, str | None] | None = None) -> None:
+def check_processes_per_node(env: Mapping[str, str] | None = None, count: tuple[int, str | None] | None = None) -> None:
     """Raise UsageError when the launcher started more processes on this node than it has GPUs."""
     env = os.environ if env is None else env
     local = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)

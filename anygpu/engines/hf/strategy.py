@@ -7,6 +7,7 @@ data parallel. This module reads the request, decides how to honour it on this m
 process group exists, and afterwards compares the request with what accelerate actually built, so
 the engine never trains with another strategy than the one asked for without saying so.
 """
+
 from __future__ import annotations
 
 import os
@@ -104,8 +105,14 @@ def plan(request: Request, on_cpu: bool, allow_fallback: bool) -> Plan:
         kind = "ddp" if request.num_processes > 1 else "single"
         note = "FSDP was requested; accelerate cannot run FSDP on CPU, so this trains DDP (--allow_strategy_fallback)"
         # Accelerate must not half-configure FSDP: the CPU path is plain multi-process data parallel.
-        return Plan(request, kind, use_cpu=True, ddp_backend="gloo" if kind == "ddp" else None, fallback_note=note,
-                    env_overrides=(("ACCELERATE_USE_FSDP", "false"),))
+        return Plan(
+            request,
+            kind,
+            use_cpu=True,
+            ddp_backend="gloo" if kind == "ddp" else None,
+            fallback_note=note,
+            env_overrides=(("ACCELERATE_USE_FSDP", "false"),),
+        )
     if request.kind == "deepspeed":
         # Accelerate's CPU switch (use_cpu) would drop DeepSpeed; DeepSpeed's own CPU accelerator
         # runs ZeRO over gloo when the backend is named (without it accelerate finds no backend on
@@ -129,7 +136,8 @@ def check_in_effect(p: Plan, distributed_type: str, num_processes: int, fsdp_ver
         )
     ok = {
         "deepspeed": distributed_type == "DEEPSPEED",
-        "fsdp": distributed_type == "FSDP" and (p.request.fsdp_version is None or fsdp_version == p.request.fsdp_version),
+        "fsdp": distributed_type == "FSDP"
+        and (p.request.fsdp_version is None or fsdp_version == p.request.fsdp_version),
         "ddp": distributed_type.startswith("MULTI_"),
         # one process started by a launcher is accelerate's MULTI_* type with a world of 1
         "single": distributed_type == "NO" or distributed_type.startswith("MULTI_"),

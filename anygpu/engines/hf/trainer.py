@@ -13,6 +13,7 @@ What the loop computes, per optimizer step k and rank r (G = m·W·A as in `anyg
   mean, whatever W, m and A — the same normalisation as the FSDP2 engine. The logged loss (per-rank
   sums gathered and averaged, × W / N) is the global-batch token mean.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,9 +48,18 @@ ANYGPU_STATE = "anygpu_state.json"  # our keys next to Trainer's trainer_state.j
 class AnygpuTrainer(Trainer):
     """Trainer with the library's data order, AdamW groups, schedule, evaluation and atomic checkpoints."""
 
-    def __init__(self, *args: Any, prep: Prepared, sampler_plan: BatchPlan, start_step: int,
-                 train_config: TrainArguments, num_devices: int, strategy: str, fingerprint: dict[str, Any],
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        prep: Prepared,
+        sampler_plan: BatchPlan,
+        start_step: int,
+        train_config: TrainArguments,
+        num_devices: int,
+        strategy: str,
+        fingerprint: dict[str, Any],
+        **kwargs: Any,
+    ) -> None:
         self.prep = prep
         self.sampler_plan = sampler_plan  # this process's split (m·GPUs per micro-batch under DataParallel)
         self.start_step = start_step
@@ -69,11 +79,17 @@ class AnygpuTrainer(Trainer):
         would shard our already per-rank batches again) and, with dispatch_batches, a broadcast from
         rank 0. The loop moves each batch to the device itself (`_prepare_inputs`).
         """
-        sampler = MicroBatchSampler(self.prep.order, self.sampler_plan, self.args.process_index, self.start_step,
-                                         self.prep.total_steps)
+        sampler = MicroBatchSampler(
+            self.prep.order, self.sampler_plan, self.args.process_index, self.start_step, self.prep.total_steps
+        )
         self.sample_queue = dropout.SampleQueue(sampler)  # each micro-batch's data set indices, for keyed dropout
-        return DataLoader(self.train_dataset, batch_sampler=self.sample_queue, collate_fn=self.prep.collator, num_workers=0,
-                          pin_memory=self.args.device.type == "cuda")
+        return DataLoader(
+            self.train_dataset,
+            batch_sampler=self.sample_queue,
+            collate_fn=self.prep.collator,
+            num_workers=0,
+            pin_memory=self.args.device.type == "cuda",
+        )
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         # No KV cache in training: transformers confines attention to packed samples only without one.
@@ -101,23 +117,28 @@ class AnygpuTrainer(Trainer):
     # ------------------------------------------------------------------ optimizer and schedule
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            self.optimizer = optim.build_optimizer(model if model is not None else self.model, self.train_config,
-                                                   self.args.device)
+            self.optimizer = optim.build_optimizer(
+                model if model is not None else self.model, self.train_config, self.args.device
+            )
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
         # The schedule spans the whole run (prep.total_steps), also when --stop_at_step ends it early.
         if self.lr_scheduler is None:
-            self.lr_scheduler = optim.build_scheduler(optimizer if optimizer is not None else self.optimizer,
-                                                      self.train_config, self.prep.total_steps)
+            self.lr_scheduler = optim.build_scheduler(
+                optimizer if optimizer is not None else self.optimizer, self.train_config, self.prep.total_steps
+            )
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
     def _own_clipping(self, model: torch.nn.Module) -> bool:
         """Plain or FSDP2 gradients: the library's sharding-independent norm (both engines log the same norm on any
         world size); DeepSpeed and FSDP1 clip their own partitions, Trainer's mixed-mesh path stays Trainer's."""
-        return not (self.is_deepspeed_enabled or (self.is_fsdp_enabled and not getattr(self.accelerator, "is_fsdp2", False))
-                    or self._has_mixed_mesh_grads(model))
+        return not (
+            self.is_deepspeed_enabled
+            or (self.is_fsdp_enabled and not getattr(self.accelerator, "is_fsdp2", False))
+            or self._has_mixed_mesh_grads(model)
+        )
 
     def _clip_grad_norm(self, model: torch.nn.Module):
         if not self._own_clipping(model):
@@ -173,7 +194,9 @@ class AnygpuTrainer(Trainer):
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
         """Mean token loss over the whole validation set, as the FSDP2 engine computes it.
 
         Every rank runs the same number of forward passes (ZeRO-3 and FSDP gather parameters
@@ -193,11 +216,16 @@ class AnygpuTrainer(Trainer):
             batch = {k: v.to(device) for k, v in self.prep.collator.read(dataset, idx or [0]).items()}
             # num_items_in_batch=1: the model's loss is the token-loss sum (HF's own loss path).
             with lean_loss.active(self.unwrapped(model)):
-                loss_sum = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1, device=device),
-                                 **moe.eval_kwargs(self.unwrapped(model))).loss
+                loss_sum = model(
+                    **batch,
+                    use_cache=False,
+                    num_items_in_batch=torch.tensor(1, device=device),
+                    **moe.eval_kwargs(self.unwrapped(model)),
+                ).loss
             if idx:
-                totals += torch.stack([loss_sum.double(), torch.tensor(float(count_targets(batch)), device=device,
-                                                                        dtype=torch.float64)])
+                totals += torch.stack(
+                    [loss_sum.double(), torch.tensor(float(count_targets(batch)), device=device, dtype=torch.float64)]
+                )
         distributed.all_reduce_sum(totals)
         if was_training:
             model.train()
@@ -233,13 +261,26 @@ class AnygpuTrainer(Trainer):
                 self._staging_dir = None
             distributed.barrier()  # every rank's files (RNG states, ZeRO partitions) are in place
             if self.args.should_save:
-                state = {"global_step": step, "global_batch_size": self.prep.plan.global_batch_size,
-                         "world_size": self.num_devices, "seed": self.train_config.seed,
-                         "num_train_samples": self.prep.order.num_samples, "total_steps": self.prep.total_steps,
-                         "strategy": self.strategy}
+                state = {
+                    "global_step": step,
+                    "global_batch_size": self.prep.plan.global_batch_size,
+                    "world_size": self.num_devices,
+                    "seed": self.train_config.seed,
+                    "num_train_samples": self.prep.order.num_samples,
+                    "total_steps": self.prep.total_steps,
+                    "strategy": self.strategy,
+                }
                 # state files, manifest (fsyncs Trainer's files), rename, rotation
-                store.finalize(root, folder, final, step, self.num_devices, "hf", self.train_config.save_total_limit,
-                                    {ANYGPU_STATE: state, resume_guard.FINGERPRINT_FILE: self.fingerprint})
+                store.finalize(
+                    root,
+                    folder,
+                    final,
+                    step,
+                    self.num_devices,
+                    "hf",
+                    self.train_config.save_total_limit,
+                    {ANYGPU_STATE: state, resume_guard.FINGERPRINT_FILE: self.fingerprint},
+                )
                 shutil.rmtree(staging, ignore_errors=True)
         distributed.barrier()
 
@@ -251,7 +292,9 @@ class AnygpuTrainer(Trainer):
         found = store.checkpoints(root)
         estimate = None
         if self.strategy in ("ddp", "dataparallel", "single") and self.optimizer is not None:
-            tensors = [p for p in self.model.parameters() if p.requires_grad]  # a LoRA checkpoint holds the adapter only
+            tensors = [
+                p for p in self.model.parameters() if p.requires_grad
+            ]  # a LoRA checkpoint holds the adapter only
             tensors += [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
             estimate = sum(t.numel() * t.element_size() for t in tensors)
         return disk_space.needed_bytes(found[-1] if found else None, estimate)
@@ -268,9 +311,19 @@ class MetricsCallback(TrainerCallback):
     logging step's own global-batch mean loss (`AnygpuTrainer.log`): no host sync on other steps.
     """
 
-    def __init__(self, writer: metrics.MetricsWriter, prep: Prepared, train_config: TrainArguments, world_size: int,
-                 device: torch.device, flops_per_token: float, peak_flops: float | None, start_step: int,
-                 end_step: int, is_main: bool) -> None:
+    def __init__(
+        self,
+        writer: metrics.MetricsWriter,
+        prep: Prepared,
+        train_config: TrainArguments,
+        world_size: int,
+        device: torch.device,
+        flops_per_token: float,
+        peak_flops: float | None,
+        start_step: int,
+        end_step: int,
+        is_main: bool,
+    ) -> None:
         self.writer, self.prep, self.cfg = writer, prep, train_config
         self.world_size, self.device = world_size, device
         self.fpt, self.peak = flops_per_token, peak_flops
@@ -283,8 +336,14 @@ class MetricsCallback(TrainerCallback):
         self.last: dict[str, Any] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.bar = tqdm(total=self.end_step, initial=self.start_step, disable=self.cfg.disable_tqdm or not self.is_main,
-                        desc="train", unit="step", dynamic_ncols=True)
+        self.bar = tqdm(
+            total=self.end_step,
+            initial=self.start_step,
+            disable=self.cfg.disable_tqdm or not self.is_main,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+        )
         self.window.reset()
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -309,13 +368,22 @@ class MetricsCallback(TrainerCallback):
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         grad_norm = logs.get("grad_norm")
-        rec = {"step": step, "loss": float(logs["loss"]), "learning_rate": self.lr,
-               "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-               **self.window.record(self.tokens.padded)}
+        rec = {
+            "step": step,
+            "loss": float(logs["loss"]),
+            "learning_rate": self.lr,
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            **self.window.record(self.tokens.padded),
+        }
         tps = rec["tokens_per_second"]
-        rec.update({"tokens_per_second_per_device": tps / self.world_size,
-               "world_size": self.world_size, "global_batch_size": self.prep.plan.global_batch_size,
-               "epoch": step / self.prep.order.steps_per_epoch})
+        rec.update(
+            {
+                "tokens_per_second_per_device": tps / self.world_size,
+                "world_size": self.world_size,
+                "global_batch_size": self.prep.plan.global_batch_size,
+                "epoch": step / self.prep.order.steps_per_epoch,
+            }
+        )
         if (u := metrics.mfu(tps, self.fpt, self.peak, self.world_size)) is not None:
             rec["mfu"] = u
         if (mem := metrics.max_memory_gb(self.device)) is not None:
