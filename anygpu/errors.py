@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Callable
 
-from anygpu.runtime.faults import test_fault
+from anygpu.runtime import faults
 
 EXIT_FAILURE = 1  # any other failure (a full disk while saving: one line, without a traceback)
 EXIT_USAGE = 2  # bad input, refused before any work
@@ -52,7 +52,7 @@ def run_main(body: Callable[[], object], cleanup: Callable[[], None]) -> None:
 
 def exit_refused(e: UsageError, cleanup: Callable[[], None] = lambda: None) -> None:
     """Print a refusal once (rank 0) and exit 2, every rank."""
-    test_fault("refusal", 0)
+    faults.at("refusal")
     if rank() == 0:
         print(f"error: {e}", file=sys.stderr, flush=True)
     cleanup()

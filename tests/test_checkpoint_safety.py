@@ -222,9 +222,9 @@ def damage(ckpt: Path) -> None:
     shard.write_bytes(shard.read_bytes()[:-10])
 
 
-def claim(root: Path, **kw) -> None:
+def claim(root: Path, **kw) -> run_guard.Claim | None:
     try:
-        run_guard.claim_output_dir(args(root, **kw), rank=0)
+        return run_guard.claim_output_dir(args(root, **kw), rank=0)
     finally:
         run_guard.release_locks()
 
@@ -296,8 +296,8 @@ def test_the_resume_checkpoint_is_hashed_once(tmp_path, monkeypatch):
     hashed = []
     real = manifest.sha256
     monkeypatch.setattr(manifest, "sha256", lambda p: hashed.append(p.name) or real(p))
-    claim(tmp_path, resume_from_checkpoint="latest")
-    assert run_guard.agreed_resume("latest", str(tmp_path)).name == "checkpoint-2"
+    claimed = claim(tmp_path, resume_from_checkpoint="latest")  # rank 0's verdict, handed on, not stashed
+    assert run_guard.agreed_resume("latest", str(tmp_path), claimed).name == "checkpoint-2"
     files = len(manifest.read(tmp_path / "checkpoint-2")["files"])
     assert len(hashed) == files, hashed
 

@@ -169,6 +169,10 @@ def test_outputs_match_the_fsdp2_engines(ddp):
         assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
     assert train[0]["learning_rate"] == 0.0 and train[2]["learning_rate"] == pytest.approx(3e-3)  # warmup 2, peak 3e-3
     assert [e["step"] for e in evals] == [0, 10]  # baseline before training, and at the end
+    # tokens/s counts training time only; the evaluation at step 0 comes before step 1's window opens and is not
+    # subtracted from it (it was, leaving ~1e-9 s: 2e12 tok/s for step 1)
+    rates = sorted(r["tokens_per_second"] for r in train)
+    assert rates[-1] < 20 * rates[len(rates) // 2], [r["tokens_per_second"] for r in train]
     assert all(math.isclose(e["perplexity"], math.exp(e["eval_loss"]), rel_tol=1e-9) for e in evals)
     out = ddp["ws2"]
     assert list((out / "runs").glob("events.out.tfevents.*"))

@@ -11,8 +11,7 @@ from conftest import TINY, losses
 from test_hf_engine import accelerate
 
 from anygpu.engines.hf import strategy as hf_strategy
-from anygpu.engines.hf.engine import _check_resume_world
-from anygpu.engines.hf.strategy import Request, check_in_effect, plan, requested
+from anygpu.engines.hf.strategy import Request, check_in_effect, check_resume_world, plan, requested
 
 
 def test_what_the_launcher_asked_for():
@@ -140,7 +139,7 @@ def test_resume_refuses_another_strategy_family(tmp_path, saved, saved_world, no
     )
     p = plan(now, on_cpu=False, allow_fallback=False)
     if error is None:
-        _check_resume_world(ckpt, p)
+        check_resume_world(ckpt, p)
     else:
         with pytest.raises(ValueError, match=error):
-            _check_resume_world(ckpt, p)
+            check_resume_world(ckpt, p)

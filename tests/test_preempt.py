@@ -18,7 +18,6 @@ import os, signal, sys, time
 from pathlib import Path
 from anygpu.reliability import run_guard
 from anygpu.reliability.preempt import Preemption
-from anygpu.runtime.progress import protected
 run_guard.take_lock(Path(sys.argv[3]))  # the run's --output_dir lock, as the engines take it
 p = Preemption(save_on_preempt=sys.argv[2] == "true")
 mode = sys.argv[1]
@@ -29,7 +28,7 @@ if mode in ("long-step", "usr1"):  # forward passes keep beating for three grace
         p.beat()
         time.sleep(0.05)
 elif mode == "long-save":  # no beat at all, but inside a save (or an export)
-    with protected():
+    with p.progress.protected():  # the run's progress, which its watchdog reads
         time.sleep(3)
 elif mode == "stuck":  # a collective that never returns (a peer is gone)
     time.sleep(30)

@@ -49,10 +49,19 @@ class _Pending:
 class AsyncCheckpointer:
     """One per run; `save` returns once the state is staged, `poll`/`wait` commit finished writes."""
 
-    def __init__(self, output_dir: str, save_total_limit: int | None, rank: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        output_dir: str,
+        save_total_limit: int | None,
+        rank: int,
+        device: torch.device,
+        watched: progress.Progress | None = None,
+    ) -> None:
+        """`watched`: the run's progress, which the preemption watchdog reads (a commit holds it off)."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         self.root, self.save_total_limit, self.rank = Path(output_dir), save_total_limit, rank
+        self.watched = watched
         # The background write runs collectives (planning, gathering results): on a group of its own, on
         # the CPU, so they never interleave with the training collectives of the main thread. Made at the
         # first save (every rank saves at the same step), so a run that never saves holds no extra group.
@@ -111,9 +120,9 @@ class AsyncCheckpointer:
         p, self.pending = self.pending, None
         # The wait for the write is a save in progress to the preemption watchdog: it makes no heartbeat, yet
         # cutting it short would lose both this checkpoint and the preemption one that follows it.
-        with progress.protected(), store.disk_errors(self.root, p.tmp, p.final, self.rank, p.needed):
+        with progress.protected(self.watched), store.disk_errors(self.root, p.tmp, p.final, self.rank, p.needed):
             p.future.result()  # waits; re-raises a failed write here (a full disk: one SaveError)
-            faults.test_fault("save", p.step)
+            faults.at("save", p.step)
             if self.rank == 0:
                 store.finalize(
                     self.root, p.tmp, p.final, p.step, p.world_size, "fsdp", self.save_total_limit, p.json_files

@@ -132,8 +132,10 @@ def save(
     save_total_limit: int | None,
     rank: int,
     extra_files: dict[str, dict[str, Any]] | None = None,
+    watched: progress.Progress | None = None,
 ) -> Path:
-    """Write checkpoint-<step> atomically on every rank's behalf; returns its path.
+    """Write checkpoint-<step> atomically on every rank's behalf; returns its path (`watched`: the run's
+    progress, which the preemption watchdog reads: the save holds it off).
 
     Two steps: every rank writes its shards into `.checkpoint-<step>.tmp` (`write_shards`), then rank 0
     makes it a checkpoint (`finalize`). A full disk is a clear error and the previous checkpoint stays.
@@ -143,7 +145,7 @@ def save(
     state_dict = sharded_state_dict(model, optimizer)
     needed = needed_bytes(root, state_dict, trainer_state.get("world_size", 1))
     tmp = start(root, step, rank, needed)
-    with progress.protected(), disk_errors(root, tmp, final, rank, needed):
+    with progress.protected(watched), disk_errors(root, tmp, final, rank, needed):
         write_shards(tmp, state_dict, rank)
         distributed.barrier()
         if rank == 0:
@@ -206,7 +208,7 @@ def write_shards(tmp: Path, state_dict: dict[str, Any], rank: int) -> None:
     """This rank's part: its model and optimizer shards (DCP, collective) and its RNG state."""
     dcp.save(state_dict, checkpoint_id=str(tmp))
     save_rng(tmp, rank)
-    faults.test_fault("save", int(tmp.name.split("-")[1].split(".")[0]))
+    faults.at("save", int(tmp.name.split("-")[1].split(".")[0]))
 
 
 def save_rng(tmp: Path, rank: int) -> None:

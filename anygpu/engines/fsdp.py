@@ -8,7 +8,6 @@ gradients over ranks: the gradient is the global-batch token mean whatever W, m 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -19,21 +18,21 @@ import torch
 from tqdm.auto import tqdm
 
 from anygpu import errors
-from anygpu.checkpoint import async_store, export, resume_guard, store
+from anygpu.checkpoint import async_store, resume_guard, store
 from anygpu.config.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
-from anygpu.data.collate import Collator, count_targets
 from anygpu.data.loader import StepBatches, read_step, step_loader
-from anygpu.data.order import eval_shards
 from anygpu.data.prepare import Prepared, check_run, prepare, summary_lines
-from anygpu.errors import UsageError
+from anygpu.engines.trunk import finish, startup
+from anygpu.engines.trunk.evaluator import evaluate
+from anygpu.engines.trunk.log import RunLog
+from anygpu.engines.trunk.schedule import Schedule
+from anygpu.engines.trunk.state import RunState
 from anygpu.model import dropout, lean_loss, lora, modeling, moe
 from anygpu.planning import auto_batch
 from anygpu.reliability import run_guard
 from anygpu.reliability.preempt import Preemption
-from anygpu.runtime import distributed, hardware, lazy_deepspeed, mesh, parallel
-from anygpu.runtime.faults import test_fault
-from anygpu.runtime.progress import protected
-from anygpu.train import metrics, optim, trackers
+from anygpu.runtime import distributed, faults, hardware, lazy_deepspeed, mesh, parallel
+from anygpu.train import optim, trackers
 
 logger = logging.getLogger("anygpu")
 
@@ -71,30 +70,6 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
     if lora.is_peft(model):
         lora.init_adapter(model, train_args.seed)
     return model
-
-
-@torch.no_grad()
-def evaluate(model, dataset, collator: Collator, batch_size: int, info: distributed.DistInfo) -> float:
-    """Mean token loss over the whole validation set (every rank runs the same number of batches)."""
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=info.device)
-    for idx in eval_shards(len(dataset), info.world_size, info.rank, batch_size):
-        batch = {k: v.to(info.device) for k, v in collator.read(dataset, idx or [0]).items()}
-        # num_items_in_batch=1 turns the model's loss into a token-loss sum (HF's own loss path)
-        with lean_loss.active(model):
-            loss_sum = model(
-                **batch,
-                use_cache=False,
-                num_items_in_batch=torch.tensor(1, device=info.device),
-                **moe.eval_kwargs(model),
-            ).loss
-        if idx:
-            totals += torch.stack(
-                [loss_sum.double(), torch.tensor(float(count_targets(batch)), device=info.device, dtype=torch.float64)]
-            )
-    distributed.all_reduce_sum(totals)
-    model.train()
-    return (totals[0] / totals[1]).item()
 
 
 def steps(
@@ -151,137 +126,204 @@ def clip_gradients(model, max_norm: float) -> torch.Tensor:
     return optim.clip_grad_norm(model.parameters(), max_norm)
 
 
-def banner(prep: Prepared, model, train_args: TrainArguments, tf32: bool, shape: mesh.MeshShape) -> str:
-    built = parallel.mesh_of(model)  # what the parameters really live on, not what was asked for
-    return "\n".join(
-        [
-            "anygpu FSDP2 engine",
-            *summary_lines(prep, model, train_args, tf32),
-            (built or shape).banner(sharded=built is not None),
-        ]
-    )
-
-
 class FSDPTrainer:
-    """One training run: set-up (checks, data, sharded model, optimizer, resume), then `train()`."""
+    """One run of the native engine: the constructor builds (checks, process group, data, sharded model,
+    optimizer, schedule, log); `train()` starts (signal handlers, checkpoint writer, the resumed state) and
+    runs the loop; the run around the step is the trunk's (`anygpu.engines.trunk`)."""
 
     def __init__(self, model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> None:
-        train_args.report_to = trackers.resolve(train_args.report_to)  # refuse bad input first
-        checked = check_run(model_args, data_args, train_args, distributed.world_size_from_env())
-        self.mesh_shape = mesh_shape(train_args, distributed.world_size_from_env())  # a bad R × S: refused here
-        run_guard.claim_output_dir(train_args, errors.rank())  # lock, repairs, used output_dir, rewinds
         self.args, self.model_args = train_args, model_args
+        train_args.report_to = trackers.resolve(train_args.report_to)  # refuse bad input first
+        self.resolved = resolved_dict(model_args, data_args, train_args)
+        world_size = distributed.world_size_from_env()
+        checked = check_run(model_args, data_args, train_args, world_size)  # refuse bad input first
+        self.mesh_shape = mesh_shape(train_args, world_size)  # a bad R × S: refused here
+        startup.check_precision(train_args, "fsdp", on_gpu=hardware.vendor() != "cpu")
+        claimed = startup.claim(train_args)  # rank 0 takes --output_dir before the process group exists
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
-        run_guard.check_ranks(info, resolved_dict(model_args, data_args, train_args), train_args.output_dir)
-        logging.basicConfig(
-            level=logging.INFO if info.is_main else logging.WARNING, format="[%(levelname)s] %(message)s"
-        )
-        if train_args.fp16:
-            raise UsageError("--fp16 is not supported by the FSDP2 engine: use --bf16 (same memory, no loss scaling).")
-        if train_args.bf16 and info.device.type == "cuda" and not hardware.supports_bf16():
-            raise UsageError("--bf16: this GPU has no bf16; drop --bf16 (fp32) or use the HF engine with --fp16.")
-        tf32 = hardware.configure_tf32(train_args.tf32)
+        startup.joined(info, self.resolved, train_args.output_dir)
+        self.tf32 = hardware.configure_tf32(train_args.tf32)
         torch.manual_seed(train_args.seed + info.rank)
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
         run_guard.check_data_agrees(info, prep.data_fingerprint)
-        resume = run_guard.agreed_resume(train_args.resume_from_checkpoint, train_args.output_dir)  # verified once
-        self.fingerprint = resume_guard.fingerprint(resolved_dict(model_args, data_args, train_args), prep)
-        changed = []
-        if resume is not None:  # before loading: a changed model or the other engine's files get a message
-            resume_guard.check_engine(resume, "fsdp")
-            changed = resume_guard.check(resume, self.fingerprint, train_args.allow_changed_args)
+        self.fingerprint = resume_guard.fingerprint(self.resolved, prep)  # saved in each checkpoint
+        self.resume, self.resumed, self.changed = self._resume_target(claimed)
         self.model = build_model(prep, model_args, train_args, info)
-        self.auto_probe = None
-        if train_args.auto_micro_batch:  # the largest micro-batch that fits on every rank; G unchanged
-            self.auto_probe = auto_batch.apply(
-                prep,
-                model_args,
-                train_args,
-                info.device,
-                "fsdp2",
-                self.model,
-                shard_size=self.mesh_shape.dp_shard,
-                lean=lean_loss.is_installed(self.model),
-            )
-            print(f"rank {info.rank}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
+        self.auto_probe = self._auto_micro_batch()
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
         self.scheduler = optim.build_scheduler(self.optimizer, train_args, prep.total_steps)
-        self.start_step = self._resume(resume) if resume is not None else 0
-        self.writer = metrics.MetricsWriter(
-            train_args.output_dir, info.is_main, train_args.report_to, self.start_step if resume is not None else None
+        start = self.resumed.global_step if self.resumed is not None else 0
+        self.schedule = Schedule.of(train_args, start, prep.total_steps)
+        fpt, peak = startup.throughput_facts(prep, self.model, train_args, self.tf32, info.device)
+        self.log = RunLog(
+            prep,
+            train_args,
+            self.schedule,
+            info.world_size,
+            info.device,
+            info.is_main,
+            fpt,
+            peak,
+            resumed=self.resume is not None,
         )
-        self.async_saver = self._async_saver()
-        self.end_step = min(prep.total_steps, train_args.stop_at_step or prep.total_steps)
-        precision = hardware.matmul_precision(train_args.bf16, train_args.fp16, tf32)
-        self.peak_flops = (
-            hardware.peak_flops(hardware.devices()[0].name, precision) if info.device.type == "cuda" else None
-        )
-        self.tokens = metrics.StepTokens(prep.datasets["train"], prep.order, prep.block_size)
-        self.flops_per_token = metrics.flops_per_token(
-            prep.config, modeling.count_parameters(self.model, exclude_embeddings=True), prep.block_size
-        )
-        self.last: dict[str, Any] = {}
-        self.batches: Iterator[StepBatches] | None = None  # train()'s iterator over the step loader
         self.preemption: Preemption | None = None  # train()'s SIGTERM handler
+        self.async_saver: async_store.AsyncCheckpointer | None = None  # train()'s background writer
+        self.batches: Iterator[StepBatches] | None = None  # train()'s iterator over the step loader
+
+    def _resume_target(self, claimed) -> tuple[Path | None, RunState | None, list[str]]:
+        """The checkpoint to resume and its run state (read, not loaded: `train()` loads it), refused before
+        the model is built when it cannot continue this run (another global batch, changed arguments)."""
+        resume = startup.resume_target(self.args, claimed, "fsdp")
+        if resume is None:
+            return None, None, []
+        changed = resume_guard.check(resume, self.fingerprint, self.args.allow_changed_args)
+        resumed = RunState.read(resume, store.STATE_FILE)
+        resumed.check_resumable(resume, self.prep.plan.global_batch_size)
+        return resume, resumed, changed
+
+    def _auto_micro_batch(self) -> auto_batch.Probe | None:
+        """--auto_micro_batch: the largest micro-batch that fits on every rank; G unchanged."""
+        if not self.args.auto_micro_batch:
+            return None
+        lean = lean_loss.is_installed(self.model)
+        probe = auto_batch.apply(
+            self.prep,
+            self.model_args,
+            self.args,
+            self.info.device,
+            "fsdp2",
+            self.model,
+            shard_size=self.mesh_shape.dp_shard,
+            lean=lean,
+        )
+        print(f"rank {self.info.rank}: micro-batch auto → {self.prep.plan.per_device_train_batch_size}", flush=True)
+        return probe
+
+    # ------------------------------------------------------------------ the run
+    def train(self) -> dict[str, Any]:
+        """Train this run's steps (1-based); return the last logged record (rank 0)."""
+        self._start()
+        schedule, log = self.schedule, self.log
+        if schedule.evaluates_first:
+            self.evaluate(0)
+        log.open_bar()
+        self.batches = iter(steps(self.prep, self.info, schedule.start_step, schedule.end_step))  # 0-based batches
+        for step in schedule.steps():
+            loss, lr, grad_norm = self.optimizer_step(step, next(self.batches))
+            log.step_done(step)
+            if schedule.should_log(step):
+                log.train(step, global_loss(loss), lr, grad_norm.item())
+            if schedule.should_eval(step):
+                self.evaluate(step)
+            if self._preempted():
+                self._stop_preempted(step)
+            self._commit_finished_save()
+            if schedule.should_save(step):
+                with log.paused():
+                    self.save(step, background=not schedule.is_last(step))
+        return self.finish()
+
+    def _start(self) -> None:
+        """Where training starts: signal handlers, the checkpoint writer, the resumed state loaded, the banner."""
+        args, info = self.args, self.info
+        self.preemption = Preemption(args.save_on_preempt)
+        self.preemption.watch(self.model)
+        self.async_saver = self._async_saver()
+        if self.resume is not None:
+            store.load(self.resume, self.model, self.optimizer, self.scheduler, info.rank)
         if info.is_main:
-            print(banner(prep, self.model, train_args, tf32, self.mesh_shape), flush=True)
-            if self.auto_probe is not None:
-                print(self.auto_probe.line(), flush=True)
-            if resume is not None:
-                was, now = self.resumed_mesh, self.mesh_shape
-                print(
-                    f"resumed from {resume} at step {self.start_step} (was {self.resumed_world_size} ranks, now "
-                    f"{info.world_size}; mesh was {was.dp_replicate} × {was.dp_shard}, now {now.dp_replicate} × "
-                    f"{now.dp_shard})",
-                    flush=True,
-                )
-                if line := resume_guard.banner_line(changed):
-                    print(line, flush=True)
-            out = Path(train_args.output_dir)
-            (out / "args.json").write_text(
-                json.dumps(resolved_dict(model_args, data_args, train_args), indent=2, default=str)
-            )
-            prep.tokenizer.save_pretrained(str(out / "tokenizer"))
+            startup.announce(self.banner(), self.auto_probe, self._resume_line(), self.changed)
+            startup.write_run_files(args.output_dir, self.resolved, self.prep.tokenizer)
+        self.model.train()
 
-    def _resume(self, path: Path) -> int:
-        state = store.load(path, self.model, self.optimizer, self.scheduler, self.info.rank)
-        G = self.prep.plan.global_batch_size
-        if state["global_batch_size"] != G:
-            raise UsageError(
-                f"--resume_from_checkpoint {path}: trained with --global_batch_size {state['global_batch_size']}; "
-                f"resuming with {G} would change the data order: pass --global_batch_size {state['global_batch_size']}."
-            )
-        self.resumed_world_size = state["world_size"]
-        # checkpoints written before HSDP have no mesh: it was 1 × W
-        self.resumed_mesh = mesh.MeshShape(state.get("dp_replicate", 1), state.get("dp_shard", state["world_size"]))
-        return state["global_step"]
+    def banner(self) -> str:
+        built = parallel.mesh_of(self.model)  # what the parameters really live on, not what was asked for
+        shape = (built or self.mesh_shape).banner(sharded=built is not None)
+        return "\n".join(["anygpu FSDP2 engine", *summary_lines(self.prep, self.model, self.args, self.tf32), shape])
 
+    def _resume_line(self) -> str | None:
+        if self.resumed is None:
+            return None
+        (r0, s0), now = self.resumed.mesh, self.mesh_shape
+        meshes = f"; mesh was {r0} × {s0}, now {now.dp_replicate} × {now.dp_shard}"
+        return startup.resume_line(
+            self.resume, self.schedule.start_step, self.resumed.world_size, self.info.world_size, "ranks", meshes
+        )
+
+    def optimizer_step(self, step: int, cpu: StepBatches) -> tuple[torch.Tensor, float, torch.Tensor]:
+        """Step `step` (1-based) on its loader item: forward/backward, clip, AdamW, schedule. Returns this rank's
+        loss part, lr, grad norm (tensors: read them on logging steps only, so the host runs ahead of the device)."""
+        loss = train_step(self.model, self.prep, step - 1, self.info, cpu)
+        grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, lr, grad_norm
+
+    def evaluate(self, step: int) -> None:
+        """The evaluation after step `step` (0: before training), logged; its time is not training time."""
+        faults.at("eval", step)
+        with self.log.paused():
+            eval_loss = evaluate(
+                self.model,
+                self.prep.datasets["validation"],
+                self.prep.collator,
+                self.args.per_device_eval_batch_size,
+                self.info.rank,
+                self.info.world_size,
+                self.info.device,
+            )
+        self.log.eval(step, eval_loss)
+
+    def _preempted(self) -> bool:
+        """At a step boundary: a SIGTERM/SIGUSR1 seen by any rank (every rank agrees)."""
+        self.preemption.beat()
+        return distributed.any_rank(self.preemption.requested is not None, self.info.device)
+
+    def _stop_preempted(self, step: int) -> None:
+        """Save checkpoint-`step` on every rank and exit 143."""
+        if self.info.is_main:
+            tqdm.write(
+                f"{self.preemption.requested or 'SIGTERM'}: saving checkpoint-{step} before exiting "
+                f"(exit {errors.EXIT_PREEMPTED})"
+            )
+        self.save(step)
+        self.close()
+        sys.exit(errors.EXIT_PREEMPTED)
+
+    # ------------------------------------------------------------------ checkpoints
     def _async_saver(self) -> async_store.AsyncCheckpointer | None:
         on, why = async_store.use_async(self.args.async_save, self.model, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         if self.info.is_main:
             logger.info("periodic checkpoints: %s (%s)", "asynchronous" if on else "synchronous", why)
-        return (
-            async_store.AsyncCheckpointer(
-                self.args.output_dir, self.args.save_total_limit, self.info.rank, self.info.device
-            )
-            if on
-            else None
+        if not on:
+            return None
+        return async_store.AsyncCheckpointer(
+            self.args.output_dir, self.args.save_total_limit, self.info.rank, self.info.device, self.preemption.progress
+        )
+
+    def _commit_finished_save(self) -> None:
+        """A background write that has finished becomes its checkpoint now (never waits)."""
+        if self.async_saver is not None:
+            self.async_saver.poll()
+
+    def run_state(self, step: int) -> RunState:
+        prep, shape = self.prep, self.mesh_shape
+        return RunState(
+            step,
+            prep.plan.global_batch_size,
+            self.info.world_size,
+            self.args.seed,
+            prep.order.num_samples,
+            prep.total_steps,
+            shape.dp_replicate,
+            shape.dp_shard,
         )
 
     def save(self, step: int, background: bool = False) -> None:
         """Checkpoint `step`; `background`: return once staged (periodic saves), else when complete."""
-        prep = self.prep
-        state = {
-            "global_step": step,
-            "global_batch_size": prep.plan.global_batch_size,
-            "world_size": self.info.world_size,
-            "dp_replicate": self.mesh_shape.dp_replicate,
-            "dp_shard": self.mesh_shape.dp_shard,
-            "seed": self.args.seed,
-            "num_train_samples": prep.order.num_samples,
-            "total_steps": prep.total_steps,
-        }
-        extra = {resume_guard.FINGERPRINT_FILE: self.fingerprint}
+        state, extra = self.run_state(step).to_json(), {resume_guard.FINGERPRINT_FILE: self.fingerprint}
         if self.async_saver is not None:
             if background:
                 self.async_saver.save(step, self.model, self.optimizer, self.scheduler, state, extra)
@@ -297,156 +339,29 @@ class FSDPTrainer:
             self.args.save_total_limit,
             self.info.rank,
             extra,
+            self.preemption.progress,
         )
 
-    def _log(self, rec: dict[str, Any]) -> None:
-        self.writer.write(rec)
-        if self.info.is_main:
-            tqdm.write(metrics.format_line(rec, self.prep.total_steps))
-        self.last = {**self.last, **rec}
-
-    def log_eval(self, step: int) -> None:
-        test_fault("eval", step)
-        eval_loss = evaluate(
-            self.model,
-            self.prep.datasets["validation"],
-            self.prep.collator,
-            self.args.per_device_eval_batch_size,
-            self.info,
-        )
-        self._log({"step": step, "eval_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)})
-
-    def log_train(self, step: int, loss: float, lr: float, grad_norm: float, window: metrics.ThroughputWindow) -> None:
-        info, G = self.info, self.prep.plan.global_batch_size
-        rec = {
-            "step": step,
-            "loss": loss,
-            "learning_rate": lr,
-            "grad_norm": grad_norm,
-            **window.record(self.tokens.padded),
-        }
-        tps = rec["tokens_per_second"]
-        rec.update(
-            {
-                "tokens_per_second_per_device": tps / info.world_size,
-                "world_size": info.world_size,
-                "global_batch_size": G,
-                "epoch": step / self.prep.order.steps_per_epoch,
-            }
-        )
-        if (u := metrics.mfu(tps, self.flops_per_token, self.peak_flops, info.world_size)) is not None:
-            rec["mfu"] = u
-        if (mem := metrics.max_memory_gb(info.device)) is not None:
-            rec["max_memory_allocated_gb"] = mem
-        self._log(rec)
-
-    def optimizer_step(self, step: int, cpu: StepBatches) -> tuple[torch.Tensor, float, torch.Tensor]:
-        """Step `step` (1-based) on its loader item: forward/backward, clip, AdamW, schedule. Returns this rank's
-        loss part, lr, grad norm (tensors: read them on logging steps only, so the host runs ahead of the device)."""
-        loss = train_step(self.model, self.prep, step - 1, self.info, cpu)
-        grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss, lr, grad_norm
-
-    def train(self) -> dict[str, Any]:
-        """Train from start_step to end_step; return the last logged record (rank 0)."""
-        args, info, total = self.args, self.info, self.prep.total_steps
-        self.preemption = preemption = Preemption(args.save_on_preempt)
-        preemption.watch(self.model)
-        if args.eval_on_start and self.start_step == 0:
-            self.log_eval(0)
-        bar = tqdm(
-            total=self.end_step,
-            initial=self.start_step,
-            disable=args.disable_tqdm or not info.is_main,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-        )
-        self.model.train()
-        self.batches = iter(steps(self.prep, info, self.start_step, self.end_step))  # 0-based steps
-        window = metrics.ThroughputWindow()
-        for step in range(self.start_step + 1, self.end_step + 1):
-            loss, lr, grad_norm = self.optimizer_step(step, next(self.batches))
-            if step == self.start_step + 1 and info.is_main:
-                if info.device.type == "cuda":
-                    torch.cuda.synchronize()  # once: the first step's time must count its finished work
-                logger.info(
-                    "first step done %.1f s after the process started (%.1f s of CPU)", *metrics.since_process_start()
-                )
-            window.add(*self.tokens.count(step - 1, self.prep.plan))
-            bar.update(1)
-            if step % args.logging_steps == 0 or step == self.end_step:
-                if info.device.type == "cuda":
-                    torch.cuda.synchronize()  # tokens/s must count finished work
-                self.log_train(step, global_loss(loss), lr, grad_norm.item(), window)
-                window.reset()
-            if args.eval_steps and step % args.eval_steps == 0 and step != total:
-                with metrics.paused(window):
-                    self.log_eval(step)
-            preemption.beat()
-            if distributed.any_rank(preemption.requested is not None, info.device):
-                if info.is_main:
-                    tqdm.write(
-                        f"{preemption.requested or 'SIGTERM'}: saving checkpoint-{step} before exiting "
-                        f"(exit {errors.EXIT_PREEMPTED})"
-                    )
-                self.save(step)
-                self.close(bar)
-                sys.exit(errors.EXIT_PREEMPTED)
-            if self.async_saver is not None:
-                self.async_saver.poll()  # commit a finished background write (no wait)
-            if args.save_steps and step % args.save_steps == 0 and step != self.end_step:
-                with metrics.paused(window):
-                    self.save(step, background=True)
-        bar.close()
-        self.finish()
-        return self.last
-
-    def finish(self) -> None:
-        """End of the run: final eval, checkpoint, safetensors export and loss.png."""
-        out = Path(self.args.output_dir)
-        if self.end_step == self.prep.total_steps:
-            self.log_eval(self.end_step)
-        if self.end_step > self.start_step:
-            self.save(self.end_step)
-        if self.end_step == self.prep.total_steps and self.args.export_final and lora.is_peft(self.model):
-            with protected():  # the preemption watchdog waits for the export, however long
-                final = export.export_adapter(
-                    self.model,
-                    self.prep.tokenizer,
-                    self.model_args.model_name_or_path,
-                    out / "final",
-                    self.info.rank,
-                    self.model_args.merge_lora,
-                )
-            if self.info.is_main:
-                print(f"final adapter: {final} (PeftModel.from_pretrained loads it over the base)", flush=True)
-        elif self.end_step == self.prep.total_steps and self.args.export_final:
-            with protected():
-                final = export.export_safetensors(
-                    self.model, self.prep.config, self.prep.tokenizer, out / "final", self.info.rank
-                )
-            if self.info.is_main:
-                print(f"final model: {final} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
-        if self.info.is_main:
-            png = metrics.plot_losses(str(out))
-            print(f"metrics: {out / 'metrics.jsonl'}, curves: {png}", flush=True)
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> dict[str, Any]:
+        """The end of the run: the final model at the end of the schedule, the curves; the last logged record."""
+        self.log.close_bar()
+        if self.schedule.exports:
+            finish.export_final(
+                self.model, self.prep, self.model_args, self.args.output_dir, self.info.rank, self.preemption.progress
+            )
+        finish.curves(self.args.output_dir, self.info.is_main)
         self.close()
+        return self.log.last
 
-    def close(self, bar: tqdm | None = None) -> None:
-        if bar is not None:
-            bar.close()
+    def close(self) -> None:
+        self.log.close()
         self.batches = None  # the DataLoader iterator's workers stop when it is dropped
         if self.async_saver is not None:
             self.async_saver.close()  # a write still in flight completes and commits before exit
         if self.preemption is not None:
             self.preemption.close()
-        self.writer.close()
-        distributed.destroy()
+        distributed.leave(self.info)
 
 
 def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> dict[str, Any]:
@@ -455,7 +370,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     try:
         return trainer.train()
     except BaseException:
-        trainer.writer.close(failed=True)  # an MLflow or W&B run ends as failed, not left running (no-op once closed)
+        trainer.log.close(failed=True)  # an MLflow or W&B run ends as failed, not left running (no-op once closed)
         raise
 
 

@@ -36,6 +36,7 @@ class Preemption:
         self.save_on_preempt = save_on_preempt
         self.requested: str | None = None
         self.grace_s = float(os.environ.get("ANYGPU_SIGTERM_GRACE_S", "20"))
+        self.progress = progress.Progress()  # what the watchdog reads; saves and exports hold it off
         self._closed = threading.Event()
         self._previous = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
 
@@ -47,7 +48,7 @@ class Preemption:
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
     def beat(self, *_: Any) -> None:
-        progress.beat()
+        self.progress.beat()
 
     def watch(self, model: Any) -> None:
         """Bump the heartbeat on every forward of the model and of its decoder layers (hooks survive wrapping)."""
@@ -77,10 +78,10 @@ class Preemption:
         threading.Thread(target=self._watchdog, daemon=True, name="anygpu-preempt-watchdog").start()
 
     def _watchdog(self) -> None:
-        seen = progress.PROGRESS.beats
+        seen = self.progress.beats
         while not self._closed.wait(self.grace_s):
-            if progress.PROGRESS.protected_depth or progress.PROGRESS.beats != seen:
-                seen = progress.PROGRESS.beats
+            if self.progress.protected_depth or self.progress.beats != seen:
+                seen = self.progress.beats
                 continue
             _say(
                 f"{self.requested}: no progress for {self.grace_s:.0f} s, stuck in a collective (a peer rank is gone?): "

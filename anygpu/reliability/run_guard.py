@@ -32,6 +32,7 @@ import shutil
 import socket
 import sys
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -49,10 +50,19 @@ def warn(message: str) -> None:
 
 
 # ---------------------------------------------------------------------- before the process group
-def claim_output_dir(train_args: Any, rank: int) -> None:
-    """Rank 0's start-up checks and repairs of --output_dir (see the module docstring)."""
+@dataclass(frozen=True)
+class Claim:
+    """Rank 0's verdict on --output_dir at start-up: whether it resolved the checkpoint to resume (hashing
+    its files), and which (None: start fresh). `agreed_resume` hands it to every rank."""
+
+    resolved: bool
+    resume: Path | None = None
+
+
+def claim_output_dir(train_args: Any, rank: int) -> Claim | None:
+    """Rank 0's start-up checks and repairs of --output_dir (see the module docstring); None on other ranks."""
     if rank != 0:
-        return
+        return None
     root = Path(train_args.output_dir)
     missing = [p for p in (root, *root.parents) if not p.exists()]
     root.mkdir(parents=True, exist_ok=True)
@@ -64,11 +74,10 @@ def claim_output_dir(train_args: Any, rank: int) -> None:
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if resume or restarted:
         target = store.resolve_resume(resume, str(root), warn=True)
-        _verdicts[_verdict_key(resume, root)] = target
         if target is not None:
             # latest/auto resolved to the newest intact checkpoint: whatever is newer is damaged
             set_aside_newer(root, target, train_args.allow_rewind or resume in ("latest", "auto") or not resume)
-            return
+            return Claim(resolved=True, resume=target)
         damaged = store.checkpoints(root)  # none is intact, or resolve_resume would have found it
         if damaged and not train_args.overwrite_output_dir:
             why = "; ".join(
@@ -89,6 +98,7 @@ def claim_output_dir(train_args: Any, rank: int) -> None:
                 "with the old ones. Resume it with --resume_from_checkpoint latest, choose another --output_dir, or "
                 "pass --overwrite_output_dir true to delete the old run."
             )
+    return Claim(resolved=bool(resume or restarted))
 
 
 def checkpoint_repairs(root: Path) -> list[str]:
@@ -284,14 +294,7 @@ def check_data_agrees(info: Any, corpus_fingerprint: str) -> None:
 
 
 # ---------------------------------------------------------------------- the checkpoint to resume, verified once
-_verdicts: dict[tuple[str, str, str], Path | None] = {}  # rank 0's resolve_resume at start-up, by its inputs
-
-
-def _verdict_key(value: str | None, root: Path) -> tuple[str, str, str]:
-    return str(value), str(Path(root).resolve()), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-
-def agreed_resume(value: str | None, output_dir: str) -> Path | None:
+def agreed_resume(value: str | None, output_dir: str, claim: Claim | None = None) -> Path | None:
     """The checkpoint to resume (see `store.resolve_resume`), the same on every rank: rank 0's verdict from
     `claim_output_dir` (which hashed the files), or rank 0 resolves now; the others receive it (every rank
     hashing the same files would multiply the start-up's reads by the number of ranks)."""
@@ -299,9 +302,9 @@ def agreed_resume(value: str | None, output_dir: str) -> Path | None:
 
     verdict: tuple[str, str | None] = ("ok", None)
     if int(os.environ.get("RANK", "0")) == 0:
-        key = _verdict_key(value, Path(output_dir))
         try:
-            target = _verdicts.pop(key) if key in _verdicts else store.resolve_resume(value, output_dir, warn=False)
+            resolved = claim is not None and claim.resolved
+            target = claim.resume if resolved else store.resolve_resume(value, output_dir, warn=False)
             verdict = ("ok", None if target is None else str(target))
         except UsageError as e:
             verdict = ("refused", str(e))

@@ -22,6 +22,7 @@ class DistInfo:
     local_rank: int
     world_size: int
     device: torch.device
+    owns_group: bool = False  # this run made the process group (and so ends it); a caller's group outlives the run
 
     @property
     def is_main(self) -> bool:
@@ -45,7 +46,8 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         timeout = timedelta(seconds=timeout_s)
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(
@@ -56,7 +58,7 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
             dist.init_process_group(
                 backend_for(device), init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout
             )
-    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device)
+    return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, owns)
 
 
 def world_size_from_env() -> int:
@@ -69,7 +71,10 @@ def barrier() -> None:
         dist.barrier()
 
 
-_waits = 0  # how many local_main_first sections this process has entered (their store keys)
+def _next_key(store, kind: str) -> str:
+    """A fresh key for this rank's next wait of `kind`: a per-rank counter held in the job's store, so it lives
+    exactly as long as the process group (every rank enters the same waits in the same order)."""
+    return f"anygpu/{kind}/{store.add(f'anygpu/{kind}/count/{dist.get_rank()}', 1)}"
 
 
 @contextlib.contextmanager
@@ -79,13 +84,11 @@ def local_main_first(info: DistInfo) -> Iterator[None]:
     The others wait for as long as it takes (tokenizer training and packing of a large corpus can
     outlast --ddp_timeout), polling the job's key-value store and saying so once a minute, instead
     of waiting in a barrier that the collective timeout would end."""
-    global _waits
-    _waits += 1
     store = _store()
     if store is None:  # no process group (tests, plain python): nothing to wait for
         yield
         return
-    key = f"anygpu/local_main_done/{_waits}/{info.rank - info.local_rank}"
+    key = f"{_next_key(store, 'local_main_done')}/{info.rank - info.local_rank}"
     if not info.is_local_main:
         wait_for_key(store, key, "local rank 0 of this node to prepare the tokenizer and the packed data")
         if store.get(key) != b"ok":
@@ -125,14 +128,13 @@ def wait_for_key(store, key: str, what: str, poll_s: float = 0.5, say_every_s: f
 
 def wait_for_all(what: str) -> None:
     """A barrier without the collective timeout: every rank posts a key and waits for all of them."""
-    global _waits
     store = _store()
     if store is None:
         return
-    _waits += 1
-    store.set(f"anygpu/all/{_waits}/{dist.get_rank()}", "ok")
+    key = _next_key(store, "all")
+    store.set(f"{key}/{dist.get_rank()}", "ok")
     for r in range(dist.get_world_size()):
-        wait_for_key(store, f"anygpu/all/{_waits}/{r}", f"rank {r} to finish {what}")
+        wait_for_key(store, f"{key}/{r}", f"rank {r} to finish {what}")
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
@@ -172,6 +174,15 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def leave(info: DistInfo) -> None:
+    """The end of a run: end the process group if the run made it; a caller's group (several runs in one
+    process, as the tests make) stays, once every rank has finished this run."""
+    if info.owns_group:
+        destroy()
+    else:
+        barrier()
 
 
 def destroy(sync: bool = True) -> None:

@@ -1,24 +1,64 @@
-"""Fault injection for the tests, off unless its environment variables are set; called at the points
-a fault matters (an evaluation, a checkpoint write)."""
+"""Fault injection for the tests: one small registry of faults, each switched on by an environment variable
+that a test sets for the processes it starts. Product code marks the few points where a fault matters
+(`faults.at("save", step)`); with no variable set, a point does nothing."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 
-def test_fault(point: str, step: int) -> None:
-    """Fault injection for the tests, off unless set: ANYGPU_TEST_SIGTERM_AT=eval:4 makes rank 0 send itself
-    SIGTERM as the evaluation at step 4 starts; ANYGPU_TEST_SLOW_SAVE=10:60 sleeps 60 s inside the write of
-    checkpoint-10 (after the shards, before the rename), so a test can kill the job mid-write;
-    ANYGPU_TEST_SLOW_RANK0=3 makes rank 0 wait 3 s at `point` "refusal" (before printing a refusal), so a
-    test sees the other ranks' exits race it."""
-    if os.environ.get("ANYGPU_TEST_SIGTERM_AT") == f"{point}:{step}" and os.environ.get("RANK", "0") == "0":
+def _on_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _sigterm_at(value: str, point: str, step: int) -> None:
+    if value == f"{point}:{step}" and _on_rank0():
         os.kill(os.getpid(), signal.SIGTERM)
-    slow = os.environ.get("ANYGPU_TEST_SLOW_SAVE", "")
-    if point == "save" and slow.startswith(f"{step}:"):
-        time.sleep(float(slow.split(":")[1]))
-    slow_rank0 = os.environ.get("ANYGPU_TEST_SLOW_RANK0")
-    if point == "refusal" and slow_rank0 and os.environ.get("RANK", "0") == "0":
-        time.sleep(float(slow_rank0))
+
+
+def _slow_save(value: str, point: str, step: int) -> None:
+    if point == "save" and value.startswith(f"{step}:"):
+        time.sleep(float(value.split(":")[1]))
+
+
+def _slow_rank0(value: str, point: str, step: int) -> None:
+    if point == "refusal" and _on_rank0():
+        time.sleep(float(value))
+
+
+@dataclass(frozen=True)
+class Fault:
+    variable: str  # the environment variable that switches it on, and its value's form
+    what: str
+    act: Callable[[str, str, int], None]  # (the variable's value, the point reached, the step)
+
+
+REGISTRY: tuple[Fault, ...] = (
+    Fault(
+        "ANYGPU_TEST_SIGTERM_AT", "POINT:STEP, e.g. eval:4: rank 0 sends itself SIGTERM as it reaches it", _sigterm_at
+    ),
+    Fault(
+        "ANYGPU_TEST_SLOW_SAVE",
+        "STEP:SECONDS: sleep inside the write of checkpoint-STEP (after the shards, "
+        "before the rename), so a test can kill the job mid-write",
+        _slow_save,
+    ),
+    Fault(
+        "ANYGPU_TEST_SLOW_RANK0",
+        "SECONDS: rank 0 waits before printing a refusal, so a test sees the other ranks' exits race it",
+        _slow_rank0,
+    ),
+)
+POINTS = ("eval", "save", "refusal")
+
+
+def at(point: str, step: int = 0) -> None:
+    """The run reached `point` ("eval", "save" or "refusal") at optimizer step `step`: act on any fault switched on."""
+    assert point in POINTS, point
+    for fault in REGISTRY:
+        if value := os.environ.get(fault.variable):
+            fault.act(value, point, step)

@@ -1,35 +1,36 @@
-"""This process's progress, as the preemption watchdog reads it: a heartbeat, and the saves and exports in flight.
+"""A run's progress, as the preemption watchdog reads it: a heartbeat, and the saves and exports in flight.
 
 It sits below checkpoints and exports (which hold the watchdog off while they write) and below the
-preemption handler (which reads it), so neither needs the other."""
+preemption handler (which owns one and reads it), so neither needs the other."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 
-@dataclass
 class Progress:
-    beats: int = 0
-    protected_depth: int = 0
+    """Heartbeats and the depth of saves/exports in progress; one per run (its `Preemption` holds it)."""
+
+    def __init__(self) -> None:
+        self.beats = 0
+        self.protected_depth = 0
+
+    def beat(self, *_: Any) -> None:
+        """One unit of progress (a decoder layer's forward, a step boundary); usable as a forward pre-hook."""
+        self.beats += 1
+
+    @contextlib.contextmanager
+    def protected(self) -> Iterator[None]:
+        """A save or export in progress: the watchdog waits for it, however long it takes."""
+        self.protected_depth += 1
+        try:
+            yield
+        finally:
+            self.protected_depth -= 1
+            self.beat()
 
 
-PROGRESS = Progress()
-
-
-def beat(*_: Any) -> None:
-    """One unit of progress (a decoder layer's forward, a step boundary); usable as a forward pre-hook."""
-    PROGRESS.beats += 1
-
-
-@contextlib.contextmanager
-def protected() -> Iterator[None]:
-    """A save or export in progress: the watchdog waits for it, however long it takes."""
-    PROGRESS.protected_depth += 1
-    try:
-        yield
-    finally:
-        PROGRESS.protected_depth -= 1
-        beat()
+def protected(progress: Progress | None) -> contextlib.AbstractContextManager:
+    """`progress.protected()`, or nothing where no watchdog runs (a save outside a run, as the tests make)."""
+    return progress.protected() if progress is not None else contextlib.nullcontext()

@@ -21,8 +21,7 @@ from anygpu.runtime import distributed
 
 split = sys.argv.index("--")
 root, configs, engine_args = Path(sys.argv[1]), sys.argv[2:split], sys.argv[split + 1 :]
-destroy = distributed.destroy
-distributed.destroy = lambda sync=True: distributed.barrier()  # keep one process group for all families
+distributed.init_distributed()  # one process group for all families: the runs leave it open
 for config_path in configs:
     out = root / Path(config_path).stem
     model_args, data_args, train_args = parse_args(
@@ -34,4 +33,4 @@ for config_path in configs:
     export.export_safetensors(initial, config, None, out / "init", info.rank)
     del initial
     fsdp_engine.run(model_args, data_args, train_args)
-destroy()
+distributed.destroy()

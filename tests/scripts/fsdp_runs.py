@@ -21,8 +21,7 @@ from anygpu.reliability import run_guard
 from anygpu.runtime import distributed
 
 if __name__ == "__main__":
-    destroy = distributed.destroy
-    distributed.destroy = lambda sync=True: distributed.barrier()  # keep one process group for all runs
+    distributed.init_distributed()  # one process group for all runs: a run leaves a group it did not make open
     for i, args in enumerate(split_args(sys.argv[1:])):
         info = distributed.init_distributed()
         distributed.barrier()
@@ -33,4 +32,4 @@ if __name__ == "__main__":
             fsdp_engine.run(*parse_args(args))
         finally:
             run_guard.release_locks()
-    destroy()
+    distributed.destroy()

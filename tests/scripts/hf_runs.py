@@ -9,7 +9,6 @@ import anygpu
 
 anygpu.set_offline_defaults()
 
-import torch.distributed as dist
 from argv_groups import split_args
 
 from anygpu.config.args import parse_args
@@ -20,8 +19,7 @@ from anygpu.runtime import distributed
 
 if __name__ == "__main__":
     runs = split_args(sys.argv[1:])
-    destroy = distributed.destroy
-    distributed.destroy = lambda sync=True: distributed.barrier()  # keep one process group for all runs
+    distributed.init_distributed()  # one process group for all runs (accelerate joins it): the runs leave it open
     for i, args in enumerate(runs):
         distributed.barrier()
         if int(os.environ.get("RANK", "0")) == 0:
@@ -31,5 +29,4 @@ if __name__ == "__main__":
             engine.run(*parse_args(args, extra=(HFEngineArguments,)))
         finally:
             run_guard.release_locks()
-    if dist.is_initialized():
-        destroy()
+    distributed.destroy()

@@ -10,10 +10,13 @@ the engine never trains with another strategy than the one asked for without say
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
+from anygpu.engines.trunk.state import HF_STATE_FILE
 from anygpu.errors import UsageError
 
 FSDP_ON_CPU = (
@@ -155,3 +158,46 @@ def check_in_effect(p: Plan, distributed_type: str, num_processes: int, fsdp_ver
 def apply_env(p: Plan) -> None:
     for key, value in p.env_overrides:
         os.environ[key] = value
+
+
+def check_resume_world(resume: Path | None, plan: Plan) -> None:
+    """Refuse, before starting anything, a checkpoint of another strategy family, or a ZeRO checkpoint
+    (partitioned per process) on another number of processes. DDP-family checkpoints (one process,
+    DDP, DataParallel) hold whole tensors and load on any world size."""
+    file = Path(resume) / HF_STATE_FILE if resume is not None else None
+    state = json.loads(file.read_text()) if file is not None and file.exists() else None
+    if state is None:
+        return
+    family = {"deepspeed": "DeepSpeed", "fsdp": "FSDP"}
+    was, now = family.get(state.get("strategy"), "DDP"), family.get(plan.kind, "DDP")
+    if was != now:
+        raise UsageError(
+            f"--resume_from_checkpoint {resume}: a {was} checkpoint cannot be resumed with {now} (their model and "
+            f"optimizer files differ): launch with the config the run started with."
+        )
+    if plan.kind == "deepspeed" and state["world_size"] != plan.request.num_processes:
+        raise UsageError(
+            f"--resume_from_checkpoint {resume}: DeepSpeed ZeRO partitions its checkpoints over {state['world_size']} "
+            f"processes; resume with --num_processes {state['world_size']} (or convert the checkpoint with DeepSpeed's "
+            "ds_to_universal.py), or use the DDP config, whose checkpoints load on any number of processes."
+        )
+
+
+def lean_loss_off_reason(plan: Plan) -> str | None:
+    """Strategies the lean loss stays off under: it calls lm_head per chunk, outside the module hooks they rely on."""
+    if plan.kind == "dataparallel":
+        return "DataParallel's replicas would call the first GPU's lm_head"
+    if plan.kind == "deepspeed" and (plan.request.zero_stage or 2) >= 3:
+        return "ZeRO-3 gathers lm_head's weight only for the module's own forward"
+    return None
+
+
+def plan_strategy(plan: Plan, ds_plugin) -> str:
+    """The memory plan's name for the strategy that runs (anygpu/planning/memory_plan.py)."""
+    if plan.kind == "fsdp":
+        return "fsdp2"
+    if plan.kind == "deepspeed":
+        stage = 3 if (plan.request.zero_stage or 2) >= 3 else 2
+        offload = ds_plugin is not None and ds_plugin.offload_optimizer_device in ("cpu", "nvme")
+        return f"zero{stage}" + ("_offload" if offload else "")
+    return "ddp"

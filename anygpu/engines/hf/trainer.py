@@ -19,13 +19,11 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_pt_utils import nested_gather
 
@@ -33,16 +31,16 @@ from anygpu.checkpoint import resume_guard, store
 from anygpu.config.args import TrainArguments
 from anygpu.config.batch import BatchPlan
 from anygpu.data.collate import count_targets
-from anygpu.data.order import MicroBatchSampler, eval_shards
+from anygpu.data.order import MicroBatchSampler
 from anygpu.data.prepare import Prepared
+from anygpu.engines.trunk.evaluator import evaluate
+from anygpu.engines.trunk.log import RunLog
+from anygpu.engines.trunk.schedule import Schedule
+from anygpu.engines.trunk.state import HF_STATE_FILE, RunState
 from anygpu.model import dropout, lean_loss, moe
 from anygpu.reliability.preempt import Preemption
-from anygpu.runtime import distributed
-from anygpu.runtime.faults import test_fault
-from anygpu.runtime.progress import protected
+from anygpu.runtime import distributed, faults, progress
 from anygpu.train import metrics, optim
-
-ANYGPU_STATE = "anygpu_state.json"  # our keys next to Trainer's trainer_state.json in each checkpoint
 
 
 class AnygpuTrainer(Trainer):
@@ -58,6 +56,7 @@ class AnygpuTrainer(Trainer):
         num_devices: int,
         strategy: str,
         fingerprint: dict[str, Any],
+        watched: progress.Progress | None = None,
         **kwargs: Any,
     ) -> None:
         self.prep = prep
@@ -67,6 +66,7 @@ class AnygpuTrainer(Trainer):
         self.num_devices = num_devices  # data-parallel devices: processes, or GPUs under DataParallel
         self.strategy = strategy  # hf_strategy's kind, recorded in each checkpoint
         self.fingerprint = fingerprint  # resume_guard's, saved in each checkpoint
+        self.watched = watched  # the run's progress, which the preemption watchdog reads (saves hold it off)
         self._step_loss: torch.Tensor | None = None  # this optimizer step's loss, summed over its micro-batches
         self._unwrapped_cache: tuple[torch.nn.Module, torch.nn.Module] | None = None  # (wrapper, unwrapped)
         super().__init__(*args, **kwargs)
@@ -197,44 +197,26 @@ class AnygpuTrainer(Trainer):
     def evaluate(
         self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval"
     ) -> dict[str, float]:
-        """Mean token loss over the whole validation set, as the FSDP2 engine computes it.
-
-        Every rank runs the same number of forward passes (ZeRO-3 and FSDP gather parameters
-        collectively); a rank short of samples runs a dummy batch and discards it.
-        """
-        test_fault("eval", self.state.global_step)
+        """Mean token loss over the whole validation set: the trunk's evaluation, as the FSDP2 engine's."""
+        faults.at("eval", self.state.global_step)
         model = self.model_wrapped
         if isinstance(model, torch.nn.DataParallel):  # evaluation needs no second GPU
             model = model.module
-        was_training = model.training
-        model.eval()
-        device = self.args.device
-        dataset = self.prep.datasets["validation"]
-        totals = torch.zeros(2, dtype=torch.float64, device=device)
-        batch_size = self.train_config.per_device_eval_batch_size
-        for idx in eval_shards(len(dataset), self.args.world_size, self.args.process_index, batch_size):
-            batch = {k: v.to(device) for k, v in self.prep.collator.read(dataset, idx or [0]).items()}
-            # num_items_in_batch=1: the model's loss is the token-loss sum (HF's own loss path).
-            with lean_loss.active(self.unwrapped(model)):
-                loss_sum = model(
-                    **batch,
-                    use_cache=False,
-                    num_items_in_batch=torch.tensor(1, device=device),
-                    **moe.eval_kwargs(self.unwrapped(model)),
-                ).loss
-            if idx:
-                totals += torch.stack(
-                    [loss_sum.double(), torch.tensor(float(count_targets(batch)), device=device, dtype=torch.float64)]
-                )
-        distributed.all_reduce_sum(totals)
-        if was_training:
-            model.train()
-        eval_loss = (totals[0] / totals[1]).item()
+        eval_loss = evaluate(
+            model,
+            self.prep.datasets["validation"],
+            self.prep.collator,
+            self.train_config.per_device_eval_batch_size,
+            self.args.process_index,
+            self.args.world_size,
+            self.args.device,
+            self.unwrapped(model),
+        )
         result = {f"{metric_key_prefix}_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)}
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=result)
-        for flow in (c for c in self.callback_handler.callbacks if isinstance(c, FlowCallback)):
+        for trunk in (c for c in self.callback_handler.callbacks if isinstance(c, TrunkCallback)):
             # a signal during the evaluation: the checkpoint is of this step, saved right after it
-            self.control = flow.check_preemption(self.control)
+            self.control = trunk.check_preemption(self.control)
         return result
 
     # ------------------------------------------------------------------ checkpoints
@@ -253,23 +235,24 @@ class AnygpuTrainer(Trainer):
         staging = store.start(root, step, rank, needed)  # clears a crash's leftovers; a short disk: SaveError
         self._staging_dir = str(staging)
         folder, final = staging / f"checkpoint-{step}", root / f"checkpoint-{step}"
-        with protected(), store.disk_errors(root, staging, final, rank, needed):
+        with progress.protected(self.watched), store.disk_errors(root, staging, final, rank, needed):
             try:
                 super()._save_checkpoint(model, trial)
-                test_fault("save", step)
+                faults.at("save", step)
             finally:
                 self._staging_dir = None
             distributed.barrier()  # every rank's files (RNG states, ZeRO partitions) are in place
             if self.args.should_save:
-                state = {
-                    "global_step": step,
-                    "global_batch_size": self.prep.plan.global_batch_size,
-                    "world_size": self.num_devices,
-                    "seed": self.train_config.seed,
-                    "num_train_samples": self.prep.order.num_samples,
-                    "total_steps": self.prep.total_steps,
-                    "strategy": self.strategy,
-                }
+                prep = self.prep
+                state = RunState(
+                    step,
+                    prep.plan.global_batch_size,
+                    self.num_devices,
+                    self.train_config.seed,
+                    prep.order.num_samples,
+                    prep.total_steps,
+                    strategy=self.strategy,
+                )
                 # state files, manifest (fsyncs Trainer's files), rename, rotation
                 store.finalize(
                     root,
@@ -279,7 +262,7 @@ class AnygpuTrainer(Trainer):
                     self.num_devices,
                     "hf",
                     self.train_config.save_total_limit,
-                    {ANYGPU_STATE: state, resume_guard.FINGERPRINT_FILE: self.fingerprint},
+                    {HF_STATE_FILE: state.to_json(), resume_guard.FINGERPRINT_FILE: self.fingerprint},
                 )
                 shutil.rmtree(staging, ignore_errors=True)
         distributed.barrier()
@@ -304,47 +287,21 @@ class AnygpuTrainer(Trainer):
         return staging if staging else super()._get_output_dir(trial)
 
 
-class MetricsCallback(TrainerCallback):
-    """metrics.jsonl / --report_to tracker records with the FSDP2 engine's keys, console lines and the tqdm bar.
+class TrunkCallback(TrainerCallback):
+    """The trunk's run around Trainer's step: its `Schedule` decides when to evaluate, save, log the last step
+    and stop; its `RunLog` writes the records, the bar and the throughput; a SIGTERM or SIGUSR1 seen by any
+    rank makes every rank save at the next step boundary and stop (see `anygpu.reliability.preempt`).
 
-    Trainer logs every --logging_steps steps and at the last step, as the FSDP2 engine does, with the
-    logging step's own global-batch mean loss (`AnygpuTrainer.log`): no host sync on other steps.
-    """
+    Trainer logs every --logging_steps steps (and, told here, the run's last), with the logging step's own
+    global-batch mean loss (`AnygpuTrainer.log`): no host sync on other steps."""
 
-    def __init__(
-        self,
-        writer: metrics.MetricsWriter,
-        prep: Prepared,
-        train_config: TrainArguments,
-        world_size: int,
-        device: torch.device,
-        flops_per_token: float,
-        peak_flops: float | None,
-        start_step: int,
-        end_step: int,
-        is_main: bool,
-    ) -> None:
-        self.writer, self.prep, self.cfg = writer, prep, train_config
-        self.world_size, self.device = world_size, device
-        self.fpt, self.peak = flops_per_token, peak_flops
-        self.start_step, self.end_step, self.is_main = start_step, end_step, is_main
-        self.tokens = metrics.StepTokens(prep.datasets["train"], prep.order, prep.block_size)
+    def __init__(self, schedule: Schedule, log: RunLog, preemption: Preemption, device: torch.device) -> None:
+        self.schedule, self.log, self.preemption, self.device = schedule, log, preemption, device
+        self.terminated = False
         self.lr: float | None = None
-        self.bar = None
-        self.window = metrics.ThroughputWindow()
-        self.mark = time.perf_counter()  # end of the last step or hook: what follows until a hook is a pause
-        self.last: dict[str, Any] = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.bar = tqdm(
-            total=self.end_step,
-            initial=self.start_step,
-            disable=self.cfg.disable_tqdm or not self.is_main,
-            desc="train",
-            unit="step",
-            dynamic_ncols=True,
-        )
-        self.window.reset()
+        self.log.open_bar()
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         # The rate this step will use (DeepSpeed steps its scheduler inside backward, so reading it
@@ -353,97 +310,12 @@ class MetricsCallback(TrainerCallback):
             self.lr = float(optimizer.param_groups[0]["lr"])
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.window.add(*self.tokens.count(state.global_step - 1, self.prep.plan))
-        self.mark = time.perf_counter()
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        logs = logs or {}
-        step = state.global_step
-        if "loss" not in logs or "train_runtime" in logs:
-            return
-        if not (step % self.cfg.logging_steps == 0 or step == self.end_step):
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        grad_norm = logs.get("grad_norm")
-        rec = {
-            "step": step,
-            "loss": float(logs["loss"]),
-            "learning_rate": self.lr,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            **self.window.record(self.tokens.padded),
-        }
-        tps = rec["tokens_per_second"]
-        rec.update(
-            {
-                "tokens_per_second_per_device": tps / self.world_size,
-                "world_size": self.world_size,
-                "global_batch_size": self.prep.plan.global_batch_size,
-                "epoch": step / self.prep.order.steps_per_epoch,
-            }
-        )
-        if (u := metrics.mfu(tps, self.fpt, self.peak, self.world_size)) is not None:
-            rec["mfu"] = u
-        if (mem := metrics.max_memory_gb(self.device)) is not None:
-            rec["max_memory_allocated_gb"] = mem
-        self.writer.write(rec)
-        if self.is_main:
-            tqdm.write(metrics.format_line(rec, self.prep.total_steps))
-        self.last = rec
-        self.window.reset()
-        self.mark = time.perf_counter()
-
-    def _pause_since_mark(self) -> None:
-        """Trainer evaluates and saves after logging a step: that time is left out of tokens/s."""
-        now = time.perf_counter()
-        self.window.pause(now - self.mark)
-        self.mark = now
-
-    def on_save(self, args, state, control, **kwargs):
-        self._pause_since_mark()
-
-    def on_evaluate(self, args, state, control, **kwargs):
-        self._pause_since_mark()
-        result = kwargs.get("metrics") or {}
-        if "eval_loss" not in result:
-            return
-        rec = {"step": state.global_step, "eval_loss": result["eval_loss"], "perplexity": result["perplexity"]}
-        self.writer.write(rec)
-        if self.is_main:
-            tqdm.write(metrics.format_line(rec, self.prep.total_steps))
-        self.last = {**self.last, **rec}
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.bar is not None:
-            self.bar.close()
-
-
-class FlowCallback(TrainerCallback):
-    """When to evaluate, save and stop: the FSDP2 engine's rules, plus a checkpoint on SIGTERM/SIGUSR1.
-
-    Evaluate every --eval_steps and once at the end of the schedule; save every --save_steps and at
-    the last step of this run (--stop_at_step or the end); stop at --stop_at_step. A SIGTERM or SIGUSR1
-    seen by any rank makes every rank save at the next step boundary and stop (see `anygpu.reliability.preempt`).
-    """
-
-    def __init__(self, train_config: TrainArguments, total_steps: int, end_step: int, device: torch.device) -> None:
-        self.cfg, self.total_steps, self.end_step, self.device = train_config, total_steps, end_step, device
-        self.terminated = False
-        self.preemption = Preemption(train_config.save_on_preempt)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        step = state.global_step
-        eval_steps, save_steps = self.cfg.eval_steps, self.cfg.save_steps
-        if (eval_steps and step % eval_steps == 0 and step != self.total_steps) or step == self.total_steps:
-            control.should_evaluate = True
-        if (save_steps and step % save_steps == 0) or step == self.end_step:
-            control.should_save = True
-        if step == self.end_step:  # Trainer logs every --logging_steps; the run's last step too, as the FSDP2 engine
-            control.should_log = True
-        if step >= self.end_step:
-            control.should_training_stop = True
+        step, schedule = state.global_step, self.schedule
+        self.log.step_done(step)
+        control.should_evaluate = control.should_evaluate or schedule.should_eval(step)
+        control.should_save = control.should_save or schedule.should_save(step)
+        control.should_log = control.should_log or step == schedule.end_step
+        control.should_training_stop = control.should_training_stop or schedule.is_last(step)
         return self.check_preemption(control)
 
     def check_preemption(self, control):
@@ -454,6 +326,27 @@ class FlowCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
         return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "loss" not in logs or "train_runtime" in logs or not self.schedule.should_log(state.global_step):
+            return
+        grad_norm = logs.get("grad_norm")
+        self.log.train(
+            state.global_step, float(logs["loss"]), self.lr, float(grad_norm) if grad_norm is not None else float("nan")
+        )
+
+    def on_save(self, args, state, control, **kwargs):
+        self.log.pause_since_mark()  # Trainer saves after logging a step: not training time
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self.log.pause_since_mark()
+        result = kwargs.get("metrics") or {}
+        if "eval_loss" in result:
+            self.log.eval(state.global_step, result["eval_loss"])
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.log.close_bar()
 
 
 # ---------------------------------------------------------------------- model building and export
@@ -504,8 +397,3 @@ def zero3_state_dict(model: torch.nn.Module, is_main: bool) -> dict[str, torch.T
 def read_resume_step(path: Path) -> int:
     """The optimizer step a Trainer checkpoint was written at."""
     return int(json.loads((path / "trainer_state.json").read_text())["global_step"])
-
-
-def read_anygpu_state(path: Path) -> dict[str, Any] | None:
-    file = path / ANYGPU_STATE
-    return json.loads(file.read_text()) if file.exists() else None

@@ -1,0 +1,87 @@
+"""A run's start, both engines: refusals before any work, the output folder, the checks once the process
+group exists, the checkpoint to resume, the throughput facts, the banner and the run's files."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from anygpu import errors
+from anygpu.checkpoint import resume_guard
+from anygpu.errors import UsageError
+from anygpu.model import modeling
+from anygpu.reliability import run_guard
+from anygpu.runtime import hardware
+from anygpu.train import metrics
+
+# How each engine trains in half precision, for the refusals (the FSDP2 engine has no loss scaling).
+HALF_PRECISION = {"fsdp": "--bf16", "hf": "--bf16 or --fp16"}
+
+
+def check_precision(train_args, engine: str, on_gpu: bool) -> None:
+    """Refuse a precision this engine or this device cannot train in (before any GPU work)."""
+    if train_args.fp16 and engine == "fsdp":
+        raise UsageError("--fp16 is not supported by the FSDP2 engine: use --bf16 (same memory, no loss scaling).")
+    if train_args.fp16 and not on_gpu:
+        raise UsageError("--fp16 needs a GPU: on CPU train in fp32 (leave it out) or with --bf16.")
+    if train_args.bf16 and on_gpu and not hardware.supports_bf16():
+        other = (
+            "drop --bf16 (fp32) or use the HF engine with --fp16"
+            if engine == "fsdp"
+            else ("use --fp16 (with loss scaling) or fp32")
+        )
+        raise UsageError(f"--bf16: this GPU has no bf16; {other}.")
+
+
+def claim(train_args) -> run_guard.Claim | None:
+    """Rank 0 takes --output_dir (lock, repairs, a used folder, rewinds) before any process group exists:
+    a refusal here costs nothing."""
+    return run_guard.claim_output_dir(train_args, errors.rank())
+
+
+def joined(info, resolved: dict[str, Any], output_dir: str) -> None:
+    """Once the process group exists: every rank reaches it, with the same arguments, and sees --output_dir."""
+    run_guard.check_ranks(info, resolved, output_dir)
+    level = logging.INFO if info.is_main else logging.WARNING
+    logging.basicConfig(level=level, format="[%(levelname)s] %(message)s")
+
+
+def resume_target(train_args, claimed: run_guard.Claim | None, engine: str) -> Path | None:
+    """The checkpoint to resume, the same on every rank (rank 0's verdict), refused when the other engine wrote it."""
+    resume = run_guard.agreed_resume(train_args.resume_from_checkpoint, train_args.output_dir, claimed)
+    if resume is not None:
+        resume_guard.check_engine(resume, engine)
+    return resume
+
+
+def throughput_facts(prep, model, train_args, tf32: bool, device) -> tuple[float, float | None]:
+    """(training FLOPs per token, the device's peak FLOP/s at the run's precision or None): for the MFU."""
+    fpt = metrics.flops_per_token(
+        prep.config, modeling.count_parameters(model, exclude_embeddings=True), prep.block_size
+    )
+    precision = hardware.matmul_precision(train_args.bf16, train_args.fp16, tf32)
+    peak = hardware.peak_flops(hardware.devices()[0].name, precision) if device.type == "cuda" else None
+    return fpt, peak
+
+
+def resume_line(path: Path, step: int, was: int, now: int, unit: str, meshes: str = "") -> str:
+    """`resumed from … at step N (was W ranks, now W'[; mesh …])`: what the resumed run continues from."""
+    return f"resumed from {path} at step {step} (was {was} {unit}, now {now}{meshes})"
+
+
+def announce(banner: str, probe: Any = None, resumed: str | None = None, changed: list[str] = ()) -> None:
+    """Rank 0's start-up lines: the banner, the auto micro-batch, the resume and what changed since."""
+    lines = [banner, probe.line() if probe is not None else None, resumed]
+    lines.append(resume_guard.banner_line(list(changed)) if resumed else None)
+    for line in lines:
+        if line:
+            print(line, flush=True)
+
+
+def write_run_files(output_dir: str, resolved: dict[str, Any], tokenizer) -> None:
+    """Rank 0: `args.json` (the resolved arguments) and `tokenizer/` in --output_dir."""
+    out = Path(output_dir)
+    (out / "args.json").write_text(json.dumps(resolved, indent=2, default=str))
+    tokenizer.save_pretrained(str(out / "tokenizer"))
