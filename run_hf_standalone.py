@@ -4,20 +4,10 @@
 
 Also runs under torchrun (DDP) or as plain `python` (one process; nn.DataParallel over several GPUs).
 Same arguments, data order, initial weights and batch math as run_fsdp_standalone.py. See --help.
+The code is anygpu/engines/run_hf.py, which an installed anygpu runs as `python -m anygpu.engines.run_hf`.
 """
 
-import anygpu
-
-anygpu.set_offline_defaults()
-anygpu.quiet_library_warnings()
-from anygpu.config.args import HFEngineArguments, preflight  # noqa: E402
-
-if __name__ == "__main__":
-    preflight(
-        extra=(HFEngineArguments,)
-    )  # --help and bad input answered before torch is imported (seconds), one line, exit 2
-
-from anygpu.engines.hf.engine import main  # noqa: E402  (after the offline defaults)
+from anygpu.engines.run_hf import main
 
 if __name__ == "__main__":
     main()

@@ -117,7 +117,7 @@ def run(
     cmd: list[str], timeout: float = 300, check: bool = True, extra_env: dict | None = None
 ) -> subprocess.CompletedProcess:
     full_env = {**env(), **(extra_env or {})}
-    if cmd[0] == sys.executable and cmd[1].endswith(".py") and Zygote.can_run(full_env):
+    if Zygote.can_fork(cmd) and Zygote.can_run(full_env):
         proc = Zygote.run(cmd[1:], full_env, timeout)
     else:
         proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -141,6 +141,12 @@ class Zygote:
         "RESUME",
         "MLFLOW_TRACKING_URI",
     )
+
+    @staticmethod
+    def can_fork(cmd: list[str]) -> bool:
+        """`python SCRIPT.py ARGS`, or `python -m anygpu.engines.run_<engine> ARGS` (the engines' entry modules)."""
+        module = cmd[1] == "-m" and cmd[2].startswith("anygpu.engines.run_")
+        return cmd[0] == sys.executable and (cmd[1].endswith(".py") or module)
 
     @classmethod
     def can_run(cls, full_env: dict[str, str]) -> bool:

@@ -38,7 +38,7 @@ def test_cpu_machine_passes_and_says_no_gpu(capsys, tmp_path, monkeypatch):
     assert rc == 0 and report["ok"] and report["gpus"] == [] and report["vendor"] is None
     assert {c["name"] for c in report["checks"]} == {"bf16 matmul", "TF32 matmul", "peer access", "output folder"}
     assert report["versions"]["torch"] and report["versions"]["accelerate"]
-    assert report["launchers"]["fsdp"]["command"].endswith("run_fsdp_standalone.py")
+    assert report["launchers"]["fsdp"]["command"].endswith(" -m anygpu.engines.run_fsdp")
 
 
 def test_fake_smi_gpus_are_reported_with_the_launchers_commands(capsys, tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ FAKES = ROOT / "tests" / "fakes"
 
 
 def command(out: str) -> list[str]:
-    line = next(ln for ln in out.splitlines() if not ln.startswith("#") and "run_" in ln and "standalone.py" in ln)
+    line = next(ln for ln in out.splitlines() if not ln.startswith("#") and "-m anygpu.engines.run_" in ln)
     return shlex.split(line)
 
 

@@ -34,6 +34,7 @@ from conftest import outputs  # noqa: E402
 import fake_smi  # noqa: E402  (the fakes' own encoders: an independent check of our decoders)
 
 SCRIPT = {NVIDIA: ROOT / "run_nvidia_all.sh", AMD: ROOT / "run_amd_all.sh"}
+ENGINE_ENTRIES = [["-m", "anygpu.engines.run_fsdp"], ["-m", "anygpu.engines.run_hf"]]  # what each process runs
 TINY = [
     "--config_name",
     "tiny",
@@ -116,7 +117,7 @@ class DryRun:
             return int(self.opt("--nproc-per-node"))
         if "accelerate.commands.launch" in cmd:
             return int(self.opt("--num_processes")) // int(self.opt("--num_machines"))
-        assert cmd[0] == sys.executable and cmd[1].endswith(".py"), cmd
+        assert cmd[0] == sys.executable and cmd[1:3] in ENGINE_ENTRIES, cmd
         return 1
 
 
@@ -515,8 +516,26 @@ def test_driver_failure_falls_back_to_cpu_and_torch_agrees():
     r = dry(NVIDIA, "--engine", "fsdp", FAKE_NVIDIA="driver-fail", CUDA_VISIBLE_DEVICES="")
     assert r.rc == 0, r.err
     assert "no NVIDIA GPU (nvidia-smi failed with exit 9: NVIDIA driver not loaded): training on the CPU" in r.notes
-    assert r.cmd == [sys.executable, str(ROOT / "run_fsdp_standalone.py")] and "warning" not in r.notes
+    assert r.cmd == [sys.executable, "-m", "anygpu.engines.run_fsdp"] and "warning" not in r.notes
     assert "CUDA_DEVICE_ORDER" not in r.exports and "NCCL_DEBUG" not in r.exports  # no GPU presets on CPU
+
+
+def test_a_job_that_would_import_another_anygpu_runs_this_checkouts_script(tmp_path):
+    """`python -m anygpu.engines.…` imports whichever anygpu the job's folder or interpreter holds: where that is not
+    the launcher's own (here the folder holds another anygpu), the checkout's script runs it, and the launcher says so."""
+    (tmp_path / "anygpu").mkdir()
+    (tmp_path / "anygpu" / "__init__.py").write_text("")
+    args = ["--dry-run", "--engine", "fsdp", "--count-from", "smi", "--cpu"]
+    p = subprocess.run(
+        ["bash", str(SCRIPT[NVIDIA]), *args], cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=120
+    )
+    r = DryRun(p.returncode, p.stdout, p.stderr)
+    assert r.rc == 0, r.err
+    assert r.cmd == [sys.executable, str(ROOT / "run_fsdp_standalone.py")]
+    assert (
+        f"{sys.executable} imports anygpu from {(tmp_path / 'anygpu').resolve()} here, not this launcher's "
+        f"{ROOT / 'anygpu'}: running the checkout's run_fsdp_standalone.py"
+    ) in r.notes
 
 
 @pytest.mark.parametrize("value", ["", "-1", "0,0"])
@@ -588,7 +607,9 @@ def test_hf_engine_configs(hf_engine):
     one = dry(NVIDIA, "--count-from", "smi", "--gpus", "2", "--max-restarts", "1")
     cpu = dry(NVIDIA, "--count-from", "smi", "--cpu", "--nproc", "2", "--accelerate-config", "deepspeed_zero3")
     cpu1 = dry(NVIDIA, "--count-from", "smi", "--cpu", "--accelerate-config", "fsdp")
-    assert many.opt("--config_file") == str(ROOT / "accelerate_configs" / "fsdp.yaml") and many.nproc == 8
+    assert many.opt("--config_file") == str(ROOT / "anygpu" / "launch" / "accelerate_configs" / "fsdp.yaml")
+    assert Path(many.opt("--config_file")).samefile(ROOT / "accelerate_configs" / "fsdp.yaml") and many.nproc == 8
+    assert many.cmd[-2:] == ["-m", "anygpu.engines.run_hf"]
     assert many.opt("--main_process_port") == "0" and "--cpu" not in many.cmd
     assert one.opt("--config_file").endswith("ddp.yaml") and one.opt("--max_restarts") == "1" and one.nproc == 1
     # DeepSpeed runs on CPU by itself: its config goes through, without accelerate's CPU switch
@@ -728,6 +749,7 @@ def test_cpu_end_to_end(engine, tmp_path_factory):
     p, out = cpu_run(engine, tmp_path_factory)
     assert p.returncode == 0, p.stderr[-4000:]
     assert "no NVIDIA GPU (nvidia-smi not found: no driver installed): training on the CPU, 1 process" in p.stderr
+    assert f"[anygpu] exec: {sys.executable} -m anygpu.engines.run_{engine} --config_name tiny" in p.stderr
     recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3]
     assert all(r["world_size"] == 1 for r in recs if "loss" in r)
@@ -828,6 +850,20 @@ def test_max_restarts_restarts_the_workers():
     assert p.returncode == 0, out[-4000:]
     assert "rank 1 fails at step 3 on purpose" in out  # attempt 0 failed …
     assert "rank 0 finished 4 steps in attempt 1" in out and "rank 1 finished 4 steps in attempt 1" in out
+
+
+@pytest.mark.slow
+def test_the_engines_help_and_refusals_come_once_through_the_launcher():
+    """Under torchrun the engine's own checks run once, in one process, before any rank starts: --help exits 0
+    with the module's usage, a bad argument is one line and exit 2 (test_cli covers a missing model)."""
+    ok = launch_real(NVIDIA, *FAST, "--engine", "fsdp", "--nproc", "2", "--", "--help", **_cpu_env())
+    assert ok.returncode == 0 and ok.stdout.startswith("usage: python -m anygpu.engines.run_fsdp [config.yaml]"), (
+        ok.stderr
+    )
+    assert "exec:" not in ok.stderr
+    bad = launch_real(NVIDIA, *FAST, "--nproc", "2", "--", "--max_stepz", "3", **_cpu_env())
+    assert bad.returncode == 2 and "unknown option --max_stepz (did you mean --max_steps?)" in bad.stderr, bad.stderr
+    assert "exec:" not in bad.stderr and "Traceback" not in bad.stderr
 
 
 # ------------------------------------------------------------------------------ the scripts

@@ -5,11 +5,12 @@
 Detection and ``--dry-run`` need only the standard library; when torch is importable, its
 ``torch.cuda.device_count()`` under the job's final environment has the last word on the count.
 
-What runs:
-  one process on one node   python SCRIPT args                      (no distributed wrapper)
-  --engine fsdp             python -m torch.distributed.run … run_fsdp_standalone.py args
-  --engine hf (default)     python -m accelerate.commands.launch --config_file CFG … run_hf_standalone.py args
-The final step is ``os.execve``: the job's exit code and signals are the launcher's own.
+What runs (ENGINE: ``-m anygpu.engines.run_fsdp`` or ``-m anygpu.engines.run_hf``, the engines' entry modules):
+  one process on one node   python ENGINE args                       (no distributed wrapper)
+  --engine fsdp             python -m torch.distributed.run … -m anygpu.engines.run_fsdp args
+  --engine hf (default)     python -m accelerate.commands.launch --config_file CFG … -m anygpu.engines.run_hf args
+The engines and the accelerate configs come from the package itself, so an installed wheel launches from any
+folder. The final step is ``os.execve``: the job's exit code and signals are the launcher's own.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ from anygpu.launch import detect as gpu_detect
 from anygpu.launch import suggest, vendor_env
 from anygpu.launch.detect import AMD, NVIDIA, VENDOR_LABEL, Gpu, Runner
 
-ROOT = Path(__file__).resolve().parent.parent.parent
-CONFIG_DIR = ROOT / "accelerate_configs"
-ENGINES = {"hf": "run_hf_standalone.py", "fsdp": "run_fsdp_standalone.py"}
+# Everything is found from this file, so a checkout and an installed wheel launch alike, from any folder.
+PACKAGE = Path(__file__).resolve().parent.parent  # this anygpu
+ROOT = PACKAGE.parent  # a checkout's root (it holds the run_*_standalone.py scripts), or site-packages
+CONFIG_DIR = PACKAGE / "launch" / "accelerate_configs"  # package data; a checkout's accelerate_configs/ links here
+ENGINES = {"hf": "anygpu.engines.run_hf", "fsdp": "anygpu.engines.run_fsdp"}  # each started as `python -m MODULE`
+CHECKOUT_SCRIPTS = {"hf": "run_hf_standalone.py", "fsdp": "run_fsdp_standalone.py"}  # the same, in a checkout's root
 SCRIPT_NAME = {NVIDIA: "run_nvidia_all.sh", AMD: "run_amd_all.sh"}
 DEFAULT_MASTER_PORT = 29500
 PREFIX = "[anygpu]"
@@ -58,6 +62,13 @@ def build_parser(vendor: str | None = None) -> argparse.ArgumentParser:
         "Each exported variable keeps the value the caller set. See docs/launchers.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_job_options(p, vendor)
+    _add_launch_options(p)
+    return p
+
+
+def _add_job_options(p: argparse.ArgumentParser, vendor: str | None) -> None:
+    """What runs, and on which devices."""
     p.add_argument(
         "--vendor",
         choices=gpu_detect.VENDORS,
@@ -91,6 +102,10 @@ def build_parser(vendor: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--cpu", action="store_true", help="Train on CPU even where GPUs are present (hides them from the job)."
     )
+
+
+def _add_launch_options(p: argparse.ArgumentParser) -> None:
+    """How it is launched: rendezvous, restarts, another script, the network, the count, a dry run."""
     p.add_argument(
         "--master-port",
         type=int,
@@ -128,7 +143,6 @@ def build_parser(vendor: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--dry-run", action="store_true", help="Print every exported variable and the exact command, then exit 0."
     )
-    return p
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -295,6 +309,12 @@ class Plan:
     kept: dict[str, str] = field(default_factory=dict)  # presets the caller had already set
     lines: list[str] = field(default_factory=list)  # what the launcher tells the user
     warnings: list[str] = field(default_factory=list)
+    job: list[str] = field(default_factory=list)  # what each process runs: `-m MODULE` or SCRIPT, then its arguments
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether torchrun or accelerate starts the processes (else the command is `python JOB` itself)."""
+        return self.cmd[1:] != self.job
 
 
 def _resolve_config(name: str) -> Path:
@@ -358,8 +378,8 @@ class Devices:
         return 0 if self.cpu_reason else len(self.chosen)
 
 
-def validate_args(args: argparse.Namespace) -> Path:
-    """Refuse contradictory or out-of-range launcher options; return the training script."""
+def validate_args(args: argparse.Namespace) -> None:
+    """Refuse contradictory or out-of-range launcher options, and a --script that is not there."""
     for flag, value, lo in (
         ("--nproc", args.nproc, 1),
         ("--max-restarts", args.max_restarts, 0),
@@ -371,10 +391,8 @@ def validate_args(args: argparse.Namespace) -> Path:
         raise LaunchError("--accelerate-config only applies to --engine hf (the fsdp engine shards by itself)")
     if args.cpu and args.gpus:
         raise LaunchError("--gpus and --cpu exclude each other")
-    script = Path(args.script).resolve() if args.script else ROOT / ENGINES[args.engine]
-    if not script.is_file():
-        raise LaunchError(f"training script not found: {script}")
-    return script
+    if args.script and not Path(args.script).is_file():
+        raise LaunchError(f"training script not found: {Path(args.script).resolve()}")
 
 
 def detect_devices(
@@ -385,62 +403,74 @@ def detect_devices(
     run: Runner = gpu_detect.run_tool,
 ) -> Devices:
     """The GPUs present (smi tools), those the visibility variables and --gpus leave; may pin ``env``."""
-    vendor = args.vendor
-    label = VENDOR_LABEL[vendor]
-    dev = Devices()
-    usable: list[Gpu] = []
     if args.cpu:
-        dev.cpu_reason = "--cpu given"
+        dev = Devices(cpu_reason="--cpu given")
         hide = (
             {"CUDA_VISIBLE_DEVICES": ""}
-            if vendor == NVIDIA
+            if args.vendor == NVIDIA
             else {"HIP_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": ""}
         )
         env.update(hide)
         exported.update(hide)
     else:
-        found = gpu_detect.probe(vendor, run, env)
-        dev.present = found.gpus
-        vis = gpu_detect.visible_gpus(vendor, dev.present, env, found.migs)
-        usable, dev.unresolved = vis.gpus, vis.unresolved
-        if not dev.present:
-            other = next(v for v in gpu_detect.VENDORS if v != vendor)
-            theirs = gpu_detect.probe(other, run, env)
-            if theirs.gpus:
-                names = sorted({g.name for g in theirs.gpus if g.name}) or ["unnamed"]
-                raise LaunchError(
-                    f"this is the {label} launcher, but this machine has {len(theirs.gpus)} "
-                    f"{VENDOR_LABEL[other]} GPU(s) ({', '.join(names)}) and no {label} GPU ({found.problem}): "
-                    f"run `bash {SCRIPT_NAME[other]}` instead (or pass --cpu to train on the CPU)"
-                )
-            dev.cpu_reason = f"no {label} GPU ({found.problem})"
-        else:
-            lines.append(
-                f"{plural(len(dev.present), label + ' GPU')} present ({found.tool}): "
-                + gpu_detect.summarize(dev.present)
-            )
-            lines += [f"{label} visibility: {n}" for n in vis.notes]
-            if dev.unresolved:
-                if args.count_from == "smi":
-                    raise LaunchError(f"{dev.unresolved}; use indices, or let torch count (--count-from auto)")
-            elif not usable:
-                hidden = ", ".join(f"{k}={v!r}" for k, v in vis.variables.items())
-                dev.cpu_reason = f"{plural(len(dev.present), label + ' GPU')} present, but {hidden} hides all of them"
-
-    dev.chosen = usable
+        dev = _visible_devices(args, env, lines, run)
     if args.gpus is not None:
-        if not usable:
-            raise LaunchError(
-                f"--gpus {args.gpus}: there is no usable {label} GPU to choose from "
-                f"({dev.cpu_reason or dev.unresolved})"
-            )
-        picked = _parse_gpu_list(args.gpus, len(usable))
-        dev.chosen = [usable[i] for i in picked]
-        pin = _pin(vendor, dev.chosen, dev.present, env)
-        env.update(pin)
-        exported.update(pin)
-        lines.append(f"--gpus {args.gpus}: " + ", ".join(f"{k}={v}" for k, v in pin.items()))
+        _choose_gpus(args, dev, env, exported, lines)
     return dev
+
+
+def _visible_devices(args: argparse.Namespace, env: Mapping[str, str], lines: list[str], run: Runner) -> Devices:
+    """The GPUs the smi tools list and the visibility variables leave (``chosen``), or why the job runs on CPU."""
+    label = VENDOR_LABEL[args.vendor]
+    found = gpu_detect.probe(args.vendor, run, env)
+    vis = gpu_detect.visible_gpus(args.vendor, found.gpus, env, found.migs)
+    dev = Devices(present=found.gpus, chosen=vis.gpus, unresolved=vis.unresolved)
+    if not dev.present:
+        _refuse_other_vendor(args.vendor, found.problem, env, run)
+        dev.cpu_reason = f"no {label} GPU ({found.problem})"
+        return dev
+    lines.append(
+        f"{plural(len(dev.present), label + ' GPU')} present ({found.tool}): " + gpu_detect.summarize(dev.present)
+    )
+    lines += [f"{label} visibility: {n}" for n in vis.notes]
+    if dev.unresolved:
+        if args.count_from == "smi":
+            raise LaunchError(f"{dev.unresolved}; use indices, or let torch count (--count-from auto)")
+    elif not dev.chosen:
+        hidden = ", ".join(f"{k}={v!r}" for k, v in vis.variables.items())
+        dev.cpu_reason = f"{plural(len(dev.present), label + ' GPU')} present, but {hidden} hides all of them"
+    return dev
+
+
+def _refuse_other_vendor(vendor: str, problem: str, env: Mapping[str, str], run: Runner) -> None:
+    """No GPU of ours: the other vendor's GPUs mean the wrong launcher, not a CPU run."""
+    other = next(v for v in gpu_detect.VENDORS if v != vendor)
+    theirs = gpu_detect.probe(other, run, env)
+    if theirs.gpus:
+        names = sorted({g.name for g in theirs.gpus if g.name}) or ["unnamed"]
+        label = VENDOR_LABEL[vendor]
+        raise LaunchError(
+            f"this is the {label} launcher, but this machine has {len(theirs.gpus)} "
+            f"{VENDOR_LABEL[other]} GPU(s) ({', '.join(names)}) and no {label} GPU ({problem}): "
+            f"run `bash {SCRIPT_NAME[other]}` instead (or pass --cpu to train on the CPU)"
+        )
+
+
+def _choose_gpus(
+    args: argparse.Namespace, dev: Devices, env: dict[str, str], exported: dict[str, str], lines: list[str]
+) -> None:
+    """--gpus: keep the named ones of the usable GPUs, and pin the job to them with the visibility variable."""
+    if not dev.chosen:
+        raise LaunchError(
+            f"--gpus {args.gpus}: there is no usable {VENDOR_LABEL[args.vendor]} GPU to choose from "
+            f"({dev.cpu_reason or dev.unresolved})"
+        )
+    picked = _parse_gpu_list(args.gpus, len(dev.chosen))
+    dev.chosen = [dev.chosen[i] for i in picked]
+    pin = _pin(args.vendor, dev.chosen, dev.present, env)
+    env.update(pin)
+    exported.update(pin)
+    lines.append(f"--gpus {args.gpus}: " + ", ".join(f"{k}={v}" for k, v in pin.items()))
 
 
 def apply_torch_count(
@@ -543,9 +573,47 @@ def export_environment(
     return kept
 
 
+ORIGIN_PROBE = "import importlib.util as u; s = u.find_spec('anygpu'); print(s.origin if s else '')"
+
+
+def anygpu_origin(python: str, env: Mapping[str, str]) -> Path | None:
+    """The anygpu/__init__.py that ``python`` imports in this folder under ``env``, as each process of the job
+    will (`python -m` puts the current folder first); None where it imports none."""
+    try:
+        p = subprocess.run([python, "-c", ORIGIN_PROBE], env=dict(env), capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    origin = p.stdout.strip()
+    return Path(origin).resolve() if p.returncode == 0 and origin else None
+
+
+def job_entry(
+    args: argparse.Namespace, env: Mapping[str, str], python: str, lines: list[str], warnings: list[str]
+) -> list[str]:
+    """What each process runs: the --script; else the engine's module (`-m anygpu.engines.run_<engine>`) where
+    ``python`` imports this same anygpu (installed, or from this folder); else, in a source checkout, its
+    run_<engine>_standalone.py, whose folder puts this anygpu first on the path (it need not be installed)."""
+    if args.script:
+        return [str(Path(args.script).resolve())]
+    module = ["-m", ENGINES[args.engine]]
+    origin = anygpu_origin(python, env)
+    if origin == PACKAGE / "__init__.py":
+        return module
+    found = f"imports anygpu from {origin.parent}" if origin else "cannot import anygpu"
+    script = ROOT / CHECKOUT_SCRIPTS[args.engine]
+    if script.is_file():
+        lines.append(f"{python} {found} here, not this launcher's {PACKAGE}: running the checkout's {script.name}")
+        return [str(script)]
+    warnings.append(
+        f"{python} {found} here, not this launcher's {PACKAGE}: "
+        + ("the job runs that one" if origin else "install anygpu there, or run from another folder")
+    )
+    return module
+
+
 def build_command(
     args: argparse.Namespace,
-    script: Path,
+    entry: Sequence[str],
     script_args: Sequence[str],
     dev: Devices,
     nproc: int,
@@ -555,128 +623,147 @@ def build_command(
     lines: list[str],
     python: str = sys.executable,
 ) -> list[str]:
-    """The exact command: plain python, torchrun (fsdp) or accelerate launch (hf)."""
-    engine = args.engine
+    """The exact command: plain python, torchrun (fsdp) or accelerate launch (hf), then the job."""
+    job = [*entry, *script_args]
     use_gpus = dev.count > 0
-    total = nproc * nodes.nnodes
-    plain = (
-        nodes.nnodes == 1 and nproc == 1 and args.max_restarts == 0 and not (engine == "hf" and args.accelerate_config)
-    )
     cpu_line = f"{dev.cpu_reason}: training on the CPU, {plural(nproc, 'process')} with gloo"
-    if plain:
-        cmd = [python, str(script), *script_args]
-        how = "one process: plain python, no distributed launcher needed"
-        if not use_gpus:
-            how = cpu_line + (
-                " (plain python; accelerate's FSDP does not run on CPU)" if engine == "hf" else " (plain python)"
-            )
-        lines.append(how)
-    elif engine == "fsdp":
-        cmd = [python, "-m", "torch.distributed.run"]
-        if nodes.nnodes == 1 and nodes.master_port in (None, 0):
-            cmd += ["--standalone", "--nnodes", "1"]
-        elif nodes.nnodes == 1:
-            cmd += [
-                "--nnodes",
-                "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"localhost:{nodes.master_port}",
-                "--rdzv-id",
-                f"anygpu-{nodes.master_port}",
-            ]
-        else:
-            # c10d rendezvous; node 0 hosts the store (explicit, so an address that does not match
-            # the host name, e.g. an IP on another interface, still works).
-            cmd += [
-                "--nnodes",
-                str(nodes.nnodes),
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"{nodes.master_addr}:{nodes.master_port}",
-                "--rdzv-id",
-                nodes.rdzv_id,
-                "--rdzv-conf",
-                f"is_host={'true' if nodes.node_rank == 0 else 'false'}",
-            ]
-        cmd += ["--nproc-per-node", str(nproc)]
-        if args.max_restarts:
-            cmd += ["--max-restarts", str(args.max_restarts)]
-        if torchrun_forwards_signals():
-            # Slurm's --signal sends SIGUSR1 before preemption: forwarded, every rank saves and exits 143
-            # (without it torchrun dies of the signal and its workers with it, no checkpoint).
-            cmd += ["--signals-to-handle", TORCHRUN_SIGNALS]
-        cmd += [str(script), *script_args]
+    hf_config = args.engine == "hf" and args.accelerate_config
+    if nodes.nnodes == 1 and nproc == 1 and args.max_restarts == 0 and not hf_config:
+        lines.append(_plain_line(args.engine, use_gpus, cpu_line))
+        return [python, *job]
+    if args.engine == "fsdp":
         lines.append((cpu_line if not use_gpus else f"{plural(nproc, 'process')} per node") + ", torchrun")
-    else:
-        if nodes.nnodes > 1 and args.max_restarts:
-            raise LaunchError(
-                "--max-restarts with --engine hf on several nodes: accelerate starts them with a "
-                "static rendezvous, where a restart on one node cannot bring the others along; "
-                "use --engine fsdp (torchrun's c10d rendezvous restarts every node), or resubmit "
-                "the job (it resumes from the latest checkpoint)"
-            )
-        requested = _resolve_config(args.accelerate_config) if args.accelerate_config else None
-        if not use_gpus:
-            config = requested or _resolve_config("ddp")
-            kind = _config_kind(config)
-            if kind == "DEEPSPEED":
-                lines.append(f"{config.name} on CPU: DeepSpeed's CPU accelerator over gloo (slow; for testing)")
-            elif kind == "FSDP":
-                lines.append(
-                    f"accelerate's FSDP does not run on CPU: run_hf_standalone.py stops with {config.name} "
-                    "unless given --allow_strategy_fallback true (then DDP); or use --engine fsdp"
-                )
-        else:
-            config = requested or _resolve_config("fsdp" if total > 1 else "ddp")
-        cmd = [
-            python,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(config),
-            "--num_processes",
-            str(total),
-            "--num_machines",
-            str(nodes.nnodes),
+        return [python, "-m", "torch.distributed.run", *_torchrun_options(args, nproc, nodes), *job]
+    options = _accelerate_options(args, use_gpus, nproc, nodes, env, exported, lines, cpu_line)
+    return [python, "-m", "accelerate.commands.launch", *options, *job]
+
+
+def _plain_line(engine: str, use_gpus: bool, cpu_line: str) -> str:
+    if use_gpus:
+        return "one process: plain python, no distributed launcher needed"
+    return cpu_line + (
+        " (plain python; accelerate's FSDP does not run on CPU)" if engine == "hf" else " (plain python)"
+    )
+
+
+def _torchrun_options(args: argparse.Namespace, nproc: int, nodes: Nodes) -> list[str]:
+    """torchrun's options: the rendezvous, the processes, restarts, the signals it forwards."""
+    options = [*_torchrun_rendezvous(nodes), "--nproc-per-node", str(nproc)]
+    if args.max_restarts:
+        options += ["--max-restarts", str(args.max_restarts)]
+    if torchrun_forwards_signals():
+        # Slurm's --signal sends SIGUSR1 before preemption: forwarded, every rank saves and exits 143
+        # (without it torchrun dies of the signal and its workers with it, no checkpoint).
+        options += ["--signals-to-handle", TORCHRUN_SIGNALS]
+    return options
+
+
+def _torchrun_rendezvous(nodes: Nodes) -> list[str]:
+    if nodes.nnodes == 1 and nodes.master_port in (None, 0):
+        return ["--standalone", "--nnodes", "1"]
+    if nodes.nnodes == 1:
+        port = nodes.master_port
+        return [
+            "--nnodes",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"localhost:{port}",
+            "--rdzv-id",
+            f"anygpu-{port}",
         ]
-        if nodes.nnodes > 1:
-            # static: node ranks are NODE_RANK, and with the configs' same_network: true accelerate
-            # hands torchrun MASTER_ADDR/PORT (its c10d would then look for the store on localhost).
-            cmd += [
-                "--machine_rank",
-                str(nodes.node_rank),
-                "--main_process_ip",
-                nodes.master_addr,
-                "--main_process_port",
-                str(nodes.master_port),
-                "--rdzv_backend",
-                "static",
-            ]
-        else:
-            cmd += ["--main_process_port", str(nodes.master_port or 0)]  # 0: a free port
-        if not use_gpus and _config_kind(config) not in ("DEEPSPEED", "FSDP"):
-            # accelerate's CPU switch would silently drop DeepSpeed (which runs on CPU by itself) and
-            # hide FSDP from the engine's strategy check; DDP-like configs need it.
-            if total == 1:
-                cmd += ["--cpu"]
-            else:  # --cpu would start one process; this way accelerate starts them all, on CPU
-                env["ACCELERATE_USE_CPU"] = exported["ACCELERATE_USE_CPU"] = "true"
-        if args.max_restarts:
-            cmd += ["--max_restarts", str(args.max_restarts)]
-        cmd += [str(script), *script_args]
-        where = cpu_line if not use_gpus else f"{plural(total, 'process')} in all"
-        lines.append(f"{where}, accelerate launch with {_shown(config)}")
-    return cmd
+    # c10d rendezvous; node 0 hosts the store (explicit, so an address that does not match
+    # the host name, e.g. an IP on another interface, still works).
+    return [
+        "--nnodes",
+        str(nodes.nnodes),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{nodes.master_addr}:{nodes.master_port}",
+        "--rdzv-id",
+        nodes.rdzv_id,
+        "--rdzv-conf",
+        f"is_host={'true' if nodes.node_rank == 0 else 'false'}",
+    ]
 
 
-def check_runnable(args: argparse.Namespace, cmd: Sequence[str], python: str = sys.executable) -> None:
+def _accelerate_options(
+    args: argparse.Namespace,
+    use_gpus: bool,
+    nproc: int,
+    nodes: Nodes,
+    env: dict[str, str],
+    exported: dict[str, str],
+    lines: list[str],
+    cpu_line: str,
+) -> list[str]:
+    """accelerate launch's options: the config, the processes, the rendezvous, the CPU switch, restarts."""
+    if nodes.nnodes > 1 and args.max_restarts:
+        raise LaunchError(
+            "--max-restarts with --engine hf on several nodes: accelerate starts them with a "
+            "static rendezvous, where a restart on one node cannot bring the others along; "
+            "use --engine fsdp (torchrun's c10d rendezvous restarts every node), or resubmit "
+            "the job (it resumes from the latest checkpoint)"
+        )
+    total = nproc * nodes.nnodes
+    config = _accelerate_config(args, use_gpus, total, lines)
+    options = ["--config_file", str(config), "--num_processes", str(total), "--num_machines", str(nodes.nnodes)]
+    options += _accelerate_rendezvous(nodes)
+    if not use_gpus and _config_kind(config) not in ("DEEPSPEED", "FSDP"):
+        # accelerate's CPU switch would silently drop DeepSpeed (which runs on CPU by itself) and
+        # hide FSDP from the engine's strategy check; DDP-like configs need it.
+        if total == 1:
+            options += ["--cpu"]
+        else:  # --cpu would start one process; this way accelerate starts them all, on CPU
+            env["ACCELERATE_USE_CPU"] = exported["ACCELERATE_USE_CPU"] = "true"
+    if args.max_restarts:
+        options += ["--max_restarts", str(args.max_restarts)]
+    where = cpu_line if not use_gpus else f"{plural(total, 'process')} in all"
+    lines.append(f"{where}, accelerate launch with {_shown(config)}")
+    return options
+
+
+def _accelerate_config(args: argparse.Namespace, use_gpus: bool, total: int, lines: list[str]) -> Path:
+    """The config named, or fsdp for several GPUs and ddp otherwise; on CPU, a line on what a named one does."""
+    requested = _resolve_config(args.accelerate_config) if args.accelerate_config else None
+    if use_gpus:
+        return requested or _resolve_config("fsdp" if total > 1 else "ddp")
+    config = requested or _resolve_config("ddp")
+    kind = _config_kind(config)
+    if kind == "DEEPSPEED":
+        lines.append(f"{config.name} on CPU: DeepSpeed's CPU accelerator over gloo (slow; for testing)")
+    elif kind == "FSDP":
+        lines.append(
+            f"accelerate's FSDP does not run on CPU: the HF engine stops with {config.name} "
+            "unless given --allow_strategy_fallback true (then DDP); or use --engine fsdp"
+        )
+    return config
+
+
+def _accelerate_rendezvous(nodes: Nodes) -> list[str]:
+    if nodes.nnodes == 1:
+        return ["--main_process_port", str(nodes.master_port or 0)]  # 0: a free port
+    # static: node ranks are NODE_RANK, and with the configs' same_network: true accelerate
+    # hands torchrun MASTER_ADDR/PORT (its c10d would then look for the store on localhost).
+    return [
+        "--machine_rank",
+        str(nodes.node_rank),
+        "--main_process_ip",
+        nodes.master_addr,
+        "--main_process_port",
+        str(nodes.master_port),
+        "--rdzv_backend",
+        "static",
+    ]
+
+
+def check_runnable(args: argparse.Namespace, plan: Plan, python: str = sys.executable) -> None:
     """The engines and the distributed launchers need torch (and accelerate); say so here
     rather than as an ImportError in every process."""
-    needed = ["torch"] if (not args.script or cmd[1] == "-m") else []
-    needed += ["accelerate"] if "accelerate.commands.launch" in cmd else []
+    needed = ["torch"] if (not args.script or plan.wrapped) else []
+    needed += ["accelerate"] if "accelerate.commands.launch" in plan.cmd else []
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         raise LaunchError(
@@ -693,29 +780,32 @@ def make_plan(
     probe_torch: TorchProbe = torch_probe,
     python: str = sys.executable,
 ) -> Plan:
-    """parse → validate → nodes → devices → torch's count → processes → environment → command."""
+    """parse → validate → nodes → devices → torch's count → processes → environment → job → command."""
     args, script_args = parse_args(argv)
     env = dict(environ)
     exported: dict[str, str] = {}
     lines: list[str] = []
     warnings: list[str] = []
-    script = validate_args(args)
+    validate_args(args)
     nodes = resolve_nodes(env, args.master_port, run)
     dev = detect_devices(args, env, exported, lines, run)
     apply_torch_count(args, dev, env, lines, warnings, probe_torch, python)
     nproc = processes_per_node(args, dev, lines)
     kept = export_environment(args, dev, nproc, env, exported)
-    cmd = build_command(args, script, script_args, dev, nproc, nodes, env, exported, lines, python)
-    if not args.dry_run:
-        check_runnable(args, cmd, python)
+    entry = job_entry(args, env, python, lines, warnings)
+    cmd = build_command(args, entry, script_args, dev, nproc, nodes, env, exported, lines, python)
     if nodes.nnodes > 1:
         lines.append(
             f"node {nodes.node_rank} of {nodes.nnodes} ({nodes.source}), rendezvous "
             f"{nodes.master_addr}:{nodes.master_port} id {nodes.rdzv_id}"
         )
-    return Plan(
+    plan = Plan(
         args.vendor, args.engine, dev.count > 0, dev.chosen, nproc, nodes, cmd, env, exported, kept, lines, warnings
     )
+    plan.job = [*entry, *script_args]
+    if not args.dry_run:
+        check_runnable(args, plan, python)
+    return plan
 
 
 def plural(n: int, word: str) -> str:
@@ -744,12 +834,12 @@ def render_dry_run(plan: Plan) -> str:
 
 
 def preflight(plan: Plan) -> int | None:
-    """Run the engine script's argument checks alone (ANYGPU_PREFLIGHT_ONLY=1, a second or so): its exit code
+    """Run the engine's argument checks alone (ANYGPU_PREFLIGHT_ONLY=1, a second or so): its exit code
     when the job should not start (2: refused, with its one line; 0: it printed --help), else None."""
-    script = next(i for i, word in enumerate(plan.cmd) if word.endswith(tuple(ENGINES.values())))
     env = {**plan.env, "ANYGPU_PREFLIGHT_ONLY": "1", "RANK": "0"}
-    rc = subprocess.run([plan.cmd[0], *plan.cmd[script:]], env=env).returncode
-    if rc == 2 or (rc == 0 and any(w in ("-h", "--help") for w in plan.cmd[script + 1 :])):
+    rc = subprocess.run([plan.cmd[0], *plan.job], env=env).returncode
+    script_args = plan.job[2:] if plan.job[0] == "-m" else plan.job[1:]
+    if rc == 2 or (rc == 0 and any(w in ("-h", "--help") for w in script_args)):
         return rc
     return None  # any other failure: the real launch shows it in full
 
@@ -774,7 +864,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{PREFIX} exported: " + " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.exported.items()),
             file=sys.stderr,
         )
-    if not args.script and plan.cmd[1:2] == ["-m"]:
+    if not args.script and plan.wrapped:
         # torchrun / accelerate: a bad argument would come back once per rank plus the launcher's own wall of
         # ChildFailedError; the engine checks its arguments (no torch) in one process first: one line, exit 2.
         checked = preflight(plan)

@@ -32,6 +32,82 @@ def cpu_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+# The tables below, each in the order it is exported; presets() picks the ones that apply to a job.
+RESTART_PRESETS = (
+    Preset(
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+        "1",
+        "with --max-restarts: the workers of a restarted attempt get a fresh store; sharing "
+        "the rendezvous store (torch's default) hands them the previous attempt's addresses, "
+        "and the restart fails or hangs (pytorch/pytorch#135712)",
+    ),
+)
+GPU_PRESETS = (
+    Preset(
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "1",
+        "a failed or timed-out collective aborts the communicator and ends the process, so a "
+        "dead rank brings the job down instead of leaving the others hanging",
+        aliases=("NCCL_ASYNC_ERROR_HANDLING",),
+    ),
+    Preset("NCCL_DEBUG", "WARN", "NCCL/RCCL problems are printed without the INFO flood; set NCCL_DEBUG=INFO to debug"),
+)
+NVIDIA_PRESETS = (
+    Preset(
+        "CUDA_DEVICE_ORDER",
+        "PCI_BUS_ID",
+        "CUDA numbers the GPUs as nvidia-smi does (CUDA's default puts the fastest first), so "
+        "indices in CUDA_VISIBLE_DEVICES and --gpus mean the GPUs the launcher printed",
+    ),
+    Preset(
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "expandable_segments:True",
+        "the caching allocator grows segments instead of fragmenting memory when shapes vary; "
+        "not compatible with CUDA graphs, unset it (or set your own value) to use them",
+        aliases=("PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"),
+    ),
+)
+AMD_ROCM7_PRESETS = (  # ROCm >= 7.0
+    Preset(
+        "PYTORCH_HIP_ALLOC_CONF",
+        "expandable_segments:True",
+        "less fragmentation, as on NVIDIA; set only on ROCm >= 7.0, where expandable segments work",
+        aliases=("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"),
+    ),
+)
+AMD_PRESETS = (
+    Preset(
+        "HSA_NO_SCRATCH_RECLAIM",
+        "1",
+        "scratch memory stays with its queue; avoids RCCL crashes on older firmware "
+        "(ROCm's Megatron recipe default; costs some VRAM)",
+    ),
+    Preset(
+        "HIP_FORCE_DEV_KERNARG",
+        "1",
+        "kernel arguments in device memory, lower launch latency (the default since ROCm 6.2; set for older ROCm)",
+    ),
+    Preset("RCCL_MSCCL_ENABLE", "0", "avoids a past RCCL data-mismatch bug in MSCCL (ROCm guidance)"),
+)
+AMD_MULTI_GPU_PRESETS = (  # more than one process on the node
+    Preset(
+        "HSA_FORCE_FINE_GRAIN_PCIE",
+        "1",
+        "peer-to-peer transfers between PCIe GPUs (needs large BAR); fixed a reported DDP hang",
+    ),
+    Preset(
+        "GPU_MAX_HW_QUEUES",
+        "2",
+        "with TORCH_NCCL_HIGH_PRIORITY: RCCL gets high-priority streams that overlap FSDP's "
+        "compute (ROCm MI300X tuning guide)",
+    ),
+    Preset("TORCH_NCCL_HIGH_PRIORITY", "1", "see GPU_MAX_HW_QUEUES"),
+)
+MI300_PRESETS = (  # several MI300X/MI325X on the node
+    Preset("NCCL_MIN_NCHANNELS", "112", "more RCCL channels use MI300X/MI325X's bandwidth (ROCm workload guide)"),
+)
+
+
 def presets(
     vendor: str,
     *,
@@ -57,98 +133,24 @@ def presets(
             f"the node's CPUs split between its {nproc_per_node} process(es); unset, each process "
             "would start one thread per core (oversubscription), and torchrun would force 1 with a warning",
         ),
+        *(RESTART_PRESETS if restarts else ()),
     ]
-    if restarts:
-        out.append(
-            Preset(
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-                "1",
-                "with --max-restarts: the workers of a restarted attempt get a fresh store; sharing "
-                "the rendezvous store (torch's default) hands them the previous attempt's addresses, "
-                "and the restart fails or hangs (pytorch/pytorch#135712)",
-            )
-        )
     if not use_gpus:
         return out
-    out += [
-        Preset(
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-            "1",
-            "a failed or timed-out collective aborts the communicator and ends the process, so a "
-            "dead rank brings the job down instead of leaving the others hanging",
-            aliases=("NCCL_ASYNC_ERROR_HANDLING",),
-        ),
-        Preset(
-            "NCCL_DEBUG", "WARN", "NCCL/RCCL problems are printed without the INFO flood; set NCCL_DEBUG=INFO to debug"
-        ),
-    ]
     if vendor == NVIDIA:
-        out += [
-            Preset(
-                "CUDA_DEVICE_ORDER",
-                "PCI_BUS_ID",
-                "CUDA numbers the GPUs as nvidia-smi does (CUDA's default puts the fastest first), so "
-                "indices in CUDA_VISIBLE_DEVICES and --gpus mean the GPUs the launcher printed",
-            ),
-            Preset(
-                "PYTORCH_CUDA_ALLOC_CONF",
-                "expandable_segments:True",
-                "the caching allocator grows segments instead of fragmenting memory when shapes vary; "
-                "not compatible with CUDA graphs, unset it (or set your own value) to use them",
-                aliases=("PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"),
-            ),
-        ]
-    elif vendor == AMD:
-        multi = nproc_per_node > 1
-        if rocm_version is not None and rocm_version >= (7, 0):
-            out.append(
-                Preset(
-                    "PYTORCH_HIP_ALLOC_CONF",
-                    "expandable_segments:True",
-                    "less fragmentation, as on NVIDIA; set only on ROCm >= 7.0, where expandable segments work",
-                    aliases=("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"),
-                )
-            )
-        out += [
-            Preset(
-                "HSA_NO_SCRATCH_RECLAIM",
-                "1",
-                "scratch memory stays with its queue; avoids RCCL crashes on older firmware "
-                "(ROCm's Megatron recipe default; costs some VRAM)",
-            ),
-            Preset(
-                "HIP_FORCE_DEV_KERNARG",
-                "1",
-                "kernel arguments in device memory, lower launch latency (the default since ROCm 6.2; "
-                "set for older ROCm)",
-            ),
-            Preset("RCCL_MSCCL_ENABLE", "0", "avoids a past RCCL data-mismatch bug in MSCCL (ROCm guidance)"),
-        ]
-        if multi:
-            out += [
-                Preset(
-                    "HSA_FORCE_FINE_GRAIN_PCIE",
-                    "1",
-                    "peer-to-peer transfers between PCIe GPUs (needs large BAR); fixed a reported DDP hang",
-                ),
-                Preset(
-                    "GPU_MAX_HW_QUEUES",
-                    "2",
-                    "with TORCH_NCCL_HIGH_PRIORITY: RCCL gets high-priority streams that overlap FSDP's "
-                    "compute (ROCm MI300X tuning guide)",
-                ),
-                Preset("TORCH_NCCL_HIGH_PRIORITY", "1", "see GPU_MAX_HW_QUEUES"),
-            ]
-            if any(re.search(r"MI3(00|25)X", n, re.IGNORECASE) for n in gpu_names):
-                out.append(
-                    Preset(
-                        "NCCL_MIN_NCHANNELS",
-                        "112",
-                        "more RCCL channels use MI300X/MI325X's bandwidth (ROCm workload guide)",
-                    )
-                )
-    else:
-        raise ValueError(f"unknown vendor {vendor!r}")
+        return [*out, *GPU_PRESETS, *NVIDIA_PRESETS]
+    if vendor == AMD:
+        return [*out, *GPU_PRESETS, *amd_presets(nproc_per_node, gpu_names, rocm_version)]
+    raise ValueError(f"unknown vendor {vendor!r}")
+
+
+def amd_presets(nproc_per_node: int, gpu_names: Sequence[str], rocm_version: tuple[int, int] | None) -> list[Preset]:
+    """AMD's own: the allocator on ROCm >= 7, RCCL's and HIP's settings, and more for several GPUs per node."""
+    out = [*(AMD_ROCM7_PRESETS if rocm_version is not None and rocm_version >= (7, 0) else ()), *AMD_PRESETS]
+    if nproc_per_node > 1:
+        out += AMD_MULTI_GPU_PRESETS
+        if any(re.search(r"MI3(00|25)X", n, re.IGNORECASE) for n in gpu_names):
+            out += MI300_PRESETS
     return out
 
 

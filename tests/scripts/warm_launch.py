@@ -1,12 +1,13 @@
 """torchrun or `accelerate launch` whose ranks are forks of a process that has already imported the engines.
 
-    warm_launch.py torchrun [TORCHRUN OPTIONS] SCRIPT [ARGS]
-    warm_launch.py accelerate launch [ACCELERATE OPTIONS] SCRIPT [ARGS]
+    warm_launch.py torchrun [TORCHRUN OPTIONS] SCRIPT|-m MODULE [ARGS]
+    warm_launch.py accelerate launch [ACCELERATE OPTIONS] SCRIPT|-m MODULE [ARGS]
 
 A training process spends ~4 s of CPU importing torch, transformers and the engines before its first step,
 and the suite starts ~100 ranks on 2 cores. Here the launcher imports them once; then torchrun's own agent
 (torch.distributed.run: rendezvous, the ranks' environment, restarts, failure reports) starts each rank
-the way its `--run-path --start-method fork` options do: a forked process that runs SCRIPT as `__main__`.
+the way its `--run-path --start-method fork` options do: a forked process that runs SCRIPT (or, given -m, MODULE)
+as `__main__`.
 The ranks are real processes talking gloo; only `exec` is skipped. Tests of the launchers themselves
 (signals, restarts, exit codes, torchrun's failure report) use the real `torchrun`/`accelerate` commands.
 """
@@ -31,20 +32,24 @@ import anygpu.engines.hf.engine  # noqa: E402,F401
 _config_from_args = distrib_run.config_from_args
 
 
-def as_a_fresh_interpreter(script: str, argv) -> None:
-    """What `python -u SCRIPT ARGV` sets up that a fork does not: default signal handlers (the agent's are
-    inherited), argv, and the script's folder first on sys.path."""
+def as_a_fresh_interpreter(script: str, argv, module: bool = False) -> None:
+    """What `python -u SCRIPT ARGV` (or `python -u -m MODULE ARGV`) sets up that a fork does not: default signal
+    handlers (the agent's are inherited), argv, and the script's folder (for a module, the current one) first on
+    sys.path."""
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.argv = [script, *argv]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    sys.argv = [script, *argv]  # a module's: run_module puts its file here, as `python -m` does
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
 
 
-def run_script(script: str) -> int:
-    """SCRIPT as `__main__`; its exit code as the interpreter would make it."""
+def run_script(script: str, module: bool = False) -> int:
+    """SCRIPT (or MODULE) as `__main__`; its exit code as the interpreter would make it."""
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
@@ -64,10 +69,10 @@ def finish(code: int) -> None:
     os._exit(code)
 
 
-def run_rank(script: str, *argv: str) -> None:
-    """One rank: SCRIPT as `__main__`, ending as the interpreter would (exit handlers, exit code)."""
-    as_a_fresh_interpreter(script, argv)
-    code = run_script(script)
+def run_rank(script: str, *argv: str, module: bool = False) -> None:
+    """One rank: SCRIPT (or MODULE) as `__main__`, ending as the interpreter would (exit handlers, exit code)."""
+    as_a_fresh_interpreter(script, argv, module)
+    code = run_script(script, module)
     if code:
         finish(code)  # the agent reads a failed rank from its exit code, as from an exec'd one
     atexit._run_exitfuncs()
@@ -75,13 +80,19 @@ def run_rank(script: str, *argv: str) -> None:
     sys.stderr.flush()
 
 
+def run_module_rank(module: str, *argv: str) -> None:
+    """One rank of `-m MODULE`, which --run-path alone would take for a file name."""
+    run_rank(module, *argv, module=True)
+
+
 def _forking_config(args):
+    module = bool(args.module)  # torchrun's -m, or accelerate's (it passes its own on to torchrun's arguments)
     args.run_path, args.start_method = True, "fork"
-    return _config_from_args(args)
+    config, _, cmd_args = _config_from_args(args)  # cmd_args: the script or module, then its arguments
+    return config, run_module_rank if module else run_rank, cmd_args
 
 
 if __name__ == "__main__":
-    distrib_run.run_script_path = run_rank  # what --run-path runs in each rank
     distrib_run.config_from_args = _forking_config  # torchrun's and accelerate's path alike
     command, rest = sys.argv[1], sys.argv[2:]
     if command == "torchrun":

@@ -1,4 +1,5 @@
-"""A process that has imported the engines and forks one child per request to run a script as `__main__`
+"""A process that has imported the engines and forks one child per request to run a script (or `-m MODULE`) as
+`__main__`
 (the tests' one-rank runs and warm launchers: conftest.python / torchrun / accelerate_launch).
 
 A one-rank tiny run spends ~4.5 s of its ~6.5 s of CPU importing torch, transformers and the engines; this
@@ -31,8 +32,11 @@ def child(request: dict) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     script, *argv = request["argv"]
-    as_a_fresh_interpreter(script, argv)
-    finish(run_script(script))
+    module = script == "-m"  # ["-m", MODULE, ARGS...]: `python -m MODULE ARGS`
+    if module:
+        script, *argv = argv
+    as_a_fresh_interpreter(script, argv, module)
+    finish(run_script(script, module))
 
 
 def serve() -> None:

@@ -1,0 +1,24 @@
+"""HF Trainer engine's entry: `accelerate launch --config_file CFG --num_processes N -m anygpu.engines.run_hf
+[config.yaml] [--arg value ...]`.
+
+Also runs under `torchrun -m` (DDP) or as `python -m anygpu.engines.run_hf` (one process; nn.DataParallel over
+several GPUs). The repository's run_hf_standalone.py is this module's main(). See --help.
+"""
+
+import anygpu
+
+
+def main(prog: str | None = None) -> None:
+    """Offline defaults, then the arguments checked before torch is imported, then the Trainer."""
+    anygpu.set_offline_defaults()  # before transformers and datasets are imported: they read it at import
+    anygpu.quiet_library_warnings()
+    from anygpu.config.args import HFEngineArguments, preflight
+
+    preflight(extra=(HFEngineArguments,), prog=prog)  # --help and bad input before torch is imported, exit 2
+    from anygpu.engines.hf.engine import main as train
+
+    train()
+
+
+if __name__ == "__main__":
+    main(prog=f"python -m {__spec__.name}")
