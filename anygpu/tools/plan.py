@@ -35,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: anygpu plan --config_name llama-8b --block_size 4096 --global_batch_size 64 "
         "--num_gpus 8 --gpu_memory_gb 80",
     )
+    _model_arguments(p)
+    _cluster_arguments(p)
+    _run_arguments(p)
+    return p
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    """What is trained: the model and the shape of a step."""
     p.add_argument("--model_name_or_path", help="A local model folder or a cached hub id (only its config is read).")
     p.add_argument(
         "--config_name",
@@ -43,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--block_size", type=int, default=1024, help="Tokens per sequence (default 1024).")
     p.add_argument("--global_batch_size", type=int, default=64, help="Sequences per optimizer step (default 64).")
+
+
+def _cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """Where it runs: the GPUs, the nodes and the HSDP mesh."""
     p.add_argument(
         "--gpu",
         metavar="NAME",
@@ -71,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpu_memory_gb", type=float, help="Memory per GPU in GiB (default: detected).")
     p.add_argument("--gpu_name", help="GPU model for the peak FLOP/s of the step time, e.g. H100 (default: detected).")
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    """The table's rows, the recommendation and the output."""
     p.add_argument(
         "--per_device_train_batch_size",
         type=int,
@@ -102,7 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="Also the full tables: every strategy, precision and checkpointing setting, full and LoRA.",
     )
     p.add_argument("--json", action="store_true", help="One JSON object (rows, recommendation) instead of text.")
-    return p
 
 
 def check_args(args: argparse.Namespace) -> str | None:

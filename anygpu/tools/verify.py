@@ -477,62 +477,85 @@ def refuse(message: str) -> None:
     raise UsageError(f"{message} ({hint})")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+@dataclass
+class Job:
+    """One verify, checked: its options, the job's own arguments, the runs and where they run."""
+
+    opts: argparse.Namespace
+    job: list[str]
+    root: Path
+    runs: list
+    where: str
+    vendor: str
+    probe: object
+
+
+def parse(argv: list[str]) -> Job:
+    """The options and the job, refused (UsageError) before anything runs."""
     mine, job = launcher.split_argv(argv)
     parser = build_parser()
     parser.error = refuse  # one line and exit 2, as for every other bad input
+    opts = parser.parse_args(mine)
+    sizes, engines = check_options(opts)
+    root = Path(check_job(job, engines, sizes)) / "verify"
+    vendor = vendor_here()
+    probe = once(launcher.torch_probe)
+    where = ""
+    if not opts.compare_only:
+        sizes, where = usable_sizes(sizes, opts.cpu, vendor, probe)
+    runs = plan_runs(root, sizes, engines, opts.resume_at)
+    if len(runs) < 2:
+        raise UsageError(
+            f"--world_sizes {opts.world_sizes}: only world size {sizes[0]} can run here, which leaves "
+            "nothing to compare; pass --cpu to compare CPU processes, or add --engines fsdp,hf"
+        )
+    if opts.compare_only and (
+        missing := [r.name for r in runs if not (Path(r.output_dir) / "metrics.jsonl").is_file()]
+    ):
+        raise UsageError(
+            f"--compare_only: no earlier run {', '.join(missing)} in {root}: run verify without "
+            "--compare_only first (with the same --world_sizes, --engines and --resume_at)"
+        )
+    return Job(opts, job, root, runs, where, vendor, probe)
+
+
+def run_all(v: Job) -> None:
+    """Train every run of the comparison, one after another, saying which and how long."""
+    runs = v.runs
+    print(
+        f"{PREFIX} {len(runs)} runs of {v.opts.max_steps} steps on {v.where}, in {v.root}", file=sys.stderr, flush=True
+    )
+    for i, run in enumerate(runs, 1):
+        processes = launcher.plural(run.world_size, "process")
+        resumed = f", resumed from {run.resumed_from}" if run.resumed_from else ""
+        print(
+            f"{PREFIX} {i}/{len(runs)} {run.name}: {run.engine} engine, {processes}{resumed} …",
+            file=sys.stderr,
+            flush=True,
+        )
+        launch(run, v.job, v.opts.max_steps, v.opts.cpu, v.vendor, v.probe)
+        print(f"{PREFIX} {i}/{len(runs)} {run.name}: done in {run.seconds:.1f} s", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        opts = parser.parse_args(mine)
-        sizes, engines = check_options(opts)
-        root = Path(check_job(job, engines, sizes)) / "verify"
-        vendor = vendor_here()
-        probe = once(launcher.torch_probe)
-        if not opts.compare_only:
-            sizes, where = usable_sizes(sizes, opts.cpu, vendor, probe)
-        runs = plan_runs(root, sizes, engines, opts.resume_at)
-        if len(runs) < 2:
-            raise UsageError(
-                f"--world_sizes {opts.world_sizes}: only world size {sizes[0]} can run here, which leaves "
-                "nothing to compare; pass --cpu to compare CPU processes, or add --engines fsdp,hf"
-            )
-        if opts.compare_only and (
-            missing := [r.name for r in runs if not (Path(r.output_dir) / "metrics.jsonl").is_file()]
-        ):
-            raise UsageError(
-                f"--compare_only: no earlier run {', '.join(missing)} in {root}: run verify without "
-                "--compare_only first (with the same --world_sizes, --engines and --resume_at)"
-            )
+        v = parse(list(sys.argv[1:] if argv is None else argv))
     except UsageError as e:
         print(f"anygpu verify: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    root.mkdir(parents=True, exist_ok=True)
+    opts, runs = v.opts, v.runs
+    v.root.mkdir(parents=True, exist_ok=True)
     worst = None
     try:
-        if not opts.compare_only:
-            print(
-                f"{PREFIX} {len(runs)} runs of {opts.max_steps} steps on {where}, in {root}",
-                file=sys.stderr,
-                flush=True,
-            )
-            for i, run in enumerate(runs, 1):
-                processes = launcher.plural(run.world_size, "process")
-                print(
-                    f"{PREFIX} {i}/{len(runs)} {run.name}: {run.engine} engine, {processes}"
-                    + (f", resumed from {run.resumed_from}" if run.resumed_from else "")
-                    + " …",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                launch(run, job, opts.max_steps, opts.cpu, vendor, probe)
-                print(f"{PREFIX} {i}/{len(runs)} {run.name}: done in {run.seconds:.1f} s", file=sys.stderr, flush=True)
         if opts.compare_only:
-            earlier_seconds(root, runs)
+            earlier_seconds(v.root, runs)
+        else:
+            run_all(v)
         for run in runs:
             read_metrics(run)
         worst = compare(runs, opts.resume_at)
     except (UsageError, VerifyError) as e:
-        write_result(root, opts, job, runs, worst, False, str(e))
+        write_result(v.root, opts, v.job, runs, worst, False, str(e))
         print(f"anygpu verify: error: {e}", file=sys.stderr)
         return EXIT_USAGE if isinstance(e, UsageError) else 1
     passed = worst.value <= opts.tolerance
@@ -540,8 +563,7 @@ def main(argv: list[str] | None = None) -> int:
     for line in hints(runs) if not passed else []:
         print(f"hint: {line}")
     print(verdict(worst, opts.tolerance))
-    path = write_result(root, opts, job, runs, worst, passed)
-    print(f"result: {path}")
+    print(f"result: {write_result(v.root, opts, v.job, runs, worst, passed)}")
     return 0 if passed else 1
 
 
