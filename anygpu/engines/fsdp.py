@@ -21,7 +21,7 @@ from anygpu import errors
 from anygpu.checkpoint import async_store, resume_guard, store
 from anygpu.config.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.data.loader import StepBatches, read_step, step_loader
-from anygpu.data.prepare import Prepared, check_run, prepare, summary_lines
+from anygpu.data.prepare import Prepared, check_run, prepare
 from anygpu.engines.trunk import finish, startup
 from anygpu.engines.trunk.evaluator import evaluate
 from anygpu.engines.trunk.log import RunLog
@@ -239,7 +239,7 @@ class FSDPTrainer:
     def banner(self) -> str:
         built = parallel.mesh_of(self.model)  # what the parameters really live on, not what was asked for
         shape = (built or self.mesh_shape).banner(sharded=built is not None)
-        return "\n".join(["anygpu FSDP2 engine", *summary_lines(self.prep, self.model, self.args, self.tf32), shape])
+        return startup.banner("FSDP2", self.prep, self.model, self.args, self.tf32, shape)
 
     def _resume_line(self) -> str | None:
         if self.resumed is None:

@@ -17,7 +17,7 @@ from anygpu import errors
 from anygpu.checkpoint import resume_guard
 from anygpu.config.args import TrainArguments, resolved_dict
 from anygpu.config.batch import BatchPlan
-from anygpu.data.prepare import prepare, summary_lines
+from anygpu.data.prepare import prepare
 from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.engines.hf.trainer import (
     AnygpuTrainer,
@@ -105,9 +105,8 @@ class HFRun:
         self.probe = self._auto_micro_batch()
         self.schedule = self._schedule()
         self.model = self._build_model()
-        self.banner = "\n".join(
-            ["anygpu HF Trainer engine", *summary_lines(prep, self.model, train_args, self.tf32), plan.describe()]
-        )  # counted before DeepSpeed or FSDP partition the parameters
+        # counted before DeepSpeed or FSDP partition the parameters
+        self.banner = startup.banner("HF Trainer", prep, self.model, train_args, self.tf32, plan.describe())
         fpt, peak = startup.throughput_facts(prep, self.model, train_args, self.tf32, self.targs.device)
         self.log = RunLog(
             prep,

@@ -66,6 +66,14 @@ def throughput_facts(prep, model, train_args, tf32: bool, device) -> tuple[float
     return fpt, peak
 
 
+def banner(engine: str, prep, model, train_args, tf32: bool, layout: str) -> str:
+    """The start-up banner: the engine, hardware, model, data, batch cut, schedule and precision (the lines
+    both engines share), and the engine's own layout line (its mesh or strategy)."""
+    from anygpu.data.prepare import summary_lines
+
+    return "\n".join([f"anygpu {engine} engine", *summary_lines(prep, model, train_args, tf32), layout])
+
+
 def resume_line(path: Path, step: int, was: int, now: int, unit: str, meshes: str = "") -> str:
     """`resumed from … at step N (was W ranks, now W'[; mesh …])`: what the resumed run continues from."""
     return f"resumed from {path} at step {step} (was {was} {unit}, now {now}{meshes})"
