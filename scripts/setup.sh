@@ -10,7 +10,7 @@
 # scripts/freeze_constraints.py); requirements.txt keeps the package's own, wider ranges.
 #
 # Knobs: VENV (default .venv), PYTHON (default python3), TORCH_INDEX_URL (force a wheel
-# index for torch, e.g. https://download.pytorch.org/whl/rocm6.4), CONSTRAINTS (default
+# index for torch; on AMD the default comes from scripts/rocm_torch_index.tsv), CONSTRAINTS (default
 # constraints.txt; CONSTRAINTS= installs the newest versions the ranges allow).
 set -euo pipefail
 
@@ -56,8 +56,10 @@ else
     log "NVIDIA driver found: installing the CUDA build of torch from PyPI"
     "${PIP[@]}" torch
   elif [ "$vendor" = amd ]; then
-    log "AMD driver found: installing the ROCm build of torch"
-    "${PIP[@]}" torch --index-url https://download.pytorch.org/whl/rocm6.4
+    # The ROCm index must carry a torch that requirements.txt accepts: one table, the newest row.
+    IFS=$'\t' read -r series index why < <(grep -v '^#' scripts/rocm_torch_index.tsv | sort -V | tail -n 1)
+    log "AMD driver found: installing the ROCm build of torch $series from $index ($why)"
+    "${PIP[@]}" "torch==$series.*" --index-url "$index"
   else
     log "no GPU driver: installing the CPU build of torch (never the multi-GB CUDA wheels)"
     # A CPU wheel pip already knows of locally (find-links, a wheel cache) first: no download and no

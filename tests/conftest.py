@@ -58,10 +58,23 @@ def shared_cache(tmp_path_factory) -> Path:
     return cache
 
 
+# Blank, not removed: a removed variable shows every GPU, and an empty HIP_VISIBLE_DEVICES is read as unset,
+# so only all three empty keep a test that means CPU on the CPU of a CUDA or ROCm machine.
+HIDE_GPUS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}
+_GPU_TEST: list[bool] = [False]  # the running test is marked gpu: its processes see the GPUs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """Before the test's fixtures (module-scoped ones start runs too): whether its processes may see the GPUs."""
+    _GPU_TEST[0] = item.get_closest_marker("gpu") is not None
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    e.pop("CUDA_VISIBLE_DEVICES", None)
+    if not _GPU_TEST[0]:
+        e.update(HIDE_GPUS)
     # The suite starts ~200 interpreters: the first to import a module set-up did not byte-compile writes
     # its byte-code for the rest, also where the environment says not to.
     e.pop("PYTHONDONTWRITEBYTECODE", None)

@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import HIDE_GPUS, ROOT
 
 CONFIG_DIR = ROOT / "accelerate_configs"
 SHIPPED = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
@@ -160,7 +160,7 @@ def test_accelerate_own_check_forms_one_group(tmp_path):
         "OMP_NUM_THREADS": "1",
         "ACCELERATE_USE_CPU": "true",
     }
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(HIDE_GPUS)
     # 2 processes: accelerate's script checks tensor splits as if there were at most 2
     # (huggingface/accelerate#1722, #2769), whatever the hardware.
     proc = subprocess.run(

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, TINY, assert_close, descendants, env, losses, outputs, python
+from conftest import BIN, HIDE_GPUS, ROOT, TINY, assert_close, descendants, env, losses, outputs, python
 
 pytestmark = pytest.mark.slow
 SCRIPT = "run_fsdp_standalone.py"
@@ -110,7 +110,7 @@ def test_sigterm_during_an_evaluation_then_a_worker_killed_under_max_restarts(re
     cpu = {
         "FAKE_NVIDIA": "absent",
         "FAKE_AMD": "absent",
-        "CUDA_VISIBLE_DEVICES": "",
+        **HIDE_GPUS,
         "PYTHON": str(BIN / "python"),
         "PATH": os.pathsep.join([str(ROOT / "tests" / "fakes"), str(BIN), os.environ["PATH"]]),
     }

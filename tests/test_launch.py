@@ -30,7 +30,7 @@ from anygpu.launch.detect import AMD, NVIDIA, Gpu
 ROOT = Path(__file__).resolve().parent.parent
 FAKES = ROOT / "tests" / "fakes"
 sys.path.insert(0, str(FAKES))
-from conftest import outputs  # noqa: E402
+from conftest import HIDE_GPUS, outputs  # noqa: E402
 import fake_smi  # noqa: E402  (the fakes' own encoders: an independent check of our decoders)
 
 SCRIPT = {NVIDIA: ROOT / "run_nvidia_all.sh", AMD: ROOT / "run_amd_all.sh"}
@@ -278,7 +278,8 @@ def test_nvidia_visibility(env, expected):
     "env, expected",
     [
         ({}, list(range(8))),
-        ({"HIP_VISIBLE_DEVICES": ""}, []),
+        ({"HIP_VISIBLE_DEVICES": ""}, list(range(8))),  # HIP treats an empty value as unset
+        ({"HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": ""}, []),  # ROCr's empty list hides them
         ({"ROCR_VISIBLE_DEVICES": ""}, []),
         ({"HIP_VISIBLE_DEVICES": "0,2"}, [0, 2]),
         ({"CUDA_VISIBLE_DEVICES": "0,2,-1,1"}, [0, 2]),
@@ -353,13 +354,12 @@ def test_dry_run_vendor_variables():
     common = {
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": str(max(1, vendor_env.cpu_count() // 8)),
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         "NCCL_DEBUG": "WARN",
     }
     assert nv.exports == {
         **common,
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True",
     }
     assert amd.exports == {
         **common,
@@ -382,20 +382,16 @@ def test_callers_values_survive_dry_run():
         "smi",
         NCCL_DEBUG="INFO",
         OMP_NUM_THREADS="3",
-        PYTORCH_ALLOC_CONF="max_split_size_mb:512",
-        NCCL_ASYNC_ERROR_HANDLING="3",
+        PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512",
     )
     assert r.rc == 0, r.err
     assert r.kept == {
         "NCCL_DEBUG": "INFO",
         "OMP_NUM_THREADS": "3",
-        "PYTORCH_ALLOC_CONF": "max_split_size_mb:512",
-        "NCCL_ASYNC_ERROR_HANDLING": "3",
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512",
     }
     # Nor is an alias of theirs shadowed by the other name of the same knob.
-    assert not {"NCCL_DEBUG", "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_NCCL_ASYNC_ERROR_HANDLING"} & set(
-        r.exports
-    )
+    assert not {"NCCL_DEBUG", "OMP_NUM_THREADS", "PYTORCH_ALLOC_CONF"} & set(r.exports)
 
 
 @pytest.mark.parametrize("vendor", [NVIDIA, AMD])
@@ -721,7 +717,7 @@ FAST = ["--count-from", "smi"]
 
 def _cpu_env(**extra: str) -> dict[str, str]:
     # No driver at all (and nothing visible, should the test machine have GPUs).
-    return {"FAKE_NVIDIA": "absent", "FAKE_AMD": "absent", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **extra}
+    return {"FAKE_NVIDIA": "absent", "FAKE_AMD": "absent", **HIDE_GPUS, "OMP_NUM_THREADS": "1", **extra}
 
 
 def _losses(output_dir: Path) -> dict[int, float]:

@@ -283,9 +283,8 @@ def probe_amd(run: Runner = run_tool) -> Probe:
 
 
 def probe(vendor: str, run: Runner = run_tool, env: Mapping[str, str] | None = None) -> Probe:
-    if vendor == NVIDIA:
-        wants_migs = (env or {}).get("CUDA_VISIBLE_DEVICES", "").strip().startswith("MIG-")
-        return probe_nvidia(run, want_migs=wants_migs)
+    if vendor == NVIDIA:  # nvidia-smi -L too: a GPU in MIG mode is used through its instances' MIG- ids
+        return probe_nvidia(run, want_migs=True)
     if vendor == AMD:
         return probe_amd(run)
     raise ValueError(f"unknown vendor {vendor!r} (valid: {', '.join(VENDORS)})")
@@ -348,6 +347,28 @@ class Visibility:
     unresolved: str = ""  # set when the rules cannot be applied from the smi data (e.g. AMD UUIDs)
 
 
+def hide_all(vendor: str | None = None) -> dict[str, str]:
+    """The variables that hide every GPU of ``vendor`` (None: of both) from a process.
+
+    An empty ``HIP_VISIBLE_DEVICES`` is treated as unset by HIP, so on AMD ``ROCR_VISIBLE_DEVICES=""``
+    (read by the ROCm runtime underneath) does the hiding; the others keep torch's view consistent.
+    """
+    names = (
+        visibility_variables(vendor)
+        if vendor
+        else ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+    )
+    return dict.fromkeys(names, "")
+
+
+def with_mig_instances(gpus: Sequence[Gpu], migs: Sequence[Gpu]) -> list[Gpu]:
+    """Each GPU in MIG mode replaced by its instances (a process computes on an instance, never on the parent)."""
+    out: list[Gpu] = []
+    for g in gpus:
+        out += [m for m in migs if m.index == g.index] or [g]
+    return out
+
+
 def visibility_variables(vendor: str) -> tuple[str, ...]:
     """The variables the vendor's runtime reads, in the order it applies them."""
     return (
@@ -371,9 +392,11 @@ def visible_gpus(vendor: str, present: Sequence[Gpu], env: Mapping[str, str], mi
     unresolved = ""
     if vendor == NVIDIA:
         steps = ["CUDA_VISIBLE_DEVICES"] if "CUDA_VISIBLE_DEVICES" in env else []
+        if not steps:
+            seen = with_mig_instances(seen, migs)
     else:
         steps = [v for v in ("ROCR_VISIBLE_DEVICES",) if v in env]
-        if "HIP_VISIBLE_DEVICES" in env:
+        if env.get("HIP_VISIBLE_DEVICES", "").strip():  # HIP treats an empty value as unset
             steps.append("HIP_VISIBLE_DEVICES")
         elif "CUDA_VISIBLE_DEVICES" in env:
             steps.append("CUDA_VISIBLE_DEVICES")

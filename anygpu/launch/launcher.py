@@ -354,7 +354,10 @@ def _parse_gpu_list(text: str, num_usable: int) -> list[int]:
 def _pin(vendor: str, chosen: Sequence[Gpu], present: Sequence[Gpu], env: Mapping[str, str]) -> dict[str, str]:
     """The visibility variable that shows the job exactly ``chosen`` (which are all visible now)."""
     if vendor == NVIDIA:
-        by_index = env.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID") == "PCI_BUS_ID"
+        # MIG instances only by their MIG- ids (an index names the whole parent GPU); one list is one kind
+        by_index = env.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID") == "PCI_BUS_ID" and not any(
+            g.uuid.startswith("MIG-") for g in chosen
+        )
         ids = [str(g.index) if by_index or not g.uuid else g.uuid for g in chosen]
         return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
     # AMD: keep ROCR_VISIBLE_DEVICES (Slurm's choice) and index what it leaves with HIP_VISIBLE_DEVICES,
@@ -405,11 +408,7 @@ def detect_devices(
     """The GPUs present (smi tools), those the visibility variables and --gpus leave; may pin ``env``."""
     if args.cpu:
         dev = Devices(cpu_reason="--cpu given")
-        hide = (
-            {"CUDA_VISIBLE_DEVICES": ""}
-            if args.vendor == NVIDIA
-            else {"HIP_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": ""}
-        )
+        hide = gpu_detect.hide_all(args.vendor)
         env.update(hide)
         exported.update(hide)
     else:
@@ -549,6 +548,38 @@ def processes_per_node(args: argparse.Namespace, dev: Devices, lines: list[str])
         return nproc
     dev.chosen = []
     return args.nproc or 1
+
+
+def pin_one_process(
+    args: argparse.Namespace,
+    dev: Devices,
+    visible: int,
+    env: dict[str, str],
+    exported: dict[str, str],
+    lines: list[str],
+) -> None:
+    """One process where several GPUs are usable: show it only the first, so it computes on one GPU (the HF
+    engine's plain process would otherwise take every GPU it sees through DataParallel)."""
+    if dev.count != 1 or visible < 2 or args.gpus is not None:
+        return
+    if args.vendor == NVIDIA:
+        target, source = "CUDA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"
+    else:  # HIP's list indexes what ROCR_VISIBLE_DEVICES leaves, as CUDA's does when HIP's is unset
+        target, source = (
+            "HIP_VISIBLE_DEVICES",
+            next((v for v in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if v in env), ""),
+        )
+    # the caller's list, where there is one, already names the GPUs the runtime numbers 0, 1, …: keep its first
+    pin = (
+        {target: env[source].split(",")[0].strip()}
+        if source in env
+        else _pin(args.vendor, dev.chosen, dev.present, env)
+    )
+    env.update(pin)
+    exported.update(pin)
+    lines.append(
+        f"one process on {visible} usable GPUs: pinned to the first, " + ", ".join(f"{k}={v}" for k, v in pin.items())
+    )
 
 
 def export_environment(
@@ -790,7 +821,9 @@ def make_plan(
     nodes = resolve_nodes(env, args.master_port, run)
     dev = detect_devices(args, env, exported, lines, run)
     apply_torch_count(args, dev, env, lines, warnings, probe_torch, python)
+    visible = dev.count
     nproc = processes_per_node(args, dev, lines)
+    pin_one_process(args, dev, visible, env, exported, lines)
     kept = export_environment(args, dev, nproc, env, exported)
     entry = job_entry(args, env, python, lines, warnings)
     cmd = build_command(args, entry, script_args, dev, nproc, nodes, env, exported, lines, python)

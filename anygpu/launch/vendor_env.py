@@ -42,16 +42,14 @@ RESTART_PRESETS = (
         "and the restart fails or hangs (pytorch/pytorch#135712)",
     ),
 )
+# TORCH_NCCL_ASYNC_ERROR_HANDLING is left to torch: its default (3, since torch 2.2) already aborts the
+# communicator and ends the process when a collective fails or times out; 1 would add nothing measured here.
 GPU_PRESETS = (
-    Preset(
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-        "1",
-        "a failed or timed-out collective aborts the communicator and ends the process, so a "
-        "dead rank brings the job down instead of leaving the others hanging",
-        aliases=("NCCL_ASYNC_ERROR_HANDLING",),
-    ),
     Preset("NCCL_DEBUG", "WARN", "NCCL/RCCL problems are printed without the INFO flood; set NCCL_DEBUG=INFO to debug"),
 )
+# torch >= 2.9 reads the allocator's settings from PYTORCH_ALLOC_CONF on CUDA and ROCm alike; the CUDA-named
+# variable still works but warns in every rank. The vendor names are aliases: a caller's value is kept.
+ALLOC_ALIASES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 NVIDIA_PRESETS = (
     Preset(
         "CUDA_DEVICE_ORDER",
@@ -60,19 +58,19 @@ NVIDIA_PRESETS = (
         "indices in CUDA_VISIBLE_DEVICES and --gpus mean the GPUs the launcher printed",
     ),
     Preset(
-        "PYTORCH_CUDA_ALLOC_CONF",
+        "PYTORCH_ALLOC_CONF",
         "expandable_segments:True",
         "the caching allocator grows segments instead of fragmenting memory when shapes vary; "
-        "not compatible with CUDA graphs, unset it (or set your own value) to use them",
-        aliases=("PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"),
+        "not compatible with CUDA graphs, set your own value (or an empty one) to use them",
+        aliases=ALLOC_ALIASES,
     ),
 )
 AMD_ROCM7_PRESETS = (  # ROCm >= 7.0
     Preset(
-        "PYTORCH_HIP_ALLOC_CONF",
+        "PYTORCH_ALLOC_CONF",
         "expandable_segments:True",
         "less fragmentation, as on NVIDIA; set only on ROCm >= 7.0, where expandable segments work",
-        aliases=("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"),
+        aliases=ALLOC_ALIASES,
     ),
 )
 AMD_PRESETS = (

@@ -208,9 +208,13 @@ def _alive(pid: int) -> bool:
 
 
 # ---------------------------------------------------------------------- once the process group exists
-def check_connectivity(timeout_s: float | None = None) -> None:
-    """The first collective: a barrier that names the ranks that did not arrive instead of hanging."""
+def check_connectivity(timeout_s: float | None = None, device: Any = None) -> None:
+    """The first collectives: a barrier over gloo, then a tiny all-reduce over the training backend on `device`
+    (NCCL/RCCL on GPUs); each names the ranks that did not make it instead of hanging."""
+    import torch
     import torch.distributed as dist
+
+    from anygpu.runtime import distributed
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
@@ -224,6 +228,17 @@ def check_connectivity(timeout_s: float | None = None) -> None:
             f"connectivity check failed (backend {backend}, {dist.get_world_size()} ranks, {timeout_s:.0f} s): "
             f"{str(e).splitlines()[0]}. Check that every node runs the same command and reaches MASTER_ADDR."
         ) from e
+    device = device or (torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device()))
+    problem = distributed.probe_transport(device, timeout_s)
+    if problem:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if backend != "gloo" and abort is not None:
+            abort()  # the pending NCCL/RCCL all-reduce would otherwise hold the process at exit
+        raise RuntimeError(
+            f"transport check failed (backend {backend} on {device.type}, {dist.get_world_size()} ranks): {problem}. "
+            "Check the network interface (--ifname, NCCL_SOCKET_IFNAME) and the fabric (NCCL_IB_HCA; NCCL_DEBUG=INFO "
+            "says which transport NCCL/RCCL picked)."
+        )
 
 
 def _gather(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -258,7 +273,7 @@ def check_ranks(info: Any, resolved: dict[str, Any], output_dir: str) -> None:
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    check_connectivity()
+    check_connectivity(device=info.device)
     host = socket.gethostname()
     fields = {k: json.dumps(v, sort_keys=True, default=str) for k, v in resolved.items() if k not in PER_NODE}
     fields["anygpu version"] = __version__

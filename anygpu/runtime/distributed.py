@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import tempfile
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
@@ -13,7 +15,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from anygpu.runtime import hardware
+from anygpu.errors import UsageError
+from anygpu.runtime import faults, hardware
+
+VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 
 @dataclass(frozen=True)
@@ -38,9 +43,28 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def check_local_rank() -> int:
+    """This process's LOCAL_RANK, refused in one line when it names no GPU this process can see (more
+    processes on the node than visible GPUs), instead of CUDA's "invalid device ordinal" later."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if hardware.vendor() == "cpu":
+        return local_rank
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        shown = (
+            ", ".join(f"{k}={os.environ[k]!r}" for k in VISIBILITY if k in os.environ) or "no visibility variable set"
+        )
+        per_node = os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))
+        raise UsageError(
+            f"LOCAL_RANK {local_rank}: this process sees only {count} GPU(s) ({shown}) but {per_node} processes "
+            f"run on this node: start at most {count} per node (--nproc {count}), or make more GPUs visible."
+        )
+    return local_rank
+
+
 def init_distributed(timeout_s: int = 1800) -> DistInfo:
     """Join the job's process group (torchrun / accelerate launch), or make a 1-rank one for plain python."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = check_local_rank()
     if hardware.vendor() != "cpu":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -135,6 +159,36 @@ def wait_for_all(what: str) -> None:
     store.set(f"{key}/{dist.get_rank()}", "ok")
     for r in range(dist.get_world_size()):
         wait_for_key(store, f"{key}/{r}", f"rank {r} to finish {what}")
+
+
+def probe_transport(device: torch.device, timeout_s: float) -> str:
+    """A one-element all-reduce over the training backend on `device` (NCCL/RCCL on GPUs), waited for at most
+    `timeout_s`: '' when it completes with the right sum, else what failed, naming the ranks. Each rank reports
+    through the job's store, which works whatever the transport does, so a hang names its ranks at once
+    instead of waiting for the collective's own timeout (the watchdog's, half an hour by default)."""
+    store = _store()
+    if store is None:
+        return ""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    key = _next_key(store, "transport")
+    faults.at("transport")
+    store.set(f"{key}/{rank}", socket.gethostname())
+    value = torch.ones(1, device=device)
+    work = dist.all_reduce(value, async_op=True)
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)  # polled, not waited: the wait would block until the backend's own timeout
+    if work.is_completed():
+        got = value.item()
+        return "" if got == world else f"rank {rank} got {got:g} from an all-reduce of ones (expected {world})"
+    hosts = {r: store.get(f"{key}/{r}").decode() for r in range(world) if store.check([f"{key}/{r}"])}
+    missing = [str(r) for r in range(world) if r not in hosts]
+    if missing:
+        return f"rank(s) {', '.join(missing)} did not join the all-reduce within {timeout_s:.0f} s"
+    return (
+        f"every rank joined, but the all-reduce did not complete within {timeout_s:.0f} s: the transport between "
+        f"hosts {', '.join(sorted(set(hosts.values())))} fails"
+    )
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

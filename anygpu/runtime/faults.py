@@ -30,6 +30,12 @@ def _slow_rank0(value: str, point: str, step: int) -> None:
         time.sleep(float(value))
 
 
+def _stall_transport(value: str, point: str, step: int) -> None:
+    rank, _, seconds = value.partition(":")
+    if point == "transport" and os.environ.get("RANK", "0") == rank:
+        time.sleep(float(seconds))
+
+
 @dataclass(frozen=True)
 class Fault:
     variable: str  # the environment variable that switches it on, and its value's form
@@ -52,12 +58,18 @@ REGISTRY: tuple[Fault, ...] = (
         "SECONDS: rank 0 waits before printing a refusal, so a test sees the other ranks' exits race it",
         _slow_rank0,
     ),
+    Fault(
+        "ANYGPU_TEST_STALL_TRANSPORT",
+        "RANK:SECONDS: that rank waits before joining the connectivity check's all-reduce, as a rank whose "
+        "transport (a wrong interface, a broken fabric) does not come up",
+        _stall_transport,
+    ),
 )
-POINTS = ("eval", "save", "refusal")
+POINTS = ("eval", "save", "refusal", "transport")
 
 
 def at(point: str, step: int = 0) -> None:
-    """The run reached `point` ("eval", "save" or "refusal") at optimizer step `step`: act on any fault switched on."""
+    """The run reached `point` ("eval", "save", "refusal" or "transport") at optimizer step `step`: act on any fault switched on."""
     assert point in POINTS, point
     for fault in REGISTRY:
         if value := os.environ.get(fault.variable):

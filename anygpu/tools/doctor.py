@@ -223,8 +223,8 @@ def check_collective(nproc: int, use_gpus: bool) -> tuple[Check, dict | None]:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "PYTHONPATH": os.pathsep.join([str(launcher.ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     }
-    if not use_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    if not use_gpus:  # every vendor's variables: an empty HIP_VISIBLE_DEVICES alone hides nothing
+        env.update(gpu_detect.hide_all())
     cmd = [
         sys.executable,
         "-m",

@@ -7,6 +7,7 @@ FAKE_GPUS GPUs (default 8). Modes, per tool:
 ok lists the GPUs; driver-fail behaves like the tool without a working driver (nvidia-smi:
 exit 9, empty stdout; rocm-smi: exit 0, empty stdout, an error on stderr; amd-smi: exit 255,
 empty stdout); absent behaves like a missing binary (exit 127, as the shell reports it).
+FAKE_MIG=K (default 0): nvidia-smi -L lists K MIG instances under each GPU, as on GPUs in MIG mode.
 FAKE_SMI_LOG, when set, is a file each call appends its argv to.
 """
 
@@ -34,6 +35,12 @@ def _hex(seed: str, n: int) -> str:
 def nvidia_uuid(i: int) -> str:
     h = _hex(f"nvidia{i}", 32)
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def mig_uuid(i: int, j: int) -> str:
+    """The UUID of MIG instance ``j`` of GPU ``i``."""
+    h = _hex(f"mig{i}.{j}", 32)
+    return f"MIG-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def amd_serial(i: int) -> int:
@@ -71,6 +78,8 @@ def nvidia_smi(args: list[str]) -> int:
     if args == ["-L"]:
         for i in range(count()):
             print(f"GPU {i}: {NVIDIA_NAME} (UUID: {nvidia_uuid(i)})")
+            for j in range(int(os.environ.get("FAKE_MIG", "0"))):
+                print(f"  MIG 1g.10gb     Device  {j}: (UUID: {mig_uuid(i, j)})")
         return 0
     if args == ["--query-gpu=index,name,uuid,memory.total", "--format=csv,noheader,nounits"]:
         for i in range(count()):

@@ -127,6 +127,7 @@ class HFRun:
     def _join(self):
         """Trainer's arguments, which join the process group; this process's facts (`DistInfo`)."""
         owns = not dist.is_initialized()
+        distributed.check_local_rank()  # before TrainingArguments picks cuda:LOCAL_RANK
         targs = training_arguments(self.args, self.plan)
         ds_plugin = targs.deepspeed_plugin
         if ds_plugin is not None and ds_plugin.offload_optimizer_device in ("cpu", "nvme"):
