@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, TINY, assert_close, descendants, env, losses, outputs, python
+from conftest import BIN, ROOT, TINY, assert_close, descendants, env, losses, outputs, python, torchrun
 
 pytestmark = pytest.mark.slow
 SCRIPT = "run_fsdp_standalone.py"
@@ -418,3 +418,12 @@ def test_the_connectivity_check_names_the_backend_and_the_missing_rank(tmp_path)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("CHECK:")), proc.stdout + proc.stderr[-2000:])
     assert "connectivity check failed (backend gloo, 2 ranks, 3 s)" in line and "1" in line.split("):", 1)[1], line
     assert time.time() - start_t < 60
+
+
+def test_a_final_export_longer_than_the_collective_timeout_ends_the_run(tmp_path):
+    """Rank 0 writes the final model for longer than --ddp_timeout (a 70B export outlasts the 30 min default);
+    the other rank waits for it without that limit, and the run ends with its model written (exit 0)."""
+    args = [*TINY, "--max_steps", "2", "--ddp_timeout", "8", "--export_final", "true", "--output_dir", str(tmp_path)]
+    proc = torchrun(2, SCRIPT, args, check=False, extra_env={"ANYGPU_TEST_SLOW_EXPORT": "16"})
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert (tmp_path / "final" / "config.json").is_file() and "final model:" in proc.stdout
