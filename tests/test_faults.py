@@ -427,3 +427,20 @@ def test_a_final_export_longer_than_the_collective_timeout_ends_the_run(tmp_path
     proc = torchrun(2, SCRIPT, args, check=False, extra_env={"ANYGPU_TEST_SLOW_EXPORT": "16"})
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     assert (tmp_path / "final" / "config.json").is_file() and "final model:" in proc.stdout
+
+
+def test_a_signal_to_every_process_of_the_step_spares_the_loader_workers(tmp_path):
+    """Slurm signals every process of a job step, DataLoader workers included (one per rank here, the default
+    where a core is spare). With a preemption save longer than the grace period (1 s), the run still saves the
+    step's checkpoint and exits 143: a worker neither runs the rank's handler and watchdog nor dies of it."""
+    args = [*TINY, "--max_steps", "300", "--save_steps", "1000", "--output_dir", str(tmp_path)]
+    proc = start([str(BIN / "python"), SCRIPT, *args], ANYGPU_SIGTERM_GRACE_S="1", ANYGPU_TEST_SLOW_SAVE="any:4")
+    wait_until(lambda: len(steps_logged(tmp_path)) >= 2 or proc.poll() is not None, what="step 2")
+    workers = descendants(proc.pid)
+    assert proc.poll() is None and len(workers) == 1, (workers, "no loader worker: this test needs 2 cores")
+    for pid in [proc.pid, *workers]:
+        os.kill(pid, signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "DataLoader worker" not in out, out[-3000:]
+    step = max(steps_logged(tmp_path))
+    assert f"SIGUSR1: saving checkpoint-{step}" in out and (tmp_path / f"checkpoint-{step}").is_dir(), out[-3000:]
