@@ -145,3 +145,42 @@ def test_auto_counts_a_lora_model_as_the_engines_hold_it(tmp_path):
     full = auto_batch.estimate_cost(full_shapes, "fsdp2", "fp32", 1, 64, False)
     assert [b for _, b, _ in probe.tried] == [expected(mb) for mb, _, _ in probe.tried]
     assert expected(1) < full(1)  # the adapter's states instead of the whole model's
+
+
+ONE_RANK_FAILS = """
+import datetime, torch, torch.distributed as dist
+from anygpu.planning import auto_batch
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+rank = dist.get_rank()
+def out_of_memory_on_rank1(m):
+    if rank == 1 and m == 4:
+        raise torch.OutOfMemoryError("CUDA out of memory (forced on rank 1)")
+    return m
+def broken_on_rank1(m):
+    if rank == 1:
+        raise ValueError("a probe that breaks on rank 1")
+    return m
+outcomes = []
+for cost in (out_of_memory_on_rank1, broken_on_rank1):
+    try:
+        outcomes.append(auto_batch.choose(4, cost, 100, torch.device("cpu"), "estimated").micro_batch)
+    except Exception as e:
+        outcomes.append(type(e).__name__)
+every = [None, None]
+dist.all_gather_object(every, outcomes)  # the ranks still agree on the sequence of collectives
+print(f"rank {rank}: {every}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_probe_that_fails_on_one_rank_is_agreed_on_by_every_rank(tmp_path):
+    """Rank 1's probe runs out of memory at micro-batch 4: every rank takes 2, and the ranks stay in one sequence
+    of collectives (no hang); a probe that raises another error on rank 1 stops every rank at that candidate."""
+    from conftest import torchrun
+
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(ONE_RANK_FAILS)
+    proc = torchrun(2, str(script), [], check=False, timeout=120)
+    expected = [[2, "RuntimeError"], [2, "ValueError"]]
+    for rank in (0, 1):
+        assert f"rank {rank}: {expected}" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])

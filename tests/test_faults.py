@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, HIDE_GPUS, ROOT, TINY, assert_close, descendants, env, losses, outputs, python
+from conftest import BIN, HIDE_GPUS, ROOT, TINY, assert_close, descendants, env, losses, outputs, python, torchrun
 
 pytestmark = pytest.mark.slow
 SCRIPT = "run_fsdp_standalone.py"
@@ -418,3 +418,29 @@ def test_the_connectivity_check_names_the_backend_and_the_missing_rank(tmp_path)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("CHECK:")), proc.stdout + proc.stderr[-2000:])
     assert "connectivity check failed (backend gloo, 2 ranks, 3 s)" in line and "1" in line.split("):", 1)[1], line
     assert time.time() - start_t < 60
+
+
+def test_a_final_export_longer_than_the_collective_timeout_ends_the_run(tmp_path):
+    """Rank 0 writes the final model for longer than --ddp_timeout (a 70B export outlasts the 30 min default);
+    the other rank waits for it without that limit, and the run ends with its model written (exit 0)."""
+    args = [*TINY, "--max_steps", "2", "--ddp_timeout", "8", "--export_final", "true", "--output_dir", str(tmp_path)]
+    proc = torchrun(2, SCRIPT, args, check=False, extra_env={"ANYGPU_TEST_SLOW_EXPORT": "16"})
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert (tmp_path / "final" / "config.json").is_file() and "final model:" in proc.stdout
+
+
+def test_a_signal_to_every_process_of_the_step_spares_the_loader_workers(tmp_path):
+    """Slurm signals every process of a job step, DataLoader workers included (one per rank here, the default
+    where a core is spare). With a preemption save longer than the grace period (1 s), the run still saves the
+    step's checkpoint and exits 143: a worker neither runs the rank's handler and watchdog nor dies of it."""
+    args = [*TINY, "--max_steps", "300", "--save_steps", "1000", "--output_dir", str(tmp_path)]
+    proc = start([str(BIN / "python"), SCRIPT, *args], ANYGPU_SIGTERM_GRACE_S="1", ANYGPU_TEST_SLOW_SAVE="any:4")
+    wait_until(lambda: len(steps_logged(tmp_path)) >= 2 or proc.poll() is not None, what="step 2")
+    workers = descendants(proc.pid)
+    assert proc.poll() is None and len(workers) == 1, (workers, "no loader worker: this test needs 2 cores")
+    for pid in [proc.pid, *workers]:
+        os.kill(pid, signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "DataLoader worker" not in out, out[-3000:]
+    step = max(steps_logged(tmp_path))
+    assert f"SIGUSR1: saving checkpoint-{step}" in out and (tmp_path / f"checkpoint-{step}").is_dir(), out[-3000:]

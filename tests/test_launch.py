@@ -708,6 +708,37 @@ def test_sbatch_example_starts_one_launcher_per_node(tmp_path):
     assert [(r.opt("--nnodes"), r.nproc) for r in runs] == [("3", 8)] * 3
 
 
+def _sbatch_directives(text: str) -> list[str]:
+    """The `#SBATCH` options as sbatch reads them: from the top of the script up to its first command."""
+    found = []
+    for line in text.splitlines()[1:]:
+        if line.startswith("#SBATCH"):
+            found.append(line.split(None, 1)[1].strip())
+        elif line.strip() and not line.startswith("#"):
+            break
+    return found
+
+
+def test_sbatch_asks_for_an_early_signal_that_the_job_survives_to_save(tmp_path):
+    """Slurm signals the job steps before the time limit with a signal every rank handles (a checkpoint, exit
+    143) and torchrun forwards; torchrun then waits for its workers longer than its 30 s default, but less
+    than the lead, so the save ends before Slurm's SIGKILL."""
+    from anygpu.reliability.preempt import SIGNALS
+
+    signal_opts = [d for d in _sbatch_directives((ROOT / "slurm" / "train.sbatch").read_text()) if "--signal" in d]
+    assert len(signal_opts) == 1, "slurm/train.sbatch: no #SBATCH --signal=USR1@<seconds> before its first command"
+    name, lead = signal_opts[0].split("=", 1)[1].split("@")
+    assert not name.startswith("B:"), "B: signals the batch shell alone, not the training processes"
+    assert f"SIG{name}" in {s.name for s in SIGNALS} and f"SIG{name}" in launch.TORCHRUN_SIGNALS.split(",")
+    # a fake launcher where the real one would be: what the sbatch hands every node's launcher
+    (tmp_path / "run_nvidia_all.sh").write_text('echo "shutdown=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"\n')
+    env = base_env(SLURM_JOB_ID="99", SLURM_NNODES="2", SLURM_JOB_NODELIST="node[1-2]", ANYGPU_ROOT=str(tmp_path))
+    p = subprocess.run(["bash", str(ROOT / "slurm" / "train.sbatch")], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    shutdown = {int(line.split("=")[1]) for line in p.stdout.split()}
+    assert len(shutdown) == 1 and 30 < shutdown.pop() < int(lead) - 30, (p.stdout, lead)
+
+
 # ------------------------------------------------------------------------- real CPU runs
 
 # Launches below that start several processes skip the torch cross-check (--count-from smi),

@@ -1,5 +1,6 @@
 """The preemption handler alone (real signals, a real process, no training): a healthy job in a long
-step or a long save always reaches its checkpoint; only a process stuck in a collective exits fast."""
+step (forward passes, a long backward, a long optimizer step) or a long save always reaches its checkpoint;
+only a process stuck in a collective exits fast."""
 
 from __future__ import annotations
 
@@ -35,6 +36,51 @@ elif mode == "stuck":  # a collective that never returns (a peer is gone)
 elif mode == "second":
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
+elif mode in ("long-backward", "long-optimizer-step"):  # 3 s without a forward pass after the signal
+    import torch
+
+    class SlowBackward(torch.autograd.Function):  # a layer whose backward takes 0.4 s
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(0.4)
+            return grad
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            return SlowBackward.apply(x * self.w)
+
+    class Net(torch.nn.Module):
+        _no_split_modules = ["Layer"]  # its decoder layers, as transformers names them
+
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Layer() for _ in range(8))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x.sum()
+
+    class SlowStep(torch.optim.SGD):  # a CPU-offloaded optimizer step of a large model
+        def step(self, closure=None):
+            time.sleep(3)
+            return super().step(closure)
+
+    model = Net()
+    p.watch(model)  # as the engines do
+    loss = model(torch.ones(2))
+    if mode == "long-backward":
+        loss.backward()
+    else:
+        SlowStep(model.parameters(), lr=0.1).step()
 print("step boundary reached after", p.requested, flush=True)
 """
 
@@ -57,7 +103,7 @@ def assert_lock_released(output_dir: Path) -> None:
     assert not (output_dir / LOCK).exists(), "the exit left the output_dir lock behind"
 
 
-@pytest.mark.parametrize("mode", ["long-step", "long-save", "usr1"])
+@pytest.mark.parametrize("mode", ["long-step", "long-save", "usr1", "long-backward", "long-optimizer-step"])
 def test_a_healthy_job_always_reaches_its_step_boundary(mode, tmp_path):
     proc, _ = run(mode, tmp_path)
     assert proc.returncode == 0, proc.stderr

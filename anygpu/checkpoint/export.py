@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from anygpu.runtime import distributed, fs
+from anygpu.runtime import distributed, faults, fs
 
 
 def gather_full(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -74,8 +74,9 @@ def export_safetensors(
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         fs.replace_dir(tmp, out)
+        faults.at("export")
     del state
-    distributed.barrier()
+    _wait_for_rank0("the final export")
     return out
 
 
@@ -121,9 +122,16 @@ def export_adapter(
         fs.replace_dir(tmp, out)
         if merge:
             merge_adapter(base_path, out, tokenizer)
+        faults.at("export")
     del state
-    distributed.barrier()
+    _wait_for_rank0("the final adapter export" + (" and its merge" if merge else ""))
     return out
+
+
+def _wait_for_rank0(what: str) -> None:
+    """The other ranks wait while rank 0 writes, for as long as it takes: a 70B export (or a merge) can outlast
+    --ddp_timeout, which would end a barrier, and the job, at its very end; the job's store has no such limit."""
+    distributed.wait_for_all(what)
 
 
 def merge_adapter(base_path: str, adapter: Path, tokenizer: Any) -> Path:

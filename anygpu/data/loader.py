@@ -18,6 +18,7 @@ workers, 0.986 with 1 (benchmarks/engine_vs_plain.py, median of 3 rounds of 60 s
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,15 @@ def default_workers(device: torch.device) -> int:
     return 1 if device.type == "cuda" or spare_core() else 0
 
 
+def leave_signals_to_the_rank(_worker_id: int) -> None:
+    """A loader worker ignores the stop signals: Slurm sends them to every process of the job step, and the
+    rank (its parent) handles them. A worker would otherwise run the rank's handler it inherited (and its
+    watchdog, which would end the worker mid-save) or die of torch's own SIGTERM handler, and the rank's
+    DataLoader would then raise inside the preemption save. The rank still ends its workers at shutdown."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def step_loader(
     dataset: Dataset,
     collator: Collator,
@@ -123,6 +133,7 @@ def step_loader(
         pin_memory=device.type == "cuda",
         prefetch_factor=prefetch_factor if workers > 0 else None,
         persistent_workers=False,  # one pass over [start_step, end_step) per run: nothing to keep workers for
+        worker_init_fn=leave_signals_to_the_rank,
         # its own generator: creating an iterator draws a worker seed, which must not move the global RNG
         generator=torch.Generator().manual_seed(0),
     )

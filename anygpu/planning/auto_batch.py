@@ -4,9 +4,15 @@ Candidates are the divisors of the per-rank share G / W, largest first. On a GPU
 probed: one forward + backward on random tokens of the run's block size, its peak
 (`torch.cuda.max_memory_allocated`) plus the optimizer state still to come checked against the
 budget with a safety margin. Elsewhere (CPU, or before the model exists) the plan's estimate
-(anygpu/planning/memory_plan.py) is checked against `--max_memory_per_device_gb`. Every rank must agree, so
-after each candidate the ranks take the minimum of their verdicts: the smallest fitting wins. The
-accumulation steps follow: A = G / (m · W).
+(anygpu/planning/memory_plan.py) is checked against `--max_memory_per_device_gb`. Every rank must agree,
+and stay in the same sequence of collectives: the budget is the smallest rank's, and after each candidate
+the ranks combine their outcomes in one all-reduce (too big on one rank, out of memory included: too big
+on all; an error on one rank: every rank stops). The accumulation steps follow: A = G / (m · W).
+
+Not covered: an out-of-memory on one rank only *inside* the probe's sharded forward/backward (FSDP2's
+all-gathers and reduce-scatters) leaves the other ranks in that collective; with the same shards,
+tokens and agreed budget, the ranks' peaks are the same, so this needs devices that differ (another
+process on one GPU). Unverified on GPUs.
 """
 
 from __future__ import annotations
@@ -46,24 +52,51 @@ def divisors_desc(n: int) -> list[int]:
 
 def agree_min(value: int, device: torch.device) -> int:
     """The smallest value over all ranks (every rank calls this the same number of times)."""
+    return -agree_max([-value], device)[0]
+
+
+def agree_max(values: list[int], device: torch.device) -> list[int]:
+    """Each value's largest over all ranks, in one all-reduce (every rank calls this the same number of times)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
+
+
+TOO_BIG = 1 << 62  # the cost of a candidate that ran out of memory
+
+
+def _try(cost: Callable[[int], int], m: int) -> tuple[int, Exception | None]:
+    """`cost(m)` on this rank, never raising: a rank that leaves the probe alone would leave the others waiting
+    in the next all-reduce (a hang on NCCL), so every outcome is agreed on first."""
+    try:
+        return cost(m), None
+    except torch.OutOfMemoryError:
+        return TOO_BIG, None  # too big here: too big everywhere, once agreed
+    except Exception as error:  # re-raised once every rank knows
+        return TOO_BIG, error
 
 
 def choose(per_rank: int, cost: Callable[[int], int], budget_bytes: int, device: torch.device, how: str) -> Probe:
-    """Largest divisor m of ``per_rank`` whose ``cost(m)`` fits ``SAFETY × budget`` on every rank."""
+    """Largest divisor m of ``per_rank`` whose ``cost(m)`` fits ``SAFETY × budget`` on every rank. A probe that
+    fails on one rank (an error other than out-of-memory) stops every rank at the same candidate."""
     probe = Probe(1, per_rank, budget_bytes, how)
     limit = budget_bytes * memory_plan.SAFETY
     for m in divisors_desc(per_rank):
-        used = cost(m)
-        ok = agree_min(int(used <= limit), device) == 1
-        probe.tried.append((m, used, ok))
-        if ok:
+        used, error = _try(cost, m)
+        too_big, failed = agree_max([int(used > limit), int(error is not None)], device)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(
+                f"--per_device_train_batch_size auto: another rank's probe of micro-batch {m} failed "
+                "(its error is in that rank's output); this rank stops with it"
+            )
+        probe.tried.append((m, used, not too_big))
+        if not too_big:
             probe.micro_batch = m
             return probe
     raise UsageError(
@@ -109,7 +142,7 @@ def measured_cost(
             loss.backward()
             used = torch.cuda.max_memory_allocated(device) + optimizer_bytes
         except torch.OutOfMemoryError:
-            used = 1 << 62
+            used = TOO_BIG  # caught here, not in `choose`, so the memory is given back below
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
         return used
@@ -145,7 +178,8 @@ def resolve(
     """The batch plan with the chosen micro-batch (G and W unchanged) and the probe's report. `shard_size`: the
     ranks the state is sharded over when fewer than W (HSDP's dp_shard)."""
     per_rank = plan.global_batch_size // plan.world_size
-    limit = budget(max_memory_per_device_gb, device)
+    # every rank measures against the same budget: the smallest device's (one agreement, before any probe)
+    limit = agree_min(budget(max_memory_per_device_gb, device), device)
     shards = shard_size or plan.world_size
     if model is not None and device.type == "cuda":
         states = memory_plan.model_state_bytes(shapes, strategy, precision, shards)[0]

@@ -6,9 +6,10 @@ finish its step, save a checkpoint together and exit with `errors.EXIT_PREEMPTED
 - A dead peer: torchrun also sends SIGTERM to the survivors when a rank dies, and they are then stuck in
   a collective that will never complete. A watchdog exits them fast (75) — but only when the process has
   made no progress at all for ANYGPU_SIGTERM_GRACE_S seconds (default 20). Progress is a heartbeat bumped
-  by every forward pass of a decoder layer and every step boundary, and a save or an export in progress
-  holds the watchdog off, so a healthy job in a long step, an evaluation, a save or the export always
-  reaches its checkpoint.
+  by every forward and every backward pass of a decoder layer and every step boundary; an optimizer step
+  (local work: a CPU-offloaded step can take long, and it has no collective to hang in), a save or an
+  export in progress holds the watchdog off, so a healthy job in a long step, an evaluation, a save or
+  the export always reaches its checkpoint.
 - `--save_on_preempt false`: the first signal exits at once (75).
 """
 
@@ -38,12 +39,16 @@ class Preemption:
         self.grace_s = float(os.environ.get("ANYGPU_SIGTERM_GRACE_S", "20"))
         self.progress = progress.Progress()  # what the watchdog reads; saves and exports hold it off
         self._closed = threading.Event()
+        self._hooks: list[Any] = []  # removed by close(): the optimizer step hooks are global
         self._previous = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
 
     def close(self) -> None:
         """The run is over: put the previous handlers back and end the watchdog (a process that trains again,
         as the tests do, must not be ended by an old run's watchdog)."""
         self._closed.set()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
@@ -51,13 +56,28 @@ class Preemption:
         self.progress.beat()
 
     def watch(self, model: Any) -> None:
-        """Bump the heartbeat on every forward of the model and of its decoder layers (hooks survive wrapping)."""
-        model.register_forward_pre_hook(self.beat)
-        with contextlib.suppress(Exception):  # a model that names no decoder layer still beats once per forward
+        """Bump the heartbeat on every forward and backward of the model and of its decoder layers (hooks survive
+        wrapping), and hold the watchdog off while any optimizer steps (global hooks: also an optimizer that a
+        library builds later, as the Trainer does)."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        modules = [model]
+        with contextlib.suppress(Exception):  # a model that names no decoder layer still beats once per pass
             layer_types = decoder_layer_classes(model)
-            for module in model.modules():
-                if isinstance(module, layer_types):
-                    module.register_forward_pre_hook(self.beat)
+            modules += [m for m in model.modules() if isinstance(m, layer_types)]
+        for module in modules:
+            module.register_forward_pre_hook(self.beat)
+            module.register_forward_hook(self._beat_in_backward)
+        self._hooks += [
+            register_optimizer_step_pre_hook(self.progress.hold),
+            register_optimizer_step_post_hook(self.progress.release),
+        ]
+
+    def _beat_in_backward(self, module: Any, args: Any, output: Any) -> None:
+        """A forward hook: beat again when the backward reaches this output (a layer's backward begins)."""
+        tensor = _first_tensor(output)
+        if tensor is not None and tensor.requires_grad:
+            tensor.register_hook(self.beat)  # returns None: the gradient passes unchanged
 
     def _handler(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
@@ -88,6 +108,16 @@ class Preemption:
                 f"exiting without a checkpoint (exit {EXIT_NO_CHECKPOINT})"
             )
             _exit_now()
+
+
+def _first_tensor(output: Any) -> Any:
+    """The first tensor of a module's output (a tensor, a tuple, or a transformers ModelOutput), else None."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)
 
 
 def _exit_now() -> None:

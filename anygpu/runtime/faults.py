@@ -21,8 +21,14 @@ def _sigterm_at(value: str, point: str, step: int) -> None:
 
 
 def _slow_save(value: str, point: str, step: int) -> None:
-    if point == "save" and value.startswith(f"{step}:"):
-        time.sleep(float(value.split(":")[1]))
+    at_step, seconds = value.split(":")
+    if point == "save" and at_step in (str(step), "any"):
+        time.sleep(float(seconds))
+
+
+def _slow_export(value: str, point: str, step: int) -> None:
+    if point == "export" and _on_rank0():
+        time.sleep(float(value))
 
 
 def _slow_rank0(value: str, point: str, step: int) -> None:
@@ -50,8 +56,13 @@ REGISTRY: tuple[Fault, ...] = (
     Fault(
         "ANYGPU_TEST_SLOW_SAVE",
         "STEP:SECONDS: sleep inside the write of checkpoint-STEP (after the shards, "
-        "before the rename), so a test can kill the job mid-write",
+        "before the rename), so a test can kill the job mid-write; any:SECONDS: inside every checkpoint's",
         _slow_save,
+    ),
+    Fault(
+        "ANYGPU_TEST_SLOW_EXPORT",
+        "SECONDS: rank 0 sleeps at the end of the final export (written, the other ranks still waiting)",
+        _slow_export,
     ),
     Fault(
         "ANYGPU_TEST_SLOW_RANK0",
@@ -65,11 +76,11 @@ REGISTRY: tuple[Fault, ...] = (
         _stall_transport,
     ),
 )
-POINTS = ("eval", "save", "refusal", "transport")
+POINTS = ("eval", "save", "refusal", "transport", "export")
 
 
 def at(point: str, step: int = 0) -> None:
-    """The run reached `point` ("eval", "save", "refusal" or "transport") at optimizer step `step`: act on any fault switched on."""
+    """The run reached `point` (one of POINTS) at optimizer step `step`: act on any fault switched on."""
     assert point in POINTS, point
     for fault in REGISTRY:
         if value := os.environ.get(fault.variable):

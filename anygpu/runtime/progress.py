@@ -17,18 +17,26 @@ class Progress:
         self.protected_depth = 0
 
     def beat(self, *_: Any) -> None:
-        """One unit of progress (a decoder layer's forward, a step boundary); usable as a forward pre-hook."""
+        """One unit of progress (a decoder layer's forward or backward, a step boundary); usable as a hook."""
         self.beats += 1
+
+    def hold(self, *_: Any) -> None:
+        """Work begins that the watchdog must wait for, however long (usable as an optimizer step pre-hook)."""
+        self.protected_depth += 1
+
+    def release(self, *_: Any) -> None:
+        """That work is done: a unit of progress (usable as an optimizer step post-hook)."""
+        self.protected_depth -= 1
+        self.beat()
 
     @contextlib.contextmanager
     def protected(self) -> Iterator[None]:
         """A save or export in progress: the watchdog waits for it, however long it takes."""
-        self.protected_depth += 1
+        self.hold()
         try:
             yield
         finally:
-            self.protected_depth -= 1
-            self.beat()
+            self.release()
 
 
 def protected(progress: Progress | None) -> contextlib.AbstractContextManager:
