@@ -173,6 +173,20 @@ def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return total
 
 
+def matmul_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) parameters each token is multiplied by: every one but the input embedding (a lookup),
+    and the output projection's even when it is the input embedding's tied weight."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    counts = [0, 0]  # trainable, frozen
+    for p in model.parameters():
+        if p is not embedding:
+            counts[not p.requires_grad] += p.numel()
+    if head is not None and getattr(head, "weight", None) is embedding:
+        counts[not embedding.requires_grad] += embedding.numel()
+    return counts[0], counts[1]
+
+
 def check_loss_kwargs(model: nn.Module) -> None:
     """Refuse a model whose loss cannot take `num_items_in_batch` (the global-batch token count), as Trainer decides it."""
     import inspect

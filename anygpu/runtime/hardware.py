@@ -88,6 +88,9 @@ def peak_flops(device_name: str, precision: str) -> float | None:
     """Peak dense FLOP/s of one GPU at `precision` (see `matmul_precision`), or None (with a warning)
     for a part not in PEAK_TFLOPS. TF32 on a part without it is its fp32 peak."""
     words = _name_words(device_name)
+    if "MIG" in words:  # "NVIDIA A100-SXM4-40GB MIG 3g.20gb": a slice has a share of the SMs, not the whole peak
+        logger.warning("%r is a MIG slice: its peak FLOP/s is not known, MFU is not reported", device_name)
+        return None
     for key in sorted(PEAK_TFLOPS, key=lambda k: -len(_name_words(k))):
         kw = _name_words(key)
         if any(words[i : i + len(kw)] == kw for i in range(len(words) - len(kw) + 1)):

@@ -90,9 +90,8 @@ def resume_target(train_args, claimed: run_guard.Claim | None, engine: str) -> P
 
 def throughput_facts(prep, model, train_args, tf32: bool, device) -> tuple[float, float | None]:
     """(training FLOPs per token, the device's peak FLOP/s at the run's precision or None): for the MFU."""
-    fpt = metrics.flops_per_token(
-        prep.config, modeling.count_parameters(model, exclude_embeddings=True), prep.block_size
-    )
+    trainable, frozen = modeling.matmul_parameters(model)
+    fpt = metrics.flops_per_token(prep.config, trainable, prep.block_size, num_frozen=frozen)
     precision = hardware.matmul_precision(train_args.bf16, train_args.fp16, tf32)
     peak = hardware.peak_flops(hardware.devices()[0].name, precision) if device.type == "cuda" else None
     return fpt, peak
