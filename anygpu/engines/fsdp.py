@@ -50,6 +50,7 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
     modeling.check_loss_kwargs(model)
     dropout.install(model, train_args.seed)
     lean_loss.install(model, train_args.lean_loss)  # patches lm_head's forward before FSDP2 swaps the classes
+    modeling.flatten_packed_rows(model)  # flash attention: packed rows as one flattened row
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     parallel.shard_model(
         model,
