@@ -366,6 +366,7 @@ def test_dry_run_vendor_variables():
         "HSA_NO_SCRATCH_RECLAIM": "1",
         "HIP_FORCE_DEV_KERNARG": "1",
         "RCCL_MSCCL_ENABLE": "0",
+        "HIPBLASLT_ALLOW_TF32": "1",
         "HSA_FORCE_FINE_GRAIN_PCIE": "1",
         "GPU_MAX_HW_QUEUES": "2",
         "TORCH_NCCL_HIGH_PRIORITY": "1",

@@ -74,7 +74,10 @@ class ModelArguments:
     )
     attn_implementation: str = field(
         default="sdpa",
-        metadata={"resume": FREE, "help": "Attention kernel: sdpa, eager, or flash_attention_2 where installed."},
+        metadata={
+            "resume": FREE,
+            "help": "Attention kernel: sdpa, eager, or flash_attention_2/3 (needs its flash-attn package, a GPU and --bf16).",
+        },
     )
     trust_remote_code: bool = field(
         default=False,

@@ -3,7 +3,8 @@
 Packed rows hold whole samples, placed by best-fit decreasing (TRL's "bfd"), with `position_ids` that
 restart at 0 for each sample. A batch of packed rows is passed without an attention mask: transformers
 then confines attention to each sample from the position ids (a block-diagonal causal mask for sdpa and
-eager, varlen kernels for flash attention). Padded rows get an attention mask instead. Either way labels
+eager, varlen kernels for flash attention, for which each micro-batch is flattened into one row at the
+model: `modeling.flatten_packed_rows`). Padded rows get an attention mask instead. Either way labels
 are -100 on padding, and the loss normalisation counts `labels[:, 1:] != -100` (the model shifts labels).
 
 Kept ours rather than TRL's or transformers' (`benchmarks/packing_vs_trl.py`, trl 1.16.0, 2 shared CPU cores):

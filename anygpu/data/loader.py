@@ -38,7 +38,8 @@ class StepBatches:
     step: int
     indices: list[list[int]]  # data set indices of each micro-batch (dropout masks are keyed by them)
     micro_batches: list[Batch]
-    num_targets: torch.Tensor  # labels != -100 after the shift, over all micro-batches: 0-d float
+    num_targets: torch.Tensor  # labels != -100 after the shift, over all micro-batches: 0-d int64
+    # (an integer: FSDP2's mixed precision casts floating forward inputs, and bf16 holds 257 as 256)
 
     def pin_memory(self) -> StepBatches:
         """Page-locked copies (the DataLoader's pinning calls this): device copies then do not block the host."""
@@ -79,7 +80,7 @@ class StepCollate:
     def __call__(self, rows: tuple[int, list[list[int]], list[dict[str, list]]]) -> StepBatches:
         step, micro, columns = rows
         batches = [self.collator.collate(c) for c in columns]
-        return StepBatches(step, micro, batches, torch.tensor(float(sum(count_targets(b) for b in batches))))
+        return StepBatches(step, micro, batches, torch.tensor(sum(count_targets(b) for b in batches), dtype=torch.long))
 
 
 def read_step(

@@ -50,6 +50,7 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
     modeling.check_loss_kwargs(model)
     dropout.install(model, train_args.seed)
     lean_loss.install(model, train_args.lean_loss)  # patches lm_head's forward before FSDP2 swaps the classes
+    modeling.flatten_packed_rows(model)  # flash attention: packed rows as one flattened row
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     parallel.shard_model(
         model,
@@ -139,6 +140,7 @@ class FSDPTrainer:
         checked = check_run(model_args, data_args, train_args, world_size)  # refuse bad input first
         self.mesh_shape = mesh_shape(train_args, world_size)  # a bad R × S: refused here
         startup.check_precision(train_args, "fsdp", on_gpu=hardware.vendor() != "cpu")
+        startup.check_attention(model_args.attn_implementation, train_args, "fsdp")
         claimed = startup.claim(train_args)  # rank 0 takes --output_dir before the process group exists
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
         startup.joined(info, self.resolved, train_args.output_dir)

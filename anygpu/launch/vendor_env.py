@@ -86,6 +86,12 @@ AMD_PRESETS = (
         "kernel arguments in device memory, lower launch latency (the default since ROCm 6.2; set for older ROCm)",
     ),
     Preset("RCCL_MSCCL_ENABLE", "0", "avoids a past RCCL data-mismatch bug in MSCCL (ROCm guidance)"),
+    Preset(
+        "HIPBLASLT_ALLOW_TF32",
+        "1",
+        "ROCm's torch honours the TF32 switch (--tf32, on by default on MI300-class GPUs) only with it, "
+        "from the process start; --tf32 false still keeps fp32 matmuls IEEE",
+    ),
 )
 AMD_MULTI_GPU_PRESETS = (  # more than one process on the node
     Preset(

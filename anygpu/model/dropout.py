@@ -151,9 +151,13 @@ def _masks(state: _Keyed, site: str, input: torch.Tensor, p: float) -> torch.Ten
 
     Rows are batch-major: dim 0 is the batch, or the batch flattened with the sequence (OPT's MLP
     sees (batch·seq, hidden)); either way sample i owns the i-th of len(samples) equal slices of dim 0.
+    A packed micro-batch flattened into one row for flash attention (`modeling.flatten_packed_rows`,
+    (1, batch·seq, …)) is the same memory: sample i owns the i-th slice of dim 1.
     """
     rows, samples = (input.shape[0] if input.dim() > 0 else 0), state.samples
-    if rows == 0 or rows % len(samples):  # not batch-major: one mask for the micro-batch, keyed by its first sample
+    if rows == 1 and len(samples) > 1 and input.dim() > 1 and input.shape[1] % len(samples) == 0:
+        shape = (1, input.shape[1] // len(samples), *input.shape[2:])
+    elif rows == 0 or rows % len(samples):  # not batch-major: one mask for the micro-batch, keyed by its first sample
         if not state.warned:
             logger.warning("dropout at %s on a tensor of shape %s: not keyed per sample", site, tuple(input.shape))
             state.warned = True

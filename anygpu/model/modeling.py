@@ -173,6 +173,50 @@ def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return total
 
 
+PACKED_KEYS = ("input_ids", "labels", "position_ids")
+
+
+def flattened(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A packed micro-batch's rows [m, T] as one row [1, m·T], row after row (the layout of transformers'
+    `DataCollatorWithFlattening`). Every sample's first label is -100, so no row's last token gets the next
+    row's first as a target: the targets and their count are the batch's own."""
+    return {k: v.reshape(1, -1) for k, v in batch.items()}
+
+
+def flatten_packed_rows(model: nn.Module) -> None:
+    """Under flash attention, every forward gets a packed micro-batch (position ids, no attention mask) as one
+    flattened row: transformers runs flash attention's varlen kernel per sample only for a batch of one row
+    (`_is_packed_sequence`); given m > 1 rows it would let each sample attend to those before it in its row.
+    A hook on the module the engines call (both engines, the evaluation, DataParallel's replicas): the callers
+    keep the [m, T] batch for the token count, the MoE router loss and the keyed dropout masks."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        attention = str(getattr(getattr(module, "config", None), "_attn_implementation", ""))
+        ids = kwargs.get("input_ids")
+        if "flash" not in attention or kwargs.get("position_ids") is None or ids is None or ids.shape[0] == 1:
+            return None
+        if kwargs.get("attention_mask") is not None:
+            return None  # padded rows, not packed ones: flash attention's padding path handles them
+        rows = {k: kwargs[k] for k in PACKED_KEYS if kwargs.get(k) is not None}
+        return args, {**kwargs, **flattened(rows)}
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def matmul_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, frozen) parameters each token is multiplied by: every one but the input embedding (a lookup),
+    and the output projection's even when it is the input embedding's tied weight."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    counts = [0, 0]  # trainable, frozen
+    for p in model.parameters():
+        if p is not embedding:
+            counts[not p.requires_grad] += p.numel()
+    if head is not None and getattr(head, "weight", None) is embedding:
+        counts[not embedding.requires_grad] += embedding.numel()
+    return counts[0], counts[1]
+
+
 def check_loss_kwargs(model: nn.Module) -> None:
     """Refuse a model whose loss cannot take `num_items_in_batch` (the global-batch token count), as Trainer decides it."""
     import inspect

@@ -7,6 +7,7 @@ path serves NVIDIA and AMD; the vendor only changes names, peak numbers and defa
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 
@@ -88,6 +89,9 @@ def peak_flops(device_name: str, precision: str) -> float | None:
     """Peak dense FLOP/s of one GPU at `precision` (see `matmul_precision`), or None (with a warning)
     for a part not in PEAK_TFLOPS. TF32 on a part without it is its fp32 peak."""
     words = _name_words(device_name)
+    if "MIG" in words:  # "NVIDIA A100-SXM4-40GB MIG 3g.20gb": a slice has a share of the SMs, not the whole peak
+        logger.warning("%r is a MIG slice: its peak FLOP/s is not known, MFU is not reported", device_name)
+        return None
     for key in sorted(PEAK_TFLOPS, key=lambda k: -len(_name_words(k))):
         kw = _name_words(key)
         if any(words[i : i + len(kw)] == kw for i in range(len(words) - len(kw) + 1)):
@@ -103,28 +107,45 @@ def peak_bf16_flops(device_name: str) -> float | None:
 
 
 def has_tf32() -> bool:
-    """TF32 tensor cores: NVIDIA compute capability ≥ 8.0 (Ampere and later)."""
-    return vendor() == "nvidia" and torch.cuda.get_device_capability()[0] >= 8
+    """TF32-class matmuls: NVIDIA compute capability ≥ 8.0 (Ampere and later); on AMD the gfx942 parts
+    (MI300X, MI325X, MI300A: XF32 through hipBLASLt). MI250 and MI355X have none (PEAK_TFLOPS: no TF32 peak)."""
+    if vendor() == "nvidia":
+        return torch.cuda.get_device_capability()[0] >= 8
+    if vendor() == "amd":
+        return (getattr(torch.cuda.get_device_properties(0), "gcnArchName", "") or "").startswith("gfx942")
+    return False
+
+
+ROCM_TF32_ENV = "HIPBLASLT_ALLOW_TF32"  # without =1, ROCm's torch keeps fp32 matmuls IEEE whatever the flags say
 
 
 def configure_tf32(enabled: bool | None) -> bool:
-    """Allow TF32 matmuls/convolutions (default on where the GPU has them); return whether on.
+    """Allow TF32 matmuls/convolutions (default on where the GPU has them); return whether they are on, as the
+    hardware will run them: the banner and the MFU peak follow this.
 
-    On ROCm torch's flags are set the same way; whether matmuls then use a reduced format
-    (XF32 on MI300-class parts through hipBLASLt) depends on the GPU and ROCm version, and on
-    older Instinct parts they stay fp32. On CPU nothing changes.
+    On ROCm the flags take effect only with HIPBLASLT_ALLOW_TF32=1: exported by the launchers, set here
+    when the caller left it unset (before the first matmul); a caller's other value keeps TF32 off.
+    On CPU nothing changes.
     """
     on = (vendor() != "cpu") if enabled is None else bool(enabled)
-    if vendor() == "nvidia" and not has_tf32():
+    if vendor() == "cpu" or not has_tf32():
         on = False
+    if on and vendor() == "amd" and os.environ.setdefault(ROCM_TF32_ENV, "1") != "1":
+        logger.info("TF32 off: %s=%s (set it to 1 for TF32 matmuls)", ROCM_TF32_ENV, os.environ[ROCM_TF32_ENV])
+        on = False
+    _set_tf32_flags(on)
+    return on
+
+
+def _set_tf32_flags(on: bool) -> None:
+    """The legacy switches, then (torch ≥ 2.9) the new ones, to the same value: torch 2.9-2.10 raise when a reader of
+    one API (inductor and Trainer read the legacy flags) finds the other set differently."""
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
     if _has_fp32_precision_api():
         precision = "tf32" if on else "ieee"
         torch.backends.cuda.matmul.fp32_precision = precision
         torch.backends.cudnn.conv.fp32_precision = precision
-    else:  # torch < 2.9
-        torch.backends.cuda.matmul.allow_tf32 = on
-        torch.backends.cudnn.allow_tf32 = on
-    return on
 
 
 def _has_fp32_precision_api() -> bool:

@@ -66,7 +66,8 @@ def shard_model(
     if not needs_sharding(world_size, bf16):
         return model
     mesh = build_mesh(device, mesh_shape)
-    # bf16 compute and all-gathers, fp32 gradient reduction and master weights.
+    # bf16 compute and all-gathers, fp32 gradient reduction and master weights. The policy also casts the
+    # floating-point forward inputs to bf16: the loss's token count (num_items_in_batch) is an integer for that.
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )

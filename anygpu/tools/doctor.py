@@ -110,8 +110,6 @@ def torch_facts() -> dict:
     }
     if facts["vendor"] != "cpu":
         for d in hardware.devices():
-            props = torch.cuda.get_device_properties(d.index)
-            major = getattr(props, "major", 0)
             facts["gpus"].append(
                 {
                     "index": d.index,
@@ -119,7 +117,7 @@ def torch_facts() -> dict:
                     "memory_gib": round(d.total_memory_gb, 1),
                     "capability": d.capability,
                     "bf16": bool(torch.cuda.is_bf16_supported()),
-                    "tf32": facts["vendor"] == "nvidia" and major >= 8,
+                    "tf32": hardware.has_tf32(),
                 }
             )
         try:
@@ -190,14 +188,16 @@ def check_tf32() -> Check:
 
     from anygpu.runtime import hardware
 
-    if not (hardware.vendor() == "nvidia" and hardware.has_tf32()):
+    if not hardware.has_tf32():  # NVIDIA before Ampere, AMD but MI300-class (gfx942), CPU
         where = "CPU" if hardware.vendor() == "cpu" else "this GPU"
         return Check("TF32 matmul", True, f"{where} has no TF32: fp32 matmuls stay fp32 (nothing to switch)")
     gen = torch.Generator(device="cpu").manual_seed(0)
     a, b = (torch.randn(1024, 1024, generator=gen).cuda() for _ in range(2))
     ref = a.double() @ b.double()
     try:
-        hardware.configure_tf32(True)
+        if not hardware.configure_tf32(True):  # ROCm with HIPBLASLT_ALLOW_TF32 set to another value than 1
+            value = os.environ.get(hardware.ROCM_TF32_ENV)
+            return Check("TF32 matmul", True, f"TF32 off here: {hardware.ROCM_TF32_ENV}={value} (the runs say fp32)")
         on = a @ b
         hardware.configure_tf32(False)
         off = a @ b
@@ -213,7 +213,7 @@ def check_tf32() -> Check:
         ""
         if ok
         else "the TF32 switch has no effect here: check torch.backends.cuda.matmul settings "
-        "(NVIDIA_TF32_OVERRIDE in the environment?)",
+        "(NVIDIA_TF32_OVERRIDE in the environment? on ROCm, HIPBLASLT_ALLOW_TF32=1 from the process start)",
     )
 
 

@@ -154,7 +154,7 @@ def check_args(args: argparse.Namespace) -> str | None:
 def load_shapes(
     model_name_or_path: str | None, config_name: str | None, lora_r: int = 0, lora_targets: tuple[str, ...] = ()
 ) -> tuple[Shapes, object, int]:
-    """(shapes, config, parameters without embeddings) of the model, built on the meta device."""
+    """(shapes, config, the parameters a token is multiplied by) of the model, built on the meta device."""
     from anygpu.config.args import ModelArguments
     from anygpu.model import modeling
 
@@ -163,7 +163,7 @@ def load_shapes(
     config.use_cache = False
     model = modeling.build_meta_model(config, margs)
     shapes = memory_plan.shapes_from_model(model, config, lora_r, lora_targets)
-    return shapes, config, modeling.count_parameters(model, exclude_embeddings=True)
+    return shapes, config, sum(modeling.matmul_parameters(model))  # every matmul weight, a tied output projection too
 
 
 def detect_machine(
@@ -210,10 +210,10 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     from anygpu.train import metrics
 
     targets = tuple(t for t in args.lora_target_modules.split(",") if t)
-    full, config, non_embedding = load_shapes(args.model_name_or_path, args.config_name)
+    full, config, matmul_weights = load_shapes(args.model_name_or_path, args.config_name)
     lora, _, _ = load_shapes(args.model_name_or_path, args.config_name, args.lora_r, targets)
     machine = detect_machine(args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes)
-    fpt = metrics.flops_per_token(config, non_embedding, args.block_size)
+    fpt = metrics.flops_per_token(config, matmul_weights, args.block_size)
     dp_shard = dp_shard_of(args, machine)
     out = []
     for shapes, is_lora in ((full, False), (lora, True)):

@@ -27,11 +27,13 @@ from anygpu.train import trackers
 logger = logging.getLogger(__name__)
 
 
-def flops_per_token(config: PretrainedConfig, num_params_no_embedding: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12·L·H·T for attention."""
+def flops_per_token(config: PretrainedConfig, num_trainable: int, seq_len: int, num_frozen: int = 0) -> float:
+    """Training FLOPs per token: 6N for the trainable matmul weights (forward, gradient to the input, gradient to
+    the weight), 4N for frozen ones (no weight gradient: LoRA's base), plus 12·L·H·T for attention. N counts the
+    weights a token is multiplied by (`modeling.matmul_parameters`: the output projection, tied or not)."""
     layers = config.num_hidden_layers
     hidden = config.hidden_size
-    return 6 * num_params_no_embedding + 12 * layers * hidden * seq_len
+    return 6 * num_trainable + 4 * num_frozen + 12 * layers * hidden * seq_len
 
 
 def mfu(
@@ -124,6 +126,7 @@ def since_process_start() -> tuple[float, float]:
 
 
 def max_memory_gb(device: torch.device) -> float | None:
+    """The peak allocated memory in GiB (2**30 bytes; metrics.jsonl's key `max_memory_allocated_gb` keeps its name)."""
     if device.type != "cuda":
         return None
     return torch.cuda.max_memory_allocated(device) / 2**30
@@ -143,7 +146,7 @@ def format_line(rec: dict[str, Any], max_steps: int) -> str:
     if rec.get("mfu") is not None:
         parts.append(f"mfu {100 * rec['mfu']:.1f}%")
     if rec.get("max_memory_allocated_gb") is not None:
-        parts.append(f"mem {rec['max_memory_allocated_gb']:.1f} GB")
+        parts.append(f"mem {rec['max_memory_allocated_gb']:.1f} GiB")  # the key says gb: a file contract
     if "eval_loss" in rec:
         parts += [f"eval_loss {rec['eval_loss']:.4f}", f"ppl {rec['perplexity']:.2f}"]
     return " | ".join(parts)

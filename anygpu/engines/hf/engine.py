@@ -26,7 +26,9 @@ from anygpu.train import trackers
 logger = logging.getLogger("anygpu")
 
 
-def refuse_early(train_args: TrainArguments, engine_args: HFEngineArguments) -> hf_strategy.Plan:
+def refuse_early(
+    model_args: ModelArguments, train_args: TrainArguments, engine_args: HFEngineArguments
+) -> hf_strategy.Plan:
     """The checks that need no process group (refusing here costs nothing); returns the strategy plan."""
     train_args.report_to = trackers.resolve(train_args.report_to)  # the FSDP2 engine's check and messages
     check_processes_per_node()  # e.g. a config's num_processes: 8 on a 2-GPU node: stop before any work
@@ -39,6 +41,7 @@ def refuse_early(train_args: TrainArguments, engine_args: HFEngineArguments) -> 
             )
     on_cpu = hardware.vendor() == "cpu"
     startup.check_precision(train_args, "hf", on_gpu=not on_cpu)
+    startup.check_attention(model_args.attn_implementation, train_args, "hf")
     plan = hf_strategy.plan(hf_strategy.requested(), on_cpu, engine_args.allow_strategy_fallback)
     hf_strategy.apply_env(plan)
     return plan
@@ -48,7 +51,7 @@ def run(
     model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments, engine_args: HFEngineArguments
 ) -> dict[str, Any]:
     """Train; return the last logged record (rank 0)."""
-    plan = refuse_early(train_args, engine_args)
+    plan = refuse_early(model_args, train_args, engine_args)
     claimed = startup.claim(train_args)  # rank 0 takes --output_dir before the process group exists
     lazy_deepspeed.unwrap_without_importing_deepspeed()  # Trainer unwraps the model at start-up and export
     # Trainer and the data stack take seconds to import: only once the run is known to go ahead.

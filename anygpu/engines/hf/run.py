@@ -189,6 +189,7 @@ class HFRun:
                 lora.hold_frozen_in(model, torch.bfloat16)  # as the FSDP2 engine and the memory plan
         dropout.install(model, args.seed)  # masks keyed by sample, as in the FSDP2 engine
         lean_loss.install(model, args.lean_loss, hf_strategy.lean_loss_off_reason(self.plan))
+        modeling.flatten_packed_rows(model)  # flash attention: packed rows as one flattened row, as the FSDP2 engine
         if args.torch_compile:
             for layer in (m for m in model.modules() if isinstance(m, blocks.decoder_layer_classes(model))):
                 layer.compile()

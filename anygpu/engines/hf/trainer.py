@@ -311,9 +311,9 @@ class TrunkCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         step, schedule = state.global_step, self.schedule
-        self.log.step_done(step)
         control.should_evaluate = control.should_evaluate or schedule.should_eval(step)
         control.should_save = control.should_save or schedule.should_save(step)
+        self.log.step_done(step, pause_follows=control.should_evaluate or control.should_save)
         control.should_log = control.should_log or step == schedule.end_step
         control.should_training_stop = control.should_training_stop or schedule.is_last(step)
         return self.check_preemption(control)

@@ -60,13 +60,16 @@ class RunLog:
             self.bar.close()
             self.bar = None
 
-    def step_done(self, step: int) -> None:
-        """Step `step` (1-based) is done: its tokens join the throughput window; the bar moves."""
+    def step_done(self, step: int, pause_follows: bool = False) -> None:
+        """Step `step` (1-based) is done: its tokens join the throughput window; the bar moves. `pause_follows`:
+        an evaluation or a save runs next, timed from here (`pause_since_mark`)."""
         if step == self.schedule.start_step + 1 and self.is_main:
             self._sync()  # once: the first step's time must count its finished work
             logger.info(
                 "first step done %.1f s after the process started (%.1f s of CPU)", *metrics.since_process_start()
             )
+        elif pause_follows:
+            self._sync()  # the step's queued GPU work is training time, not part of the pause that follows
         self.window.add(*self.tokens.count(step - 1, self.prep.plan))
         self.mark = time.perf_counter()
         if self.bar is not None:
@@ -105,6 +108,7 @@ class RunLog:
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Leave the time spent inside (an evaluation, a save) out of tokens/s."""
+        self._sync()  # the GPU work queued before the pause is training: it finishes before the pause's clock starts
         with metrics.paused(self.window):
             yield
 

@@ -35,6 +35,38 @@ def check_precision(train_args, engine: str, on_gpu: bool) -> None:
         raise UsageError(f"--bf16: this GPU has no bf16; {other}.")
 
 
+# What transformers needs for each flash attention (without it, or without a GPU, a rank's traceback).
+FLASH_PACKAGES = {
+    "flash_attention_2": "flash-attn (pip install flash-attn --no-build-isolation)",
+    "flash_attention_3": "flash-attn 3 (flash_attn_interface, built from flash-attention's hopper/ folder)",
+}
+
+
+def flash_attention_available(attn_implementation: str) -> bool:
+    """Whether transformers can run this flash attention here: its package for a visible GPU, or the `kernels`
+    package it falls back to (a kernel from the Hub)."""
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_kernels_available
+
+    own = is_flash_attn_3_available if attn_implementation == "flash_attention_3" else is_flash_attn_2_available
+    return own() or is_kernels_available()
+
+
+def check_attention(attn_implementation: str, train_args, engine: str) -> None:
+    """Refuse flash attention where it cannot run (before any process group): in fp32, or without its package."""
+    if not attn_implementation.startswith("flash_attention"):
+        return
+    if not (train_args.bf16 or train_args.fp16):
+        raise UsageError(
+            f"--attn_implementation {attn_implementation} needs {HALF_PRECISION[engine]} (flash attention has no "
+            "fp32 kernels): add it, or use --attn_implementation sdpa."
+        )
+    if not flash_attention_available(attn_implementation):
+        raise UsageError(
+            f"--attn_implementation {attn_implementation}: {FLASH_PACKAGES[attn_implementation]} is not installed "
+            "for a visible GPU: install it, or use --attn_implementation sdpa."
+        )
+
+
 def claim(train_args) -> run_guard.Claim | None:
     """Rank 0 takes --output_dir (lock, repairs, a used folder, rewinds) before any process group exists:
     a refusal here costs nothing."""
@@ -58,9 +90,8 @@ def resume_target(train_args, claimed: run_guard.Claim | None, engine: str) -> P
 
 def throughput_facts(prep, model, train_args, tf32: bool, device) -> tuple[float, float | None]:
     """(training FLOPs per token, the device's peak FLOP/s at the run's precision or None): for the MFU."""
-    fpt = metrics.flops_per_token(
-        prep.config, modeling.count_parameters(model, exclude_embeddings=True), prep.block_size
-    )
+    trainable, frozen = modeling.matmul_parameters(model)
+    fpt = metrics.flops_per_token(prep.config, trainable, prep.block_size, num_frozen=frozen)
     precision = hardware.matmul_precision(train_args.bf16, train_args.fp16, tf32)
     peak = hardware.peak_flops(hardware.devices()[0].name, precision) if device.type == "cuda" else None
     return fpt, peak
