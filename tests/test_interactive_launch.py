@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, env
+from conftest import HIDE_GPUS, ROOT, env
 
 from anygpu.tools import cli, interactive
 from anygpu.tools import plan as plan_tool
@@ -110,7 +110,10 @@ def test_the_launcher_suggests_and_takes_no_abbreviation():
 
 @pytest.mark.slow
 def test_fake_gpus_offer_the_plans_recommendation(tmp_path):
-    e = {**env(), "PATH": f"{FAKES}{os.pathsep}{os.environ['PATH']}", "FAKE_NVIDIA": "ok", "FAKE_AMD": "absent"}
+    # a node of 8 (fake) NVIDIA GPUs, all visible: not the CPU tests' blanked visibility variables
+    cpu_only = env()
+    e = {k: v for k, v in cpu_only.items() if k not in HIDE_GPUS}
+    e.update(PATH=f"{FAKES}{os.pathsep}{os.environ['PATH']}", FAKE_NVIDIA="ok", FAKE_AMD="absent")
     answers = f"\n\n4\n32\n{tmp_path / 'out'}\n"  # keep engine and config, then 4 GPUs, global batch 32
     # the vendor script's --interactive (the same dialogue as `anygpu launch`, which the CPU test drives)
     # the run's own options after -- are read for the plan and passed on once
