@@ -26,6 +26,22 @@ def test_tf32_flag_follows_the_request_on_the_torch_api_in_use():
         assert torch.backends.cuda.matmul.allow_tf32 is False
 
 
+def test_deterministic_algorithms_only_where_verify_asks(monkeypatch):
+    """ANYGPU_DETERMINISTIC=1 (anygpu verify's runs) switches torch's deterministic algorithms on, warning
+    instead of failing on an op without a deterministic kernel; unset, nothing changes."""
+    monkeypatch.delenv(hardware.DETERMINISTIC_ENV, raising=False)
+    assert hardware.configure_determinism() is False and not torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setenv(hardware.DETERMINISTIC_ENV, "1")
+    try:
+        assert hardware.configure_determinism() is True
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
+        torch.utils.deterministic.fill_uninitialized_memory = True
+
+
 @pytest.mark.parametrize(
     "name,tflops",
     [

@@ -131,3 +131,36 @@ def test_model_without_loss_kwargs_is_refused():
 
     with pytest.raises(ValueError, match="num_items_in_batch"):
         modeling.check_loss_kwargs(NoKwargs())
+
+
+def test_compiled_layers_do_not_recompile_after_step_2():
+    """--torch_compile compiles each decoder layer (runtime.parallel.shard_model): keyed dropout must not make
+    dynamo recompile them at every step (a guard on the step, or on a dropout function made anew for each
+    micro-batch, would; past torch's cache limit the layers would run uncompiled), and under compile the masks
+    still follow the sample, not the split (the same rows, alone or in a larger micro-batch, get the same
+    masks: the 1-vs-N-rank property)."""
+    compiled_at: list[int] = []
+    step = 0
+
+    def counting_backend(gm, example_inputs):  # dynamo's own guards and graphs, no code generation
+        compiled_at.append(step)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model, _ = _model("gpt2")
+    for layer in model.transformer.h:
+        layer.compile(backend=counting_backend)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    for step in range(1, 7):
+        rows = ids[:2] if step % 2 else ids[2:]  # two micro-batches a step, as with accumulation
+        with dropout.keys(model, step, [2 * step, 2 * step + 1]):
+            model(input_ids=rows, labels=rows).loss.backward()
+    assert compiled_at and min(compiled_at) == 1, compiled_at  # the layers did compile
+    assert [s for s in compiled_at if s > 2] == [], f"graphs compiled at steps {compiled_at}"
+    step = 7
+    with dropout.keys(model, 7, [10, 11, 12, 13]):
+        whole = model(input_ids=ids).logits
+    with dropout.keys(model, 7, [12, 13]):
+        half = model(input_ids=ids[2:]).logits
+    torch._dynamo.reset()
+    assert torch.equal(whole[2:], half)

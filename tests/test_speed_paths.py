@@ -181,52 +181,6 @@ def test_engines_do_not_import_deepspeed_until_used():
     subprocess.run([sys.executable, "-c", code], check=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
 
 
-def test_gpu_matrix_without_a_gpu_prints_its_plan_and_exits_0():
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is present: the script would run the matrix")
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(
-        ["bash", "benchmarks/gpu_matrix.sh"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**__import__("os").environ, "PYTHON": sys.executable},
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "no GPU" in proc.stdout
-    for what in (
-        "run_fsdp_standalone.py",
-        "--torch_compile true",
-        "--gradient_checkpointing true",
-        "accelerate_configs/ddp.yaml",
-        "accelerate_configs/fsdp.yaml",
-        "accelerate_configs/deepspeed_zero3.yaml",
-    ):
-        assert what in proc.stdout, what
-    assert proc.stdout.count("--bf16 true") == 8
-    assert "--lean_loss false" in proc.stdout and "benchmarks/lean_loss.py --bf16" in proc.stdout
-    assert "skipped: HSDP needs at least 2 GPUs (world size 1)" in proc.stdout
-    # on a multi-GPU node the HSDP row runs two replica groups (what two nodes would get by default)
-    four = subprocess.run(
-        ["bash", "benchmarks/gpu_matrix.sh"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**__import__("os").environ, "PYTHON": sys.executable, "NGPU": "4", "DRY_RUN": "1"},
-    )
-    assert (
-        four.returncode == 0
-        and "# native bf16 + HSDP 2 x 2" in four.stdout
-        and "--dp_replicate 2 --output_dir" in four.stdout
-    )
-
-
 def test_cpu_adamw_is_the_fused_kernel_with_the_loops_updates():
     """On CPU the optimizer is AdamW's fused kernel (torch's CPU default loops over the parameters in
     Python, 4-6x slower); its updates are the loop's to float rounding, decay groups included."""

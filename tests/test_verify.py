@@ -155,6 +155,40 @@ def test_a_global_batch_that_follows_the_world_size_is_caught(tmp_path):
     assert "hint: the global batch differs between runs: 2 (hf-w1), 4 (hf-w2)" in proc.stdout
     result = json.loads((tmp_path / "verify" / "result.json").read_text())
     assert result["largest_relative_difference"]["value"] > 1e-3
+    # a math that follows the world size moves the grad norm by more than bf16's default tolerance allows too
+    from anygpu.tools.verify import TOLERANCE
+
+    assert result["largest_relative_difference"]["value"] > 2 * TOLERANCE["bf16"]
+
+
+@pytest.mark.slow
+def test_a_correct_bf16_job_passes_at_the_default_tolerance(tmp_path):
+    """The docs' bf16 example in small: a LoRA job in bf16 on both engines, 1 and 2 processes, no --tolerance. bf16's
+    8-bit roundings move the adapter's weights by far more than 1e-5 (7e-3 here); the default tolerance is the
+    precision's, the verdict says which, and the runs were deterministic with TF32 off."""
+    from test_lora import build_base
+
+    from anygpu.tools.verify import TOLERANCE
+
+    build_base(tmp_path / "base")
+    out = tmp_path / "job"
+    job = [*JOB[2:], "--model_name_or_path", str(tmp_path / "base"), "--use_peft", "true", "--bf16", "true"]
+    proc = verify(
+        ["--world_sizes", "1,2", "--engines", "fsdp,hf", "--max_steps", "3", "--", *job, "--global_batch_size", "4"]
+        + ["--output_dir", str(out)]
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    verdict = [ln for ln in proc.stdout.splitlines() if ln.startswith("verdict:")][0]
+    assert verdict.startswith("verdict: PASS") and verdict.endswith(
+        f"within the tolerance {TOLERANCE['bf16']:g} (the bf16 default; deterministic algorithms, TF32 off)"
+    ), verdict
+    result = json.loads((out / "verify" / "result.json").read_text())
+    assert result["precision"] == "bf16" and result["tolerance"] == TOLERANCE["bf16"] and result["deterministic"]
+    assert result["tolerance_from"] == "the bf16 default"
+    assert result["largest_relative_difference"]["value"] > TOLERANCE["fp32"]  # what the old default failed
+    for run in result["runs"]:  # each run's banner: bf16 with deterministic algorithms, no TF32
+        log = (out / "verify" / f"{run['name']}.log").read_text()
+        assert "precision: bf16 mixed, deterministic algorithms" in log, log[-2000:]
 
 
 @pytest.mark.parametrize(

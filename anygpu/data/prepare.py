@@ -171,6 +171,8 @@ def resolve_packing(requested: bool | None, fmt: str, model_type: str, attn_impl
 
 def summary_lines(prep: Prepared, model, train_args: TrainArguments, tf32: bool) -> list[str]:
     """The banner lines both engines print: hardware, model, data, batch decomposition, schedule."""
+    import torch
+
     n = modeling.count_parameters(model)
     precision = "bf16 mixed" if train_args.bf16 else "fp16 mixed" if train_args.fp16 else "fp32"
     return [
@@ -185,7 +187,8 @@ def summary_lines(prep: Prepared, model, train_args: TrainArguments, tf32: bool)
         *prep.data_lines[1:],
         prep.plan.banner(),
         f"steps: {prep.total_steps} ({prep.order.steps_per_epoch} per epoch), precision: {precision}"
-        + (", TF32 matmuls" if tf32 else ""),
+        + (", TF32 matmuls" if tf32 else "")
+        + (", deterministic algorithms" if torch.are_deterministic_algorithms_enabled() else ""),
         *[
             line
             for line in (dropout.note(model), lean_loss.note(model), lora.is_peft(model) and lora.trainable_line(model))

@@ -145,6 +145,7 @@ class FSDPTrainer:
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
         startup.joined(info, self.resolved, train_args.output_dir)
         self.tf32 = hardware.configure_tf32(train_args.tf32)
+        hardware.configure_determinism()  # anygpu verify's runs
         torch.manual_seed(train_args.seed + info.rank)
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
         run_guard.check_data_agrees(info, prep.data_fingerprint)

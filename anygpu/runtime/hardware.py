@@ -148,6 +148,27 @@ def _set_tf32_flags(on: bool) -> None:
         torch.backends.cudnn.conv.fp32_precision = precision
 
 
+# Set by `anygpu verify` for the runs it compares: the same kernels from run to run, so what differs between two
+# world sizes is the split of the batch, not the kernels' choice of summation order.
+DETERMINISTIC_ENV = "ANYGPU_DETERMINISTIC"
+
+
+def configure_determinism() -> bool:
+    """Deterministic algorithms (cuDNN too) where ANYGPU_DETERMINISTIC=1; return whether on.
+
+    warn_only: an op without a deterministic kernel warns instead of stopping the run. cuBLAS needs
+    CUBLAS_WORKSPACE_CONFIG in the environment before its first call (verify sets it)."""
+    if os.environ.get(DETERMINISTIC_ENV) != "1":
+        return False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # Filling every new tensor with NaN (determinism's default, for reads of uninitialised memory) costs a write per
+    # allocation and changes nothing a correct step computes.
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    return True
+
+
 def _has_fp32_precision_api() -> bool:
     return hasattr(torch.backends.cuda.matmul, "fp32_precision") and hasattr(
         getattr(torch.backends.cudnn, "conv", None), "fp32_precision"

@@ -6,8 +6,12 @@ certify that they agree.
 Every run is started as the vendor launcher would start it (one process per GPU, or CPU processes with
 gloo where there is no GPU or with --cpu), in its own folder <output_dir>/verify/<run>. The first run is
 the reference; every other run's per-step loss and grad norm (metrics.jsonl) and final exported weights
-are compared with it. The largest relative difference decides: exit 0 within --tolerance, 1 beyond it
+are compared with it. The largest relative difference decides: exit 0 within the tolerance, 1 beyond it
 (or when a run failed), 2 for bad input. The result goes to <output_dir>/verify/result.json.
+
+The runs are deterministic (deterministic algorithms, cuBLAS's fixed workspace, TF32 off), so two runs differ only
+by what the world size or engine changes: the split of the batch and the order of the sums. How far that moves a
+result depends on the precision: the default tolerance is the job's precision's (TOLERANCE), --tolerance sets one.
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ from anygpu.tools.bench import vendor_here
 
 PREFIX = "[verify]"
 JOB_OWNED = ("resume_from_checkpoint", "stop_at_step")  # verify sets these itself
+
+# The default tolerance per precision of the job: the largest relative difference that sums in another order reach
+# after a few steps. fp32: ~1e-7 per sum, 1e-5 leaves room for depth and steps. bf16 keeps 8 significant bits
+# (2^-8 = 3.9e-3 per rounding): the tiny preset on CPU, 1 vs 2 ranks and engine vs engine, moved a LoRA adapter's
+# weights by up to 7e-3 and the grad norm by 2e-3 in 3 steps; 5e-2 leaves room for a GPU's kernels and a deeper
+# model, and still catches a global batch that follows the world size (0.3 in the grad norm). fp16 keeps 11 bits.
+TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
+# What every compared run gets: the same kernels from run to run (anygpu.runtime.hardware.configure_determinism);
+# cuBLAS's deterministic workspace must be in the environment before its first call.
+DETERMINISTIC_ENV = {"ANYGPU_DETERMINISTIC": "1"}
+CUBLAS_WORKSPACE = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # kept if the caller set one
 
 
 @dataclass
@@ -76,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Everything after -- is your job's arguments, as you pass them to the engine (model, data, LoRA, "
         "batch, engine options; a YAML/JSON file first is read too). verify sets --output_dir "
         "<output_dir>/verify/<run>, --max_steps, --logging_steps 1, --report_to none, --export_final true, "
-        "--eval_on_start false, --eval_steps 0 and --disable_tqdm true itself. See docs/verify.md.",
+        "--eval_on_start false, --eval_steps 0, --disable_tqdm true and --tf32 false itself, and runs them with "
+        "deterministic algorithms (ANYGPU_DETERMINISTIC=1, CUBLAS_WORKSPACE_CONFIG). See docs/verify.md.",
     )
     p.add_argument("--world_sizes", default="1,2", help="Comma-separated process counts to compare (default 1,2).")
     p.add_argument("--engines", default="fsdp", help="Comma-separated engines: fsdp, hf or fsdp,hf (default fsdp).")
@@ -90,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tolerance",
         type=float,
-        default=1e-5,
-        help="Largest relative difference allowed (default 1e-5: fp32 reductions in another order).",
+        help="Largest relative difference allowed (default by the job's precision: 1e-5 for fp32, 5e-2 for bf16, "
+        "1e-2 for fp16; the runs are deterministic and TF32 is off).",
     )
     p.add_argument("--max_steps", type=int, default=3, help="Optimizer steps per run (default 3).")
     p.add_argument(
@@ -135,7 +151,7 @@ def check_options(opts: argparse.Namespace) -> tuple[list[int], list[str]]:
             f"--resume_at {opts.resume_at}: must be a step before the last (valid: 1..{opts.max_steps - 1}, "
             f"or a larger --max_steps)"
         )
-    if not opts.tolerance > 0:
+    if opts.tolerance is not None and not opts.tolerance > 0:
         raise UsageError(f"--tolerance {opts.tolerance}: must be positive, e.g. 1e-5")
     if len(sizes) * len(engines) < 2 and opts.resume_at is None:
         raise UsageError(
@@ -145,9 +161,9 @@ def check_options(opts: argparse.Namespace) -> tuple[list[int], list[str]]:
     return sizes, engines
 
 
-def check_job(job: list[str], engines: list[str], sizes: list[int]) -> str:
+def check_job(job: list[str], engines: list[str], sizes: list[int]) -> tuple[str, str]:
     """Parse the job's arguments as the engines will (refusing bad ones now, before any process starts); return
-    its output folder."""
+    its output folder and its precision (fp32, bf16 or fp16)."""
     import anygpu
 
     anygpu.set_offline_defaults()
@@ -192,7 +208,7 @@ def check_job(job: list[str], engines: list[str], sizes: list[int]) -> str:
             plan_batch(g, w, train.per_device_train_batch_size, train.gradient_accumulation_steps)
         except UsageError as e:
             raise UsageError(f"world size {w}: {e}") from None
-    return train.output_dir
+    return train.output_dir, "bf16" if train.bf16 else "fp16" if train.fp16 else "fp32"
 
 
 def job_overrides(out: Path, max_steps: int) -> list[str]:
@@ -214,6 +230,8 @@ def job_overrides(out: Path, max_steps: int) -> list[str]:
         "false",
         "--eval_steps",
         "0",
+        "--tf32",
+        "false",  # fp32 matmuls in fp32: TF32's 10-bit products would be the noise, not the world size
     ]
 
 
@@ -292,9 +310,11 @@ def launch(run: Run, job: list[str], max_steps: int, cpu: bool, vendor: str, pro
     except launcher.LaunchError as e:
         raise UsageError(f"{run.name}: {e}") from None
     log = out.parent / f"{run.name}.log"
+    run_env = {**plan.env, **DETERMINISTIC_ENV}
+    run_env.setdefault(*CUBLAS_WORKSPACE)
     start = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.run(plan.cmd, env=plan.env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(plan.cmd, env=run_env, stdout=f, stderr=subprocess.STDOUT)
     run.seconds = time.monotonic() - start
     if proc.returncode != 0:
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:] or ["no output"]
@@ -423,14 +443,14 @@ def table(runs: list[Run]) -> str:
     return "\n".join(ln.rstrip() for ln in lines) + "\n"
 
 
-def verdict(worst: Worst, tolerance: float) -> str:
+def verdict(worst: Worst, tolerance: float, source: str) -> str:
+    """One line: PASS or FAIL, the largest difference and where, the tolerance and where it came from."""
     what = "grad norm" if worst.quantity == "grad_norm" else worst.quantity
     place = f"{what}, {worst.where}, {worst.run}"
+    judged = f"the tolerance {tolerance:g} ({source}; deterministic algorithms, TF32 off)"
     if worst.value <= tolerance:
-        return f"verdict: PASS: largest relative difference {fmt(worst.value)} ({place}) is within the tolerance {tolerance:g}"
-    return (
-        f"verdict: FAIL: largest relative difference {fmt(worst.value)} ({place}) exceeds the tolerance {tolerance:g}"
-    )
+        return f"verdict: PASS: largest relative difference {fmt(worst.value)} ({place}) is within {judged}"
+    return f"verdict: FAIL: largest relative difference {fmt(worst.value)} ({place}) exceeds {judged}"
 
 
 def finite(value: Any) -> Any:
@@ -451,12 +471,16 @@ def write_result(
     runs: list[Run],
     worst: Worst | None,
     passed: bool,
+    precision: str,
     error: str = "",
 ) -> Path:
     """<output_dir>/verify/result.json, written whole under a temporary name, then renamed."""
     result = {
         "passed": passed,
-        "tolerance": opts.tolerance,
+        "tolerance": tolerance_of(opts, precision)[0],
+        "tolerance_from": tolerance_of(opts, precision)[1],
+        "precision": precision,
+        "deterministic": True,  # deterministic algorithms, CUBLAS_WORKSPACE_CONFIG, --tf32 false
         "max_steps": opts.max_steps,
         "resume_at": opts.resume_at,
         "job_args": job,
@@ -470,6 +494,13 @@ def write_result(
     tmp.write_text(json.dumps(finite(result), indent=2, allow_nan=False))
     os.replace(tmp, path)
     return path
+
+
+def tolerance_of(opts: argparse.Namespace, precision: str) -> tuple[float, str]:
+    """The tolerance of the verdict and where it comes from: --tolerance, else the job's precision's default."""
+    if opts.tolerance is not None:
+        return opts.tolerance, "--tolerance"
+    return TOLERANCE[precision], f"the {precision} default"
 
 
 def refuse(message: str) -> None:
@@ -488,6 +519,7 @@ class Job:
     where: str
     vendor: str
     probe: object
+    precision: str  # the job's: fp32, bf16 or fp16
 
 
 def parse(argv: list[str]) -> Job:
@@ -497,7 +529,8 @@ def parse(argv: list[str]) -> Job:
     parser.error = refuse  # one line and exit 2, as for every other bad input
     opts = parser.parse_args(mine)
     sizes, engines = check_options(opts)
-    root = Path(check_job(job, engines, sizes)) / "verify"
+    output_dir, precision = check_job(job, engines, sizes)
+    root = Path(output_dir) / "verify"
     vendor = vendor_here()
     probe = once(launcher.torch_probe)
     where = ""
@@ -516,7 +549,7 @@ def parse(argv: list[str]) -> Job:
             f"--compare_only: no earlier run {', '.join(missing)} in {root}: run verify without "
             "--compare_only first (with the same --world_sizes, --engines and --resume_at)"
         )
-    return Job(opts, job, root, runs, where, vendor, probe)
+    return Job(opts, job, root, runs, where, vendor, probe, precision)
 
 
 def run_all(v: Job) -> None:
@@ -555,15 +588,16 @@ def main(argv: list[str] | None = None) -> int:
             read_metrics(run)
         worst = compare(runs, opts.resume_at)
     except (UsageError, VerifyError) as e:
-        write_result(v.root, opts, v.job, runs, worst, False, str(e))
+        write_result(v.root, opts, v.job, runs, worst, False, v.precision, str(e))
         print(f"anygpu verify: error: {e}", file=sys.stderr)
         return EXIT_USAGE if isinstance(e, UsageError) else 1
-    passed = worst.value <= opts.tolerance
+    tolerance, source = tolerance_of(opts, v.precision)
+    passed = worst.value <= tolerance
     sys.stdout.write(table(runs))
     for line in hints(runs) if not passed else []:
         print(f"hint: {line}")
-    print(verdict(worst, opts.tolerance))
-    print(f"result: {write_result(v.root, opts, v.job, runs, worst, passed)}")
+    print(verdict(worst, tolerance, source))
+    print(f"result: {write_result(v.root, opts, v.job, runs, worst, passed, v.precision)}")
     return 0 if passed else 1
 
 

@@ -94,6 +94,7 @@ class HFRun:
         self.resolved = resolved_dict(model_args, data_args, train_args, engine_args)
         hf_logging.disable_progress_bar()  # no "Writing model shards" bars between our lines
         self.tf32 = hardware.configure_tf32(train_args.tf32)
+        hardware.configure_determinism()  # anygpu verify's runs
         self.targs, self.info = self._join()
         startup.joined(self.info, self.resolved, train_args.output_dir)
         self.resume = startup.resume_target(train_args, claimed, "hf")

@@ -1,0 +1,146 @@
+"""The native FSDP2 engine's GPU paths at world size 1: bf16 through FSDP2's mixed precision, activation checkpointing,
+torch.compile, the lean loss, background checkpoints staged in pinned host memory, and flash attention over packed
+samples (where flash-attn is installed). Skipped without a GPU (CI runs on CPU).
+
+Each run is a fresh `python run_fsdp_standalone.py` (no fork of a process that imported torch), offline, on the
+embedded corpus, with deterministic algorithms (anygpu verify's switch), so fp32 runs with TF32 off can be compared
+to float tolerance and bf16 runs to bf16's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY, assert_close, env, losses, records
+
+torch = pytest.importorskip("torch")
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NUM_GPUS == 0, reason="needs a CUDA or ROCm GPU")]
+
+# fp32 without TF32 on one GPU, 8 steps of the tiny preset: the reference the other runs are compared with
+EXACT = [*TINY, "--max_steps", "8", "--tf32", "false", "--export_final", "false", "--save_steps", "0"]
+# the default preset at a size where activations and logits dominate a step's memory (the memory tests)
+LARGER = [
+    *TINY,
+    "--config_name",
+    "default",
+    "--block_size",
+    "256",
+    "--global_batch_size",
+    "16",
+    "--per_device_train_batch_size",
+    "16",
+    "--max_steps",
+    "3",
+    "--tf32",
+    "false",
+    "--export_final",
+    "false",
+    "--save_steps",
+    "0",
+]
+DETERMINISTIC = {"ANYGPU_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "CUDA_VISIBLE_DEVICES": "0"}
+BF16_REL = 2e-2  # bf16 keeps 8 significant bits: a few steps' losses stay within 2% of fp32's
+
+
+def native(args: list[str], out: Path, extra_env: dict[str, str] | None = None) -> str:
+    """One native-engine run on GPU 0; its stdout and stderr together (in order), or an AssertionError with them."""
+    proc = subprocess.run(
+        [sys.executable, "run_fsdp_standalone.py", *args, "--output_dir", str(out)],
+        cwd=ROOT,
+        env={**env(), **DETERMINISTIC, "PYTHONUNBUFFERED": "1", **(extra_env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}"
+    return proc.stdout
+
+
+def peak_gb(out: Path) -> float:
+    return max(r.get("max_memory_allocated_gb") or 0 for r in records(out) if "loss" in r)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("fp32")
+    log = native(EXACT, out)
+    assert "precision: fp32" in log and "TF32" not in log.split("precision:")[1].splitlines()[0]
+    return losses(out)
+
+
+@pytest.fixture(scope="module")
+def larger(tmp_path_factory) -> dict[str, Path]:
+    """The default preset three ways: as is (the lean loss), activation checkpointing, the model's own loss."""
+    root = tmp_path_factory.mktemp("larger")
+    runs = {"plain": [], "checkpointing": ["--gradient_checkpointing", "true"], "own_loss": ["--lean_loss", "false"]}
+    for name, extra in runs.items():
+        # the lean loss's default chunk is 128 MiB of fp32 logits, 4,096 tokens at this vocabulary: a whole
+        # micro-batch; 256-token chunks are what it does at a 128k vocabulary
+        native([*LARGER, *extra], root / name, {"ANYGPU_LEAN_LOSS_CHUNK_TOKENS": "256"})
+    return {name: root / name for name in runs}
+
+
+def test_bf16_through_fsdp2_trains_close_to_fp32(reference, tmp_path):
+    """bf16 keeps FSDP2 at world size 1 (its mixed-precision policy: bf16 compute, fp32 master weights)."""
+    log = native([*EXACT, "--bf16", "true"], tmp_path)
+    assert "FSDP2, parameters, gradients and optimizer state sharded over all 1 ranks" in log
+    assert "precision: bf16 mixed" in log
+    assert_close(reference, losses(tmp_path), rel=BF16_REL)
+    last = [r for r in records(tmp_path) if "loss" in r][-1]
+    assert last["max_memory_allocated_gb"] > 0
+
+
+def test_activation_checkpointing_same_losses_less_memory(larger):
+    assert_close(losses(larger["plain"]), losses(larger["checkpointing"]), rel=1e-5)
+    assert peak_gb(larger["checkpointing"]) < peak_gb(larger["plain"])
+
+
+def test_lean_loss_same_losses_less_memory(larger):
+    """The lean loss never holds the (tokens × vocabulary) logits whole: the model's own loss, less memory."""
+    assert_close(losses(larger["own_loss"]), losses(larger["plain"]), rel=1e-5)
+    assert peak_gb(larger["plain"]) < peak_gb(larger["own_loss"])
+
+
+def test_torch_compile_matches_eager_without_recompiling(reference, tmp_path):
+    """Each decoder layer compiled by inductor: eager's losses to fp32 fusion order, no recompile after step 2."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_matrix_summary
+
+    log = native([*EXACT, "--torch_compile", "true"], tmp_path, {"TORCH_LOGS": "recompiles"})
+    assert_close(reference, losses(tmp_path), rel=1e-4)
+    assert gpu_matrix_summary.recompiles_after(log) == 0, log[-6000:]
+
+
+def test_background_checkpoint_resumes_exactly(reference, tmp_path):
+    """A checkpoint written in the background (the state staged in pinned host memory while training goes on)
+    changes nothing in the run, and a run resumed from it continues with the uninterrupted run's losses."""
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    log = native([*EXACT, "--save_steps", "4", "--async_save", "true"], first)
+    assert "periodic checkpoints: asynchronous" in log, log[-3000:]
+    assert (first / "checkpoint-4").is_dir()
+    assert_close(reference, losses(first), rel=1e-6)
+    native([*EXACT, "--resume_from_checkpoint", str(first / "checkpoint-4")], resumed)
+    assert sorted(losses(resumed)) == [5, 6, 7, 8]
+    assert_close(losses(first), losses(resumed), rel=1e-6, steps=range(5, 9))
+
+
+def test_flash_attention_over_packed_samples_matches_sdpa(tmp_path):
+    """Prompt-completion data packed several samples to a row: flash attention confined to each sample through its
+    position ids (its varlen path) gives the losses of sdpa confined through transformers' mask, to bf16 tolerance."""
+    pytest.importorskip("flash_attn")
+    data = tmp_path / "pc.jsonl"
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    with open(data, "w") as f:
+        for i in range(400):
+            prompt = " ".join(words[(i + j) % len(words)] for j in range(1 + i % 23)) + " =>"
+            f.write(json.dumps({"prompt": prompt, "completion": f" {words[i % len(words)]} {i % 7}"}) + "\n")
+    corpus = EXACT.index("--max_corpus_mb")  # the embedded corpus's option: this job has its own data
+    job = [*EXACT[:corpus], *EXACT[corpus + 2 :], "--train_file", str(data), "--bf16", "true", "--packing", "true"]
+    native([*job, "--attn_implementation", "flash_attention_2"], tmp_path / "flash")
+    native([*job, "--attn_implementation", "sdpa"], tmp_path / "sdpa")
+    assert_close(losses(tmp_path / "sdpa"), losses(tmp_path / "flash"), rel=BF16_REL)
