@@ -6,6 +6,7 @@ plan's estimate; on a GPU the probe measures a forward + backward."""
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -184,3 +185,52 @@ def test_a_probe_that_fails_on_one_rank_is_agreed_on_by_every_rank(tmp_path):
     expected = [[2, "RuntimeError"], [2, "ValueError"]]
     for rank in (0, 1):
         assert f"rank {rank}: {expected}" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
+
+
+OOM_INSIDE_SHARDED_PROBE = """
+import datetime, sys, time, torch, torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+from anygpu.planning import auto_batch
+from anygpu.runtime import parallel
+from anygpu.runtime.mesh import MeshShape
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))  # a hang would outlast the test
+rank, oom_ranks = dist.get_rank(), [int(r) for r in sys.argv[1].split(",")]
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+model = parallel.shard_model(LlamaForCausalLM(config), torch.device("cpu"), MeshShape(1, 2), False, False, False)
+def out_of_memory_at_4(module, args, kwargs):  # after FSDP2's all-gather of this layer: mid-forward
+    hidden = args[0] if args else kwargs["hidden_states"]
+    if rank in oom_ranks and hidden.shape[0] == 4:
+        raise torch.OutOfMemoryError("CUDA out of memory (forced in decoder layer 0)")
+model.model.layers[0].register_forward_pre_hook(out_of_memory_at_4, with_kwargs=True)
+cost = auto_batch.measured_cost(model, 128, 16, torch.device("cpu"), 0)
+start = time.monotonic()
+probe = auto_batch.choose(4, cost, 2**30, torch.device("cpu"), "measured")
+print(f"rank {rank}: chose {probe.micro_batch} after {time.monotonic() - start:.0f} s", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("oom_ranks", ["1", "0,1"])
+def test_an_out_of_memory_inside_a_sharded_probe_never_hangs(tmp_path, oom_ranks):
+    """A real FSDP2-sharded model over 2 gloo ranks, probed at micro-batches 4, 2, 1; an out-of-memory is raised
+    inside decoder layer 0's forward at micro-batch 4. On rank 1 alone: rank 0 is left waiting in the probe's next
+    collective, so rank 1 stops the job at once, saying which rank, which micro-batch and what to pass instead. On
+    both ranks: micro-batch 4 is agreed too big and both take 2."""
+    from conftest import torchrun
+
+    script = tmp_path / "oom_inside_probe.py"
+    script.write_text(OOM_INSIDE_SHARDED_PROBE)
+    start = time.monotonic()
+    proc = torchrun(2, str(script), [oom_ranks], check=False, timeout=120)
+    took, out = time.monotonic() - start, proc.stdout + proc.stderr
+    assert took < 60, (took, out[-3000:])
+    if oom_ranks == "1":
+        assert proc.returncode != 0, out[-3000:]
+        assert "rank 1 ran out of memory inside the sharded probe of micro-batch 4" in out, out[-3000:]
+        assert "--per_device_train_batch_size 2" in out
+        assert "chose" not in out
+    else:
+        assert proc.returncode == 0, out[-3000:]
+        assert sorted(re.findall(r"rank (\d): chose (\d)", out)) == [("0", "2"), ("1", "2")], out[-3000:]

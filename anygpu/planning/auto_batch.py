@@ -9,10 +9,11 @@ and stay in the same sequence of collectives: the budget is the smallest rank's,
 the ranks combine their outcomes in one all-reduce (too big on one rank, out of memory included: too big
 on all; an error on one rank: every rank stops). The accumulation steps follow: A = G / (m · W).
 
-Not covered: an out-of-memory on one rank only *inside* the probe's sharded forward/backward (FSDP2's
-all-gathers and reduce-scatters) leaves the other ranks in that collective; with the same shards,
-tokens and agreed budget, the ranks' peaks are the same, so this needs devices that differ (another
-process on one GPU). Unverified on GPUs.
+An out-of-memory *inside* the probe's sharded forward/backward (FSDP2's all-gathers and reduce-scatters) may
+leave the other ranks waiting in the next collective, so it is agreed on without one: the rank asks the job's
+key-value store whether every rank hit it at the same candidate within OOM_AGREE_S (then too big, agreed: the probe
+goes on); if not, that rank stops the job at once with one line and exit 1, and the launcher ends the others
+(`stop_alone`). Tested on CPU (gloo, a real FSDP2 model); on GPUs FSDP2's state after a half-run forward is unverified.
 """
 
 from __future__ import annotations
@@ -69,11 +70,64 @@ def agree_max(values: list[int], device: torch.device) -> list[int]:
 TOO_BIG = 1 << 62  # the cost of a candidate that ran out of memory
 
 
+# How long a rank that ran out of memory inside a sharded probe waits for every other rank to say the same: they
+# run the same collectives in step, so a rank that has not said so within it is waiting in the probe's next one.
+OOM_AGREE_S = 20.0
+
+
+class AloneOutOfMemory(Exception):
+    """This rank ran out of memory inside a sharded probe and the others did not: they wait in its collectives."""
+
+    def __init__(self, rank: int, micro_batch: int) -> None:
+        super().__init__(f"rank {rank}, micro-batch {micro_batch}")
+        self.rank, self.micro_batch = rank, micro_batch
+
+
+def out_of_memory_everywhere(m: int) -> None:
+    """After an out-of-memory inside the probe of `m` (the model's collectives half run): return when every rank
+    hit it at `m` (too big, agreed: the probe goes on), else raise AloneOutOfMemory. No collective: the job's
+    key-value store, waited on for OOM_AGREE_S at most."""
+    import torch.distributed as dist
+
+    from anygpu.runtime import distributed
+
+    if not distributed.same_on_every_rank("auto_batch_oom", str(m), OOM_AGREE_S):
+        raise AloneOutOfMemory(dist.get_rank(), m)
+
+
+def stop_alone(error: AloneOutOfMemory, per_rank: int) -> None:
+    """Stop this process at once with one line and exit 1: the other ranks are inside a collective that will not
+    complete, so nothing may wait on them (no cleanup, no collective); the launcher then ends them."""
+    import os
+    import sys
+
+    from anygpu.errors import EXIT_FAILURE
+
+    m = error.micro_batch
+    smaller = [d for d in divisors_desc(per_rank) if d < m]
+    advice = (
+        f"pass --per_device_train_batch_size {smaller[0]} (or a smaller divisor of {per_rank}) instead of auto"
+        if smaller
+        else "use --gradient_checkpointing true, a shorter --block_size or more devices"
+    )
+    print(
+        f"error: --per_device_train_batch_size auto: rank {error.rank} ran out of memory inside the sharded probe of "
+        f"micro-batch {m} and the other ranks did not within {OOM_AGREE_S:.0f} s (they wait in the probe's "
+        f"collectives; the device may be shared with another process): {advice}. Stopping the job.",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(EXIT_FAILURE)
+
+
 def _try(cost: Callable[[int], int], m: int) -> tuple[int, Exception | None]:
-    """`cost(m)` on this rank, never raising: a rank that leaves the probe alone would leave the others waiting
-    in the next all-reduce (a hang on NCCL), so every outcome is agreed on first."""
+    """`cost(m)` on this rank, never raising (but AloneOutOfMemory): a rank that leaves the probe alone would leave
+    the others waiting in the next all-reduce (a hang on NCCL), so every outcome is agreed on first."""
     try:
         return cost(m), None
+    except AloneOutOfMemory:
+        raise
     except torch.OutOfMemoryError:
         return TOO_BIG, None  # too big here: too big everywhere, once agreed
     except Exception as error:  # re-raised once every rank knows
@@ -86,7 +140,10 @@ def choose(per_rank: int, cost: Callable[[int], int], budget_bytes: int, device:
     probe = Probe(1, per_rank, budget_bytes, how)
     limit = budget_bytes * memory_plan.SAFETY
     for m in divisors_desc(per_rank):
-        used, error = _try(cost, m)
+        try:
+            used, error = _try(cost, m)
+        except AloneOutOfMemory as alone:
+            stop_alone(alone, per_rank)
         too_big, failed = agree_max([int(used > limit), int(error is not None)], device)
         if error is not None:
             raise error
@@ -130,8 +187,7 @@ def measured_cost(
 
     def cost(m: int) -> int:
         model.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+        _reset_peak(device)
         gen = torch.Generator(device="cpu").manual_seed(m)
         ids = torch.randint(0, vocab_size, (m, block_size), generator=gen).to(device)
         try:
@@ -140,14 +196,27 @@ def measured_cost(
             with lean_loss.active(model):
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
-            used = torch.cuda.max_memory_allocated(device) + optimizer_bytes
+            used = _peak(device) + optimizer_bytes
         except torch.OutOfMemoryError:
             used = TOO_BIG  # caught here, not in `choose`, so the memory is given back below
         model.zero_grad(set_to_none=True)
-        torch.cuda.empty_cache()
+        _reset_peak(device)
+        if used == TOO_BIG:
+            out_of_memory_everywhere(m)  # mid-collective: agreed through the store, or this rank stops the job
         return used
 
     return cost
+
+
+def _reset_peak(device: torch.device) -> None:
+    """Give the cached memory back and start a new peak (a CPU has no peak to read: the tests' probes)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
 def budget(max_memory_per_device_gb: float | None, device: torch.device) -> int:

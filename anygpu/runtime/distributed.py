@@ -161,6 +161,24 @@ def wait_for_all(what: str) -> None:
         wait_for_key(store, f"{key}/{r}", f"rank {r} to finish {what}")
 
 
+def same_on_every_rank(kind: str, value: str, within_s: float) -> bool:
+    """Post `value` under a fresh key of `kind` and wait at most `within_s` for every rank to post the same: for a
+    rank that may be alone in a failure while the others wait in a collective (which no collective can ask). True
+    without a process group. Only the ranks that call it count their keys: they agree only when all of them do."""
+    store = _store()
+    if store is None:
+        return True
+    key = _next_key(store, kind)
+    store.set(f"{key}/{dist.get_rank()}", value)
+    keys = [f"{key}/{r}" for r in range(dist.get_world_size())]
+    deadline = time.monotonic() + within_s
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return all(store.get(k).decode() == value for k in keys)
+
+
 def probe_transport(device: torch.device, timeout_s: float) -> str:
     """A one-element all-reduce over the training backend on `device` (NCCL/RCCL on GPUs), waited for at most
     `timeout_s`: '' when it completes with the right sum, else what failed, naming the ranks. Each rank reports
