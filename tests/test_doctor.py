@@ -12,6 +12,7 @@ import pytest
 from conftest import ROOT
 
 from anygpu.tools import cli
+from anygpu.tools import doctor as doctor_mod
 
 FAKES = ROOT / "tests" / "fakes"
 
@@ -66,3 +67,62 @@ def test_unwritable_output_dir_fails_with_its_fix(capsys, tmp_path):
     assert rc == 1
     assert "[FAIL] output folder" in out and "fix: choose a writable folder with --output_dir" in out
     assert "some checks failed" in out
+
+
+def amd_host(monkeypatch, arch: str) -> None:
+    """The hardware facts of an AMD GPU host of `arch` (gcnArchName), on this CPU machine."""
+    import types
+
+    import torch
+
+    from anygpu.runtime import hardware
+
+    monkeypatch.setattr(hardware, "vendor", lambda: "amd")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(gcnArchName=arch))
+
+
+def test_tf32_check_runs_on_an_mi300_class_amd_gpu(monkeypatch):
+    """gfx942 (MI300X): TF32 exists through hipBLASLt, so doctor measures it on and off (the matmul itself, a GPU's
+    work, stands in here) and fails when the switch has no effect; HIPBLASLT_ALLOW_TF32=0 is reported as the reason
+    TF32 is off."""
+    from anygpu.runtime import hardware
+
+    amd_host(monkeypatch, "gfx942:sramecc+:xnack-")
+    monkeypatch.setenv("HIPBLASLT_ALLOW_TF32", "")  # recorded, so that the value the check sets is undone
+    monkeypatch.delenv("HIPBLASLT_ALLOW_TF32")
+    try:
+        assert doctor_mod.tf32_off_reason() is None  # measured, not skipped
+        monkeypatch.setattr(doctor_mod, "tf32_errors", lambda: (1e-3, 1e-7))
+        check = doctor_mod.check_tf32()
+        assert check.ok and check.detail.startswith("TF32 on"), check
+        monkeypatch.setattr(doctor_mod, "tf32_errors", lambda: (1e-7, 1e-7))  # the switch does nothing
+        check = doctor_mod.check_tf32()
+        assert not check.ok and "HIPBLASLT_ALLOW_TF32=1" in check.fix, check
+        monkeypatch.setenv("HIPBLASLT_ALLOW_TF32", "0")
+        check = doctor_mod.check_tf32()
+        assert check.ok and "TF32 off" in check.detail and "HIPBLASLT_ALLOW_TF32=0" in check.detail, check
+    finally:
+        hardware.configure_tf32(False)
+
+
+def test_tf32_check_says_why_an_older_amd_gpu_has_none(monkeypatch):
+    amd_host(monkeypatch, "gfx90a:sramecc+:xnack-")  # MI250X: no XF32
+    check = doctor_mod.check_tf32()
+    assert check.ok and "TF32 off" in check.detail and "gfx90a" in check.detail and "gfx942" in check.detail, check
+
+
+@pytest.mark.gpu
+def test_tf32_check_on_this_gpu():
+    """The matmul itself: on a GPU with TF32 the switch really changes fp32 matmuls, and off matches fp64."""
+    import torch
+
+    from anygpu.runtime import hardware
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA or ROCm GPU")
+    check = doctor_mod.check_tf32()
+    assert check.ok, check
+    if doctor_mod.tf32_off_reason() is None:
+        on, off = doctor_mod.tf32_errors()
+        assert on > 10 * off and off < 1e-5
+    hardware.configure_tf32(False)
