@@ -56,6 +56,68 @@ def test_one_gpu_named_by_gpus_stays_pinned_to_it():
     assert r.rc == 0 and r.exports["CUDA_VISIBLE_DEVICES"] == "5", r.err
 
 
+class Started(Exception):
+    """The training command a tool was about to start: its argv and environment."""
+
+
+def fake_gpu_node(monkeypatch, vendor: str) -> None:
+    """This process sees a node of 8 fake GPUs of `vendor`, all visible, and torch (a GPU build) counts them."""
+    from anygpu.launch import launcher
+
+    monkeypatch.setenv("PATH", f"{FAKES}:{env()['PATH']}")
+    for key, value in ONLY[vendor].items():
+        monkeypatch.setenv(key, value)
+    for key in HIDE_GPUS:
+        monkeypatch.delenv(key, raising=False)
+    build = {"cuda": "12.8", "hip": None} if vendor == NVIDIA else {"cuda": None, "hip": "6.4"}
+    counted = launcher.make_plan
+    monkeypatch.setattr(
+        launcher,
+        "make_plan",
+        lambda argv, environ, **kw: counted(argv, environ, probe_torch=lambda e: {"torch": "2.9", "count": 8, **build}),
+    )
+
+
+def trainings_not_started(monkeypatch) -> None:
+    """No training process is started: its command and environment are raised as Started."""
+    real = subprocess.run
+
+    def run(cmd, *a, **kw):
+        if any("anygpu.engines.run_" in str(c) for c in cmd):
+            raise Started(cmd, kw.get("env"))
+        return real(cmd, *a, **kw)  # the smi tools
+
+    monkeypatch.setattr(subprocess, "run", run)
+
+
+@pytest.mark.parametrize("engine", ["hf", "fsdp"])
+@pytest.mark.parametrize("vendor", [NVIDIA, AMD])
+def test_bench_and_verify_at_world_size_1_see_one_gpu(monkeypatch, tmp_path, vendor, engine):
+    """`anygpu bench` and `anygpu verify` start their world-size-1 runs as the launcher would: on a node of 8 GPUs
+    the one process sees exactly one, so the HF engine measures one GPU, not DataParallel over all 8."""
+    from anygpu.launch import launcher
+    from anygpu.tools import bench, verify
+
+    fake_gpu_node(monkeypatch, vendor)
+    trainings_not_started(monkeypatch)
+    found = NV8 if vendor == NVIDIA else AMD8
+    args = bench.build_parser().parse_args(["--engine", engine, "--output_dir", str(tmp_path / "bench")])
+    assert bench.vendor_here() == vendor
+    with pytest.raises(Started) as bench_run:
+        bench.run_one(args, 1, 8)
+    run = verify.Run("run1", engine, 1, str(tmp_path / "verify" / "run1"))
+    (tmp_path / "verify").mkdir()
+    with pytest.raises(Started) as verify_run:
+        # verify's own torch probe, which the fake node's count replaces (this machine's torch is a CPU build)
+        verify.launch(run, ["--config_name", "tiny"], 2, False, vendor, verify.once(launcher.torch_probe))
+    for started in (bench_run.value, verify_run.value):
+        cmd, job_env = started.args
+        assert f"anygpu.engines.run_{engine}" in cmd and "torchrun" not in " ".join(cmd), cmd
+        assert _ids(gpu_detect.visible_gpus(vendor, found, job_env).gpus) == [0], {
+            k: v for k, v in job_env.items() if k.endswith("VISIBLE_DEVICES")
+        }
+
+
 # ------------------------------------------------------------------ 13. --cpu on AMD
 def test_cpu_on_amd_hides_the_gpus_at_the_runtime_level():
     """HIP reads an empty HIP_VISIBLE_DEVICES as unset: only ROCR_VISIBLE_DEVICES='' hides the GPUs (also
