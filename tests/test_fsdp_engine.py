@@ -217,6 +217,20 @@ def test_sharding_halves_per_rank_state():
         assert abs(b - full / 2) <= 0.05 * full / 2, (per_rank, full)
 
 
+def test_gradient_accumulation_holds_only_this_ranks_shard_of_the_gradients():
+    """2 ranks, 4 accumulation steps: after every micro-batch's backward a rank holds its shard of the gradients,
+    never the whole model's (FSDP2 left to accumulate unsharded gradients until the last micro-batch holds +1x the
+    model's fp32 size per rank, which the memory plan and the auto micro-batch do not count)."""
+    args = [*TINY, "--per_device_train_batch_size", "1", "--global_batch_size", "8", "--max_steps", "1"]
+    proc = torchrun(2, "tests/scripts/accumulation_bytes.py", [*args, "--output_dir", "/tmp/unused"])
+    lines = [json.loads(line.split(" ", 2)[2]) for line in proc.stdout.splitlines() if line.startswith("GRAD_BYTES")]
+    assert len(lines) == 2, proc.stdout[-2000:]
+    for rank in lines:
+        held, shard = rank["after_each_backward"], rank["sharded_parameters"]
+        assert len(held) == 4, held  # one backward per micro-batch
+        assert max(held) <= 1.05 * shard, (held, shard)
+
+
 def test_final_export_round_trip(baseline_dirs, runs):
     """The 2-rank baseline run's final/ (10 steps, evaluated on 24 samples at the end)."""
     import torch

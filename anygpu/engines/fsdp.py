@@ -106,7 +106,7 @@ def train_step(
     loss_sum = torch.zeros((), device=info.device)
     for j, (batch, idx) in enumerate(zip(got.micro_batches, got.indices)):
         if parallel.is_sharded(model):
-            model.set_requires_gradient_sync(j == len(got.micro_batches) - 1)  # reduce-scatter once per step
+            parallel.set_gradient_reduction(model, last_micro_batch=j == len(got.micro_batches) - 1)
         # masks keyed by sample, also in checkpointing's recomputation; the lean loss (if installed) on the labels
         with dropout.keys(model, step, idx), lean_loss.active(model):
             # no KV cache: transformers confines attention to packed samples only without one

@@ -80,6 +80,20 @@ def shard_model(
     return model
 
 
+def set_gradient_reduction(model: nn.Module, last_micro_batch: bool) -> None:
+    """Gradient accumulation under FSDP2. Sharded (dp_shard > 1): every micro-batch's gradients are
+    reduce-scattered at once, so a rank only ever holds its shard of them (left unsharded until the last
+    micro-batch, they would cost +1x the model's fp32 size per rank, which the memory plan does not count);
+    under HSDP the all-reduce across replica groups still waits for the last micro-batch. With one rank per
+    shard group there is nothing to shard: the whole reduction waits for the last micro-batch."""
+    shape = mesh_of(model)
+    if shape is not None and shape.dp_shard > 1:
+        model.set_requires_gradient_sync(True)
+        model.set_requires_all_reduce(last_micro_batch)
+    else:
+        model.set_requires_gradient_sync(last_micro_batch)
+
+
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Bytes of parameters (and optimizer state) this rank actually holds."""
     from torch.distributed.tensor import DTensor
