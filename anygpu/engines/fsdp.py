@@ -144,8 +144,7 @@ class FSDPTrainer:
         claimed = startup.claim(train_args)  # rank 0 takes --output_dir before the process group exists
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
         startup.joined(info, self.resolved, train_args.output_dir)
-        self.tf32 = hardware.configure_tf32(train_args.tf32)
-        hardware.configure_determinism()  # anygpu verify's runs
+        self.tf32 = startup.configure_matmuls(train_args)
         torch.manual_seed(train_args.seed + info.rank)
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
         run_guard.check_data_agrees(info, prep.data_fingerprint)
@@ -185,22 +184,18 @@ class FSDPTrainer:
         return resume, resumed, changed
 
     def _auto_micro_batch(self) -> auto_batch.Probe | None:
-        """--auto_micro_batch: the largest micro-batch that fits on every rank; G unchanged."""
-        if not self.args.auto_micro_batch:
-            return None
-        lean = lean_loss.is_installed(self.model)
-        probe = auto_batch.apply(
+        """--auto_micro_batch, probed on the sharded model itself."""
+        return startup.auto_micro_batch(
             self.prep,
             self.model_args,
             self.args,
             self.info.device,
             "fsdp2",
-            self.model,
+            self.info.rank,
+            model=self.model,
             shard_size=self.mesh_shape.dp_shard,
-            lean=lean,
+            lean=lean_loss.is_installed(self.model),
         )
-        print(f"rank {self.info.rank}: micro-batch auto → {self.prep.plan.per_device_train_batch_size}", flush=True)
-        return probe
 
     # ------------------------------------------------------------------ the run
     def train(self) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from anygpu.engines.hf.trainer import (
     AnygpuTrainer,
     TrunkCallback,
     plain_model_construction,
-    read_resume_step,
     zero3_state_dict,
 )
 from anygpu.engines.trunk import finish, startup
@@ -34,7 +33,7 @@ from anygpu.errors import UsageError
 from anygpu.model import dropout, lean_loss, lora, modeling
 from anygpu.reliability import run_guard
 from anygpu.reliability.preempt import Preemption
-from anygpu.runtime import blocks, distributed, hardware
+from anygpu.runtime import blocks, distributed
 
 
 def training_arguments(train_args: TrainArguments, plan: hf_strategy.Plan):
@@ -57,7 +56,7 @@ def training_arguments(train_args: TrainArguments, plan: hf_strategy.Plan):
         seed=train_args.seed,
         bf16=train_args.bf16,
         fp16=train_args.fp16,
-        tf32=None,  # set by hardware.configure_tf32, which knows ROCm and CPUs
+        tf32=None,  # set by startup.configure_matmuls (hardware.configure_tf32, which knows ROCm and CPUs)
         activation_checkpointing=train_args.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if train_args.gradient_checkpointing else None,
         # The loss Trainer logs is the logging step's own (AnygpuTrainer.log), as in the FSDP2 engine.
@@ -93,8 +92,7 @@ class HFRun:
         self.args, self.model_args, self.plan = train_args, model_args, plan
         self.resolved = resolved_dict(model_args, data_args, train_args, engine_args)
         hf_logging.disable_progress_bar()  # no "Writing model shards" bars between our lines
-        self.tf32 = hardware.configure_tf32(train_args.tf32)
-        hardware.configure_determinism()  # anygpu verify's runs
+        self.tf32 = startup.configure_matmuls(train_args)
         self.targs, self.info = self._join()
         startup.joined(self.info, self.resolved, train_args.output_dir)
         self.resume = startup.resume_target(train_args, claimed, "hf")
@@ -156,16 +154,12 @@ class HFRun:
         return state, resume_guard.check(self.resume, self.fingerprint, self.args.allow_changed_args)
 
     def _auto_micro_batch(self):
-        """--auto_micro_batch, from the plan's estimate (Trainer builds the sharded model later); G unchanged."""
-        if not self.args.auto_micro_batch:
-            return None
-        from anygpu.planning import auto_batch
-
+        """--auto_micro_batch, from the plan's estimate (Trainer builds the sharded model later)."""
         lean = self.args.lean_loss and hf_strategy.lean_loss_off_reason(self.plan) is None
         strategy = hf_strategy.plan_strategy(self.plan, self.targs.deepspeed_plugin)
-        probe = auto_batch.apply(self.prep, self.model_args, self.args, self.targs.device, strategy, lean=lean)
-        print(f"rank {self.info.rank}: micro-batch auto → {self.prep.plan.per_device_train_batch_size}", flush=True)
-        return probe
+        return startup.auto_micro_batch(
+            self.prep, self.model_args, self.args, self.targs.device, strategy, self.info.rank, lean=lean
+        )
 
     def _schedule(self) -> Schedule:
         """The schedule, with Trainer's batch numbers and length set from the plan and the data."""
@@ -173,7 +167,7 @@ class HFRun:
         targs.per_device_train_batch_size = p.per_device_train_batch_size
         targs.gradient_accumulation_steps = p.gradient_accumulation_steps
         targs.max_steps = self.prep.total_steps
-        start = read_resume_step(self.resume) if self.resume is not None else 0
+        start = self.resumed.global_step if self.resumed is not None else 0
         schedule = Schedule.of(self.args, start, self.prep.total_steps)
         targs.eval_on_start = schedule.evaluates_first
         return schedule

@@ -17,7 +17,6 @@ What the loop computes, per optimizer step k and rank r (G = m·W·A as in `anyg
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
@@ -392,8 +391,3 @@ def zero3_state_dict(model: torch.nn.Module, is_main: bool) -> dict[str, torch.T
         if is_main and full is not None:
             out[name] = full
     return out
-
-
-def read_resume_step(path: Path) -> int:
-    """The optimizer step a Trainer checkpoint was written at."""
-    return int(json.loads((path / "trainer_state.json").read_text())["global_step"])

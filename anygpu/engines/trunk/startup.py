@@ -67,6 +67,13 @@ def check_attention(attn_implementation: str, train_args, engine: str) -> None:
         )
 
 
+def configure_matmuls(train_args) -> bool:
+    """The run's matmul numerics, both engines: TF32 as --tf32 asks and the hardware allows (returned: the banner
+    and the MFU peak follow it), and deterministic algorithms where `anygpu verify` asks for them."""
+    hardware.configure_determinism()
+    return hardware.configure_tf32(train_args.tf32)
+
+
 def claim(train_args) -> run_guard.Claim | None:
     """Rank 0 takes --output_dir (lock, repairs, a used folder, rewinds) before any process group exists:
     a refusal here costs nothing."""
@@ -86,6 +93,18 @@ def resume_target(train_args, claimed: run_guard.Claim | None, engine: str) -> P
     if resume is not None:
         resume_guard.check_engine(resume, engine)
     return resume
+
+
+def auto_micro_batch(prep, model_args, train_args, device, strategy: str, rank: int, **probe_kwargs: Any):
+    """--auto_micro_batch: the largest micro-batch that fits on every rank, put into `prep.plan` (G unchanged),
+    and each rank's line saying it; the probe (for the banner), or None without the option."""
+    if not train_args.auto_micro_batch:
+        return None
+    from anygpu.planning import auto_batch
+
+    probe = auto_batch.apply(prep, model_args, train_args, device, strategy, **probe_kwargs)
+    print(f"rank {rank}: micro-batch auto → {prep.plan.per_device_train_batch_size}", flush=True)
+    return probe
 
 
 def throughput_facts(prep, model, train_args, tf32: bool, device) -> tuple[float, float | None]:
