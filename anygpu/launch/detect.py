@@ -353,12 +353,7 @@ def hide_all(vendor: str | None = None) -> dict[str, str]:
     An empty ``HIP_VISIBLE_DEVICES`` is treated as unset by HIP, so on AMD ``ROCR_VISIBLE_DEVICES=""``
     (read by the ROCm runtime underneath) does the hiding; the others keep torch's view consistent.
     """
-    names = (
-        visibility_variables(vendor)
-        if vendor
-        else ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
-    )
-    return dict.fromkeys(names, "")
+    return dict.fromkeys(visibility_variables(vendor) if vendor else VISIBILITY_VARIABLES, "")
 
 
 def with_mig_instances(gpus: Sequence[Gpu], migs: Sequence[Gpu]) -> list[Gpu]:
@@ -367,6 +362,9 @@ def with_mig_instances(gpus: Sequence[Gpu], migs: Sequence[Gpu]) -> list[Gpu]:
     for g in gpus:
         out += [m for m in migs if m.index == g.index] or [g]
     return out
+
+
+VISIBILITY_VARIABLES = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")  # every vendor's
 
 
 def visibility_variables(vendor: str) -> tuple[str, ...]:

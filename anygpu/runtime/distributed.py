@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 
 from anygpu.errors import UsageError
+from anygpu.launch.detect import VISIBILITY_VARIABLES
 from anygpu.runtime import faults, hardware
-
-VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,8 @@ def check_local_rank() -> int:
     count = torch.cuda.device_count()
     if local_rank >= count:
         shown = (
-            ", ".join(f"{k}={os.environ[k]!r}" for k in VISIBILITY if k in os.environ) or "no visibility variable set"
+            ", ".join(f"{k}={os.environ[k]!r}" for k in VISIBILITY_VARIABLES if k in os.environ)
+            or "no visibility variable set"
         )
         per_node = os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1))
         raise UsageError(
