@@ -3,12 +3,11 @@ same however the gradients are split into row shards (FSDP2's layout on any worl
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, env
+from conftest import ROOT, run
 
 from anygpu.train import optim
 
@@ -82,14 +81,8 @@ dist.destroy_process_group()
 
 def test_fsdp2_dtensors_and_plain_tensors_agree():
     """The FSDP2 engine (DTensors) and one process / DDP (plain tensors) take different paths to the same norm."""
-    p = subprocess.run(
-        [sys.executable, "-c", DTENSOR_PATH],
-        cwd=ROOT,
-        env={**env(), "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = run(
+        [sys.executable, "-c", DTENSOR_PATH], timeout=120, extra_env={"PYTHONPATH": str(ROOT)}
+    )  # exit 0, or its output
     plain, sharded = map(float, p.stdout.split())
     assert plain == pytest.approx(sharded, rel=1e-6)

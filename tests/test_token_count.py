@@ -6,11 +6,10 @@ every bf16 step's loss and gradient by up to 0.4%."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 
-from conftest import ROOT, env
+from conftest import ROOT, run
 
 # One bf16 FSDP2 step of the native engine's `train_step` on a real 1-rank gloo group, on a micro-batch
 # with 257 targets (not a bf16 number); the model's loss function records the count it is given.
@@ -52,15 +51,9 @@ dist.destroy_process_group()
 
 
 def test_bf16_fsdp2_loss_gets_the_exact_target_count():
-    p = subprocess.run(
-        [sys.executable, "-c", BF16_STEP],
-        cwd=ROOT,
-        env={**env(), "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = run(
+        [sys.executable, "-c", BF16_STEP], timeout=120, extra_env={"PYTHONPATH": str(ROOT)}
+    )  # exit 0, or its output
     dtype, count = p.stdout.split()
     assert count == "257.0", f"the loss was normalised by {count} ({dtype}) targets, not 257"
     assert dtype not in ("torch.bfloat16", "torch.float16")
