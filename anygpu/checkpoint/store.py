@@ -59,11 +59,21 @@ def newest_intact(output_dir: str | Path) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
+ELASTIC_VARIABLE = "ANYGPU_ELASTIC"  # MIN:MAX; the launchers export it for an elastic node count
+
+
+def restarted() -> bool:
+    """Whether this start continues the run by itself (as `auto` does): the workers of a torchrun restart, or of
+    an elastic job (ANYGPU_ELASTIC, which the launchers export for NNODES=MIN:MAX), where a membership change
+    restarts the workers without counting a restart and a node that joins starts at restart count 0."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 or bool(os.environ.get(ELASTIC_VARIABLE))
+
+
 def resolve_resume(value: str | None, output_dir: str, warn: bool = True) -> Path | None:
     """The checkpoint to resume from: 'latest' or 'auto' (the newest intact one; auto: None when there is
-    none), a path (refused naming the bad file when damaged), or after a torchrun restart the newest intact."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if value in ("latest", "auto") or (not value and restarted):
+    none), a path (refused naming the bad file when damaged), or after a torchrun restart (`restarted`) the
+    newest intact."""
+    if value in ("latest", "auto") or (not value and restarted()):
         found, skipped = newest_intact(output_dir)
         if warn and int(os.environ.get("RANK", "0")) == 0:
             for line in skipped:

@@ -413,6 +413,15 @@ class TrainArguments:
     save_steps: int = field(
         default=0, metadata={"resume": FREE, "help": "Checkpoint every N steps (0: only at the end and on SIGTERM)."}
     )
+    save_every_minutes: float = field(
+        default=0,
+        metadata={
+            "resume": FREE,
+            "help": "Also checkpoint once M minutes have passed since the last checkpoint (0: off), so a lost node "
+            "or a crash costs at most M minutes of training: rank 0's clock decides at a step boundary, every rank "
+            "agrees in the collective that boundary already holds. Counts from the start of training.",
+        },
+    )
     stop_at_step: int | None = field(
         default=None,
         metadata={
@@ -674,6 +683,7 @@ FIELD_GROUP = {
         (
             "output_dir",
             "save_steps",
+            "save_every_minutes",
             "save_total_limit",
             "stop_at_step",
             "resume_from_checkpoint",

@@ -50,6 +50,7 @@ RANGES: dict[str, Range] = {
     # TrainArguments
     "num_train_epochs": Range(0, low_open=True, example="1"),
     "global_batch_size": Range(1, example="64"),
+    "save_every_minutes": Range(0, example="30 (0: off)"),
     "global_batch_tokens": Range(1, example="65536"),
     "per_device_train_batch_size": Range(1, example="8"),
     "per_device_eval_batch_size": Range(1, example="8"),

@@ -25,11 +25,11 @@ from anygpu.data.prepare import Prepared, check_run, prepare
 from anygpu.engines.trunk import finish, startup
 from anygpu.engines.trunk.evaluator import evaluate
 from anygpu.engines.trunk.log import RunLog
-from anygpu.engines.trunk.schedule import Schedule
+from anygpu.engines.trunk.schedule import SaveClock, Schedule
 from anygpu.engines.trunk.state import RunState
 from anygpu.model import dropout, lean_loss, lora, modeling, moe
 from anygpu.planning import auto_batch
-from anygpu.reliability import run_guard
+from anygpu.reliability import elastic, run_guard
 from anygpu.reliability.preempt import Preemption
 from anygpu.runtime import distributed, faults, hardware, lazy_deepspeed, mesh, parallel
 from anygpu.train import optim, trackers
@@ -144,6 +144,7 @@ class FSDPTrainer:
         claimed = startup.claim(train_args)  # rank 0 takes --output_dir before the process group exists
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
         startup.joined(info, self.resolved, train_args.output_dir)
+        self.nodes = elastic.nodes()  # torchrun jobs that may restart: who is in this round
         self.tf32 = startup.configure_matmuls(train_args)
         torch.manual_seed(train_args.seed + info.rank)
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
@@ -169,6 +170,7 @@ class FSDPTrainer:
             resumed=self.resume is not None,
         )
         self.preemption: Preemption | None = None  # train()'s SIGTERM handler
+        self.save_clock = SaveClock(train_args.save_every_minutes)  # restarted in _start(): training time counts
         self.async_saver: async_store.AsyncCheckpointer | None = None  # train()'s background writer
         self.batches: Iterator[StepBatches] | None = None  # train()'s iterator over the step loader
 
@@ -209,14 +211,16 @@ class FSDPTrainer:
         for step in schedule.steps():
             loss, lr, grad_norm = self.optimizer_step(step, next(self.batches))
             log.step_done(step)
+            faults.at("step", step)
             if schedule.should_log(step):
                 log.train(step, global_loss(loss), lr, grad_norm.item())
             if schedule.should_eval(step):
                 self.evaluate(step)
-            if self._preempted():
+            preempted, save_due = self._at_boundary()
+            if preempted:
                 self._stop_preempted(step)
             self._commit_finished_save()
-            if schedule.should_save(step):
+            if save_due or schedule.should_save(step):
                 with log.paused():
                     self.save(step, background=not schedule.is_last(step))
         return self.finish()
@@ -227,10 +231,13 @@ class FSDPTrainer:
         self.preemption = Preemption(args.save_on_preempt)
         self.preemption.watch(self.model)
         self.async_saver = self._async_saver()
+        self.save_clock.saved()
         if self.resume is not None:
             store.load(self.resume, self.model, self.optimizer, self.scheduler, info.rank)
         if info.is_main:
             startup.announce(self.banner(), self.auto_probe, self._resume_line(), self.changed)
+            resumed = self.resumed.global_step if self.resumed is not None else None
+            startup.announce(elastic.event_line(args.output_dir, self.nodes, info.world_size, resumed))
             startup.write_run_files(args.output_dir, self.resolved, self.prep.tokenizer)
         self.model.train()
 
@@ -274,10 +281,13 @@ class FSDPTrainer:
             )
         self.log.eval(step, eval_loss)
 
-    def _preempted(self) -> bool:
-        """At a step boundary: a SIGTERM/SIGUSR1 seen by any rank (every rank agrees)."""
+    def _at_boundary(self) -> tuple[bool, bool]:
+        """At a step boundary, agreed by every rank in one collective: a SIGTERM/SIGUSR1 seen by any rank, and
+        a time-based checkpoint due (--save_every_minutes, rank 0's clock)."""
         self.preemption.beat()
-        return distributed.any_rank(self.preemption.requested is not None, self.info.device)
+        due = self.save_clock.due(self.info.is_main)
+        preempted, due = distributed.any_ranks([self.preemption.requested is not None, due], self.info.device)
+        return preempted, due
 
     def _stop_preempted(self, step: int) -> None:
         """Save checkpoint-`step` on every rank and exit 143."""
@@ -322,6 +332,7 @@ class FSDPTrainer:
     def save(self, step: int, background: bool = False) -> None:
         """Checkpoint `step`; `background`: return once staged (periodic saves), else when complete."""
         state, extra = self.run_state(step).to_json(), {resume_guard.FINGERPRINT_FILE: self.fingerprint}
+        self.save_clock.saved()
         if self.async_saver is not None:
             if background:
                 self.async_saver.save(step, self.model, self.optimizer, self.scheduler, state, extra)

@@ -40,6 +40,17 @@ CHECKOUT_SCRIPTS = {"hf": "run_hf_standalone.py", "fsdp": "run_fsdp_standalone.p
 SCRIPT_NAME = {NVIDIA: "run_nvidia_all.sh", AMD: "run_amd_all.sh"}
 DEFAULT_MASTER_PORT = 29500
 PREFIX = "[anygpu]"
+# torchrun's c10d rendezvous settings a user may tune (--rdzv-conf); is_host is the launcher's own.
+RDZV_CONF_KEYS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "read_timeout",
+)
+ELASTIC_VARIABLE = "ANYGPU_ELASTIC"  # MIN:MAX, exported for an elastic job: its workers continue the run by themselves
 
 
 class LaunchError(Exception):
@@ -122,6 +133,14 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
         "resumes from its latest checkpoint.",
     )
     p.add_argument(
+        "--rdzv-conf",
+        metavar="K=V[,K=V]",
+        default="",
+        help="--engine fsdp: torchrun's rendezvous settings, e.g. last_call_timeout=10,keep_alive_interval=2 "
+        f"(keys: {', '.join(RDZV_CONF_KEYS)}; seconds, whole numbers). Elastic jobs (NNODES=MIN:MAX): "
+        "how long a membership change takes (docs/launchers.md#elastic-node-counts).",
+    )
+    p.add_argument(
         "--script",
         metavar="PATH",
         help="Run this training script instead of the engine's (same environment and launch).",
@@ -180,6 +199,16 @@ class Nodes:
     master_port: int | None = None  # None: a free port (one node only)
     rdzv_id: str = ""
     source: str = "one node"
+    min_nodes: int = 0  # elastic (NNODES=MIN:MAX, Slurm's MIN_NODES): the fewest nodes the job goes on with
+
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_nodes < self.nnodes
+
+    @property
+    def spec(self) -> str:
+        """torchrun's --nnodes: N, or MIN:MAX for an elastic job."""
+        return f"{self.min_nodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
 
 
 def _int_env(env: Mapping[str, str], name: str, lo: int = 0, hi: int | None = None) -> int:
@@ -215,13 +244,13 @@ def resolve_nodes(env: Mapping[str, str], master_port: int | None, run: Runner =
     """
     slurm_nodes = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
     if "NNODES" in env:
-        nnodes = _int_env(env, "NNODES", lo=1)
+        min_nodes, nnodes = node_counts(env)
         if nnodes == 1:
             return Nodes(master_port=master_port)
         for name in ("NODE_RANK", "MASTER_ADDR"):
             if not env.get(name):
                 raise LaunchError(
-                    f"NNODES={nnodes} needs {name} too (NODE_RANK 0..{nnodes - 1} on each node, "
+                    f"NNODES={env['NNODES']} needs {name} too (NODE_RANK 0..{nnodes - 1} on each node, "
                     "MASTER_ADDR the address of node 0, the same on every node)"
                 )
         rank = _int_env(env, "NODE_RANK", 0, nnodes - 1)
@@ -245,6 +274,7 @@ def resolve_nodes(env: Mapping[str, str], master_port: int | None, run: Runner =
         if not addr:
             raise LaunchError("cannot find the head node: SLURM_JOB_NODELIST and MASTER_ADDR are unset")
         rdzv, source = env.get("RDZV_ID") or env["SLURM_JOB_ID"], "Slurm"
+        min_nodes = _int_env(env, "MIN_NODES", 1, nnodes) if env.get("MIN_NODES") else nnodes
     else:
         return Nodes(master_port=master_port)
     port = (
@@ -254,7 +284,22 @@ def resolve_nodes(env: Mapping[str, str], master_port: int | None, run: Runner =
     )
     if port == 0:
         raise LaunchError("--master-port 0 (a free port) only works on one node: every node must know the port")
-    return Nodes(nnodes, rank, addr, port, rdzv or f"anygpu-{addr}-{port}", source)
+    return Nodes(nnodes, rank, addr, port, rdzv or f"anygpu-{addr}-{port}", source, min_nodes)
+
+
+def node_counts(env: Mapping[str, str]) -> tuple[int, int]:
+    """(MIN, MAX) from NNODES: N (fixed: N, N) or MIN:MAX (elastic, torchrun's notation)."""
+    raw = env["NNODES"]
+    if ":" not in raw:
+        n = _int_env(env, "NNODES", lo=1)
+        return n, n
+    lo, _, hi = raw.partition(":")
+    if not (lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+        raise LaunchError(
+            f"NNODES={raw!r} is not a node count: give N, or MIN:MAX with 1 <= MIN <= MAX for an elastic job "
+            "(e.g. NNODES=2 or NNODES=1:2)"
+        )
+    return int(lo), int(hi)
 
 
 # ---------------------------------------------------------------------------------- torch
@@ -396,6 +441,40 @@ def validate_args(args: argparse.Namespace) -> None:
         raise LaunchError("--gpus and --cpu exclude each other")
     if args.script and not Path(args.script).is_file():
         raise LaunchError(f"training script not found: {Path(args.script).resolve()}")
+    if args.rdzv_conf and args.engine != "fsdp":
+        raise LaunchError("--rdzv-conf only applies to --engine fsdp (accelerate's rendezvous is static)")
+    rdzv_conf(args.rdzv_conf)
+
+
+def rdzv_conf(text: str) -> list[str]:
+    """--rdzv-conf's K=V items, each a known key with a whole number of seconds (or attempts)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in RDZV_CONF_KEYS or not value.isdigit():
+            raise LaunchError(
+                f"--rdzv-conf {text!r}: {item!r} is not KEY=SECONDS with a known key (valid keys: "
+                f"{', '.join(RDZV_CONF_KEYS)}; e.g. --rdzv-conf last_call_timeout=10,keep_alive_interval=2)"
+            )
+    return items
+
+
+def check_elastic(args: argparse.Namespace, nodes: Nodes) -> None:
+    """An elastic node count (MIN:MAX) needs the FSDP engine and room for restarts."""
+    if not nodes.elastic:
+        return
+    what = f"NNODES={nodes.spec}" if nodes.source != "Slurm" else f"MIN_NODES={nodes.min_nodes} of {nodes.nnodes}"
+    if args.engine != "fsdp":
+        raise LaunchError(
+            f"{what} (elastic) with --engine hf: accelerate launch starts the nodes with a static "
+            "rendezvous that waits for every node, so a lost node would stop the job; use --engine fsdp "
+            f"(torchrun's elastic c10d rendezvous), or a fixed node count (NNODES={nodes.nnodes})"
+        )
+    if args.max_restarts < 1:
+        raise LaunchError(
+            f"{what} (elastic) needs --max-restarts K >= 1: each lost node restarts the workers "
+            "once (a node that joins costs none); e.g. --max-restarts 3"
+        )
 
 
 def detect_devices(
@@ -679,7 +758,7 @@ def _plain_line(engine: str, use_gpus: bool, cpu_line: str) -> str:
 
 def _torchrun_options(args: argparse.Namespace, nproc: int, nodes: Nodes) -> list[str]:
     """torchrun's options: the rendezvous, the processes, restarts, the signals it forwards."""
-    options = [*_torchrun_rendezvous(nodes), "--nproc-per-node", str(nproc)]
+    options = [*_torchrun_rendezvous(nodes, rdzv_conf(args.rdzv_conf)), "--nproc-per-node", str(nproc)]
     if args.max_restarts:
         options += ["--max-restarts", str(args.max_restarts)]
     if torchrun_forwards_signals():
@@ -689,9 +768,10 @@ def _torchrun_options(args: argparse.Namespace, nproc: int, nodes: Nodes) -> lis
     return options
 
 
-def _torchrun_rendezvous(nodes: Nodes) -> list[str]:
+def _torchrun_rendezvous(nodes: Nodes, conf: list[str]) -> list[str]:
+    tuned = ["--rdzv-conf", ",".join(conf)] if conf else []
     if nodes.nnodes == 1 and nodes.master_port in (None, 0):
-        return ["--standalone", "--nnodes", "1"]
+        return ["--standalone", "--nnodes", "1", *tuned]
     if nodes.nnodes == 1:
         port = nodes.master_port
         return [
@@ -703,12 +783,13 @@ def _torchrun_rendezvous(nodes: Nodes) -> list[str]:
             f"localhost:{port}",
             "--rdzv-id",
             f"anygpu-{port}",
+            *tuned,
         ]
     # c10d rendezvous; node 0 hosts the store (explicit, so an address that does not match
-    # the host name, e.g. an IP on another interface, still works).
+    # the host name, e.g. an IP on another interface, still works). Elastic: --nnodes MIN:MAX.
     return [
         "--nnodes",
-        str(nodes.nnodes),
+        nodes.spec,
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
@@ -716,7 +797,7 @@ def _torchrun_rendezvous(nodes: Nodes) -> list[str]:
         "--rdzv-id",
         nodes.rdzv_id,
         "--rdzv-conf",
-        f"is_host={'true' if nodes.node_rank == 0 else 'false'}",
+        ",".join([f"is_host={'true' if nodes.node_rank == 0 else 'false'}", *conf]),
     ]
 
 
@@ -819,6 +900,9 @@ def make_plan(
     warnings: list[str] = []
     validate_args(args)
     nodes = resolve_nodes(env, args.master_port, run)
+    check_elastic(args, nodes)
+    if nodes.elastic:  # the workers of a restart, or of a node that joins later, continue the run by themselves
+        env[ELASTIC_VARIABLE] = exported[ELASTIC_VARIABLE] = nodes.spec
     dev = detect_devices(args, env, exported, lines, run)
     apply_torch_count(args, dev, env, lines, warnings, probe_torch, python)
     visible = dev.count
@@ -829,8 +913,13 @@ def make_plan(
     cmd = build_command(args, entry, script_args, dev, nproc, nodes, env, exported, lines, python)
     if nodes.nnodes > 1:
         lines.append(
-            f"node {nodes.node_rank} of {nodes.nnodes} ({nodes.source}), rendezvous "
+            f"node {nodes.node_rank} of {nodes.spec} ({nodes.source}), rendezvous "
             f"{nodes.master_addr}:{nodes.master_port} id {nodes.rdzv_id}"
+        )
+    if nodes.elastic:
+        lines.append(
+            f"elastic: the job goes on with {nodes.min_nodes} to {nodes.nnodes} nodes; after a lost or a joining "
+            "node the workers restart and resume the newest checkpoint on the new world size"
         )
     plan = Plan(
         args.vendor, args.engine, dev.count > 0, dev.chosen, nproc, nodes, cmd, env, exported, kept, lines, warnings
@@ -856,7 +945,7 @@ def render_dry_run(plan: Plan) -> str:
     """A shell-pasteable account: exported variables, kept ones, then the exact command."""
     out = [
         f"# anygpu dry run: {VENDOR_LABEL[plan.vendor]} launcher, engine {plan.engine}, "
-        f"{plural(plan.nproc, 'process')} on node {plan.nodes.node_rank} of {plan.nodes.nnodes}"
+        f"{plural(plan.nproc, 'process')} on node {plan.nodes.node_rank} of {plan.nodes.spec}"
     ]
     out += [f"# {line}" for line in plan.lines]
     out += [f"# warning: {w}" for w in plan.warnings]

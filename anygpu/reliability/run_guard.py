@@ -1,12 +1,13 @@
 """Start-up guards of a run, both engines.
 
 Before the process group (rank 0 only, filesystem only):
-- one writer per --output_dir: a lock file holding host and pid; a stale lock of a dead process on this
-  host is taken over with a warning;
+- one writer per --output_dir: a lock file holding host, pid and torchrun's run id; a stale lock of a dead
+  process on this host, or of a worker of an earlier round of the same torchrun job (an elastic job whose
+  rank 0 was on a lost node), is taken over with a warning;
 - a checkpoint replaced half-way (`.checkpoint-N.old`) is repaired;
 - a fresh run into an --output_dir that holds another run is refused (naming --overwrite_output_dir), unless
   it resumes; `--resume_from_checkpoint auto` (or a torchelastic restart) with no checkpoint at all starts
-  fresh and clears the old files; with damaged checkpoints only, it stops naming them, unless
+  fresh and clears the old files (an elastic job, ANYGPU_ELASTIC, does the same at every start); with damaged checkpoints only, it stops naming them, unless
   --overwrite_output_dir, which moves them aside to <output_dir>/abandoned/ (a damaged checkpoint is never
   deleted: it may be all that is left of the run);
 - a rewind (resuming from a checkpoint older than the newest) is refused, naming the newer checkpoints and
@@ -71,7 +72,7 @@ def claim_output_dir(train_args: Any, rank: int) -> Claim | None:
     for line in checkpoint_repairs(root):
         warn(line)
     resume = train_args.resume_from_checkpoint
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = store.restarted()
     if resume or restarted:
         target = store.resolve_resume(resume, str(root), warn=True)
         if target is not None:
@@ -83,7 +84,7 @@ def claim_output_dir(train_args: Any, rank: int) -> Claim | None:
             why = "; ".join(
                 f"{c.name}: {manifest.problem(c, checksums=False) or 'does not match its checksums'}" for c in damaged
             )
-            how = f"--resume_from_checkpoint {resume}" if resume else "a torchelastic restart"
+            how = f"--resume_from_checkpoint {resume}" if resume else "a torchelastic restart or an elastic job"
             raise UsageError(
                 f"{how}: no intact checkpoint in --output_dir {root}, only damaged ones ({why}). Nothing was deleted: "
                 "resume one by path once repaired, or pass --overwrite_output_dir true to move them aside to "
@@ -143,10 +144,31 @@ def set_aside_newer(root: Path, target: Path, allow_rewind: bool) -> None:
     store.set_aside(root, newer, f"newer than the resumed {target.name}")
 
 
+def _me() -> dict[str, Any]:
+    """What a lock holds: host, pid and, under torchrun, the job's run id (the same in every round)."""
+    me: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        me["job"] = os.environ["TORCHELASTIC_RUN_ID"]
+    return me
+
+
+def _stale(holder: dict[str, Any] | None, me: dict[str, Any]) -> str | None:
+    """Why a lock may be taken over: its process is gone (this host: a live one never is), or it is a worker
+    of an earlier round of this same torchrun job on another host (its node was lost, or torchrun stopped it,
+    before this round started: the rendezvous admits one round at a time)."""
+    if not holder:
+        return None
+    if holder.get("host") == me["host"]:
+        return None if _alive(int(holder.get("pid", 0))) else "which is gone"
+    if me.get("job") and holder.get("job") == me["job"] and store.restarted():
+        return f"a worker of an earlier round of this torchrun job ({me['job']}) on another node"
+    return None
+
+
 def take_lock(root: Path) -> None:
     """One writer per output_dir; released when this process exits."""
     path = root / LOCK
-    me = {"host": socket.gethostname(), "pid": os.getpid()}
+    me = _me()
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -154,8 +176,9 @@ def take_lock(root: Path) -> None:
             holder = _read_lock(path)
             if holder == me:
                 return
-            if holder and holder.get("host") == me["host"] and not _alive(int(holder.get("pid", 0))):
-                warn(f"taking over the lock {path} of process {holder['pid']} on {holder['host']}, which is gone")
+            why = _stale(holder, me)
+            if why:
+                warn(f"taking over the lock {path} of process {holder['pid']} on {holder['host']}, {why}")
                 path.unlink(missing_ok=True)
                 continue
             who = f"process {holder['pid']} on {holder['host']}" if holder else "an unknown process"
@@ -179,7 +202,7 @@ def release_locks() -> None:
     """Release the locks this process holds (at the end of a run, on an error and at exit)."""
     while _held:
         path = _held.pop() / LOCK
-        if _read_lock(path) == {"host": socket.gethostname(), "pid": os.getpid()}:
+        if _read_lock(path) == _me():
             path.unlink(missing_ok=True)
     while _created:  # a refused or failed run leaves no empty output folder behind
         try:

@@ -221,11 +221,16 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     Called every step, so it never touches the GPU: one process answers at once, several agree over
     a gloo group on the CPU (a NCCL all-reduce plus `.item()` would make the host wait for the step).
     """
+    return any_ranks([flag], device)[0]
+
+
+def any_ranks(flags: list[bool], device: torch.device) -> list[bool]:
+    """`any_rank` of several flags in one collective (e.g. a signal seen, a time-based checkpoint due)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0])
+        return list(flags)
+    t = torch.tensor([1.0 if f else 0.0 for f in flags])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 _CPU_GROUP: list = []

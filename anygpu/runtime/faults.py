@@ -42,6 +42,12 @@ def _stall_transport(value: str, point: str, step: int) -> None:
         time.sleep(float(seconds))
 
 
+def _slow_step(value: str, point: str, step: int) -> None:
+    world_size, _, seconds = value.partition(":")
+    if point == "step" and os.environ.get("WORLD_SIZE", "1") == world_size:
+        time.sleep(float(seconds))
+
+
 @dataclass(frozen=True)
 class Fault:
     variable: str  # the environment variable that switches it on, and its value's form
@@ -75,8 +81,14 @@ REGISTRY: tuple[Fault, ...] = (
         "transport (a wrong interface, a broken fabric) does not come up",
         _stall_transport,
     ),
+    Fault(
+        "ANYGPU_TEST_SLOW_STEP",
+        "WORLD_SIZE:SECONDS: every rank sleeps after each step while the job has that world size, so a test "
+        "can add a node to an elastic job before it ends",
+        _slow_step,
+    ),
 )
-POINTS = ("eval", "save", "refusal", "transport", "export")
+POINTS = ("eval", "save", "refusal", "transport", "export", "step")
 
 
 def at(point: str, step: int = 0) -> None:

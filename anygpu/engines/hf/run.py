@@ -27,7 +27,7 @@ from anygpu.engines.hf.trainer import (
 )
 from anygpu.engines.trunk import finish, startup
 from anygpu.engines.trunk.log import RunLog
-from anygpu.engines.trunk.schedule import Schedule
+from anygpu.engines.trunk.schedule import SaveClock, Schedule
 from anygpu.engines.trunk.state import HF_STATE_FILE, RunState
 from anygpu.errors import UsageError
 from anygpu.model import dropout, lean_loss, lora, modeling
@@ -120,7 +120,14 @@ class HFRun:
         )
         self.preemption = Preemption(train_args.save_on_preempt)
         self.preemption.watch(self.model)
-        self.callback = TrunkCallback(self.schedule, self.log, self.preemption, self.targs.device)
+        self.callback = TrunkCallback(
+            self.schedule,
+            self.log,
+            self.preemption,
+            self.targs.device,
+            SaveClock(train_args.save_every_minutes),
+            self.info.is_main,
+        )
         self.trainer = self._trainer()
 
     def _join(self):

@@ -34,7 +34,7 @@ from anygpu.data.order import MicroBatchSampler
 from anygpu.data.prepare import Prepared
 from anygpu.engines.trunk.evaluator import evaluate
 from anygpu.engines.trunk.log import RunLog
-from anygpu.engines.trunk.schedule import Schedule
+from anygpu.engines.trunk.schedule import SaveClock, Schedule
 from anygpu.engines.trunk.state import HF_STATE_FILE, RunState
 from anygpu.model import dropout, lean_loss, moe
 from anygpu.reliability.preempt import Preemption
@@ -294,12 +294,22 @@ class TrunkCallback(TrainerCallback):
     Trainer logs every --logging_steps steps (and, told here, the run's last), with the logging step's own
     global-batch mean loss (`AnygpuTrainer.log`): no host sync on other steps."""
 
-    def __init__(self, schedule: Schedule, log: RunLog, preemption: Preemption, device: torch.device) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        log: RunLog,
+        preemption: Preemption,
+        device: torch.device,
+        save_clock: SaveClock | None = None,
+        is_main: bool = True,
+    ) -> None:
         self.schedule, self.log, self.preemption, self.device = schedule, log, preemption, device
+        self.save_clock, self.is_main = save_clock or SaveClock(), is_main  # --save_every_minutes
         self.terminated = False
         self.lr: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.save_clock.saved()  # training time counts, not the start-up's
         self.log.open_bar()
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
@@ -318,12 +328,16 @@ class TrunkCallback(TrainerCallback):
         return self.check_preemption(control)
 
     def check_preemption(self, control):
-        """At a step boundary (or after the evaluation that follows one): a signal on any rank → save and stop."""
+        """At a step boundary (or after the evaluation that follows one), agreed by every rank in one collective:
+        a signal on any rank → save and stop; a time-based checkpoint due (--save_every_minutes) → save."""
         self.preemption.beat()
-        if distributed.any_rank(self.preemption.requested is not None, self.device):
+        due = self.save_clock.due(self.is_main)
+        preempted, due = distributed.any_ranks([self.preemption.requested is not None, due], self.device)
+        if preempted:
             self.terminated = True
             control.should_save = True
             control.should_training_stop = True
+        control.should_save = control.should_save or due
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -336,6 +350,7 @@ class TrunkCallback(TrainerCallback):
         )
 
     def on_save(self, args, state, control, **kwargs):
+        self.save_clock.saved()
         self.log.pause_since_mark()  # Trainer saves after logging a step: not training time
 
     def on_evaluate(self, args, state, control, **kwargs):

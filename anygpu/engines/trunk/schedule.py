@@ -8,7 +8,8 @@ training (the evaluation of `--eval_on_start`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -69,3 +70,20 @@ class Schedule:
     def exports(self) -> bool:
         """The final model is written when the run reaches the end of the schedule (--export_final)."""
         return self.export_final and self.end_step == self.total_steps
+
+
+@dataclass
+class SaveClock:
+    """--save_every_minutes: a checkpoint is due once `minutes` have passed since training started or the last
+    checkpoint. Only rank 0's clock is read (`due(is_main)`); the engines agree on its answer in the collective
+    their step boundary already holds (`distributed.any_ranks`), so every rank saves at the same step."""
+
+    minutes: float = 0
+    since: float = field(default_factory=time.monotonic)
+
+    def due(self, is_main: bool) -> bool:
+        return bool(self.minutes) and is_main and time.monotonic() - self.since >= self.minutes * 60
+
+    def saved(self) -> None:
+        """A checkpoint was written (by step, by time, or on preemption): the next one is `minutes` from now."""
+        self.since = time.monotonic()
