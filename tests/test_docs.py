@@ -35,6 +35,7 @@ FOREIGN_OPTIONS = {
     "--nodes",
     "--ntasks-per-node",
     "--kill-on-bad-exit",
+    "--no-kill",
     "--cpus-per-task",
     "--gpus-per-node",
     "--durations",

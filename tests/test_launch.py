@@ -665,6 +665,63 @@ def test_multi_node_mistakes(env, message):
     assert r.rc == 2 and message in r.err, r.err
 
 
+def test_elastic_node_counts():
+    """NNODES=MIN:MAX: torchrun's elastic c10d rendezvous on every node, the tuned timeouts after is_host, the
+    restarts, and ANYGPU_ELASTIC for the workers (each start continues the run); N:N is a fixed count."""
+    env = {"NNODES": "1:2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29555"}
+    opts = ["--engine", "fsdp", "--count-from", "smi", "--max-restarts", "3", "--rdzv-conf", "last_call_timeout=10"]
+    nodes = [dry(NVIDIA, *opts, NODE_RANK=str(r), **env) for r in (0, 1)]
+    for n, host in zip(nodes, ("true", "false")):
+        assert n.rc == 0, n.err
+        assert (n.opt("--nnodes"), n.opt("--rdzv-backend"), n.opt("--rdzv-endpoint")) == (
+            "1:2",
+            "c10d",
+            "10.0.0.1:29555",
+        )
+        assert n.opt("--rdzv-conf") == f"is_host={host},last_call_timeout=10" and n.opt("--max-restarts") == "3"
+        assert n.exports["ANYGPU_ELASTIC"] == "1:2" and "elastic: the job goes on with 1 to 2 nodes" in n.out
+    assert nodes[0].opt("--rdzv-id") == nodes[1].opt("--rdzv-id")
+    off = dry(NVIDIA, *opts[:-1], "is_host=false", NODE_RANK="0", **env)  # the store hosted elsewhere
+    assert off.opt("--rdzv-conf") == "is_host=false"
+    fixed = dry(NVIDIA, *opts, NODE_RANK="1", **{**env, "NNODES": "2:2"})
+    assert fixed.opt("--nnodes") == "2" and "ANYGPU_ELASTIC" not in fixed.exports
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_JOB_NODELIST": "gpu[1-4]"}
+    r = dry(NVIDIA, *opts, MIN_NODES="3", **slurm)  # Slurm: the allocation is MAX, MIN_NODES the fewest
+    assert r.rc == 0 and (r.opt("--nnodes"), r.opt("--rdzv-id")) == ("3:4", "77") and "node 2 of 3:4" in r.out
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (
+            [],
+            {"NNODES": "1:2"},
+            "NNODES=1:2 (elastic) with --engine hf: accelerate launch starts the nodes with a static",
+        ),
+        (["--engine", "fsdp"], {"NNODES": "1:2"}, "NNODES=1:2 (elastic) needs --max-restarts K >= 1"),
+        (["--engine", "fsdp"], {"NNODES": "2:1"}, "NNODES='2:1' is not a node count: give N, or MIN:MAX"),
+        (["--engine", "fsdp", "--rdzv-conf", "timeout=5"], {}, "'timeout=5' is not KEY=SECONDS (is_host=true|false)"),
+        (["--rdzv-conf", "join_timeout=60"], {}, "--rdzv-conf only applies to --engine fsdp"),
+        (
+            ["--engine", "fsdp", "--max-restarts", "1"],
+            {
+                "SLURM_JOB_ID": "7",
+                "SLURM_NNODES": "2",
+                "SLURM_NODEID": "0",
+                "SLURM_JOB_NODELIST": "n[1-2]",
+                "MIN_NODES": "3",
+            },
+            "MIN_NODES=3 is out of range (valid: 1..2)",
+        ),
+    ],
+)
+def test_elastic_mistakes(args, env, message):
+    """What cannot be elastic, or is not a valid elastic setting, is refused in one line naming it."""
+    nodes = {"NODE_RANK": "0", "MASTER_ADDR": "10.0.0.1"} if "NNODES" in env else {}
+    r = dry(NVIDIA, "--count-from", "smi", *args, **nodes, **env)
+    assert r.rc == 2 and message in r.err and len(r.err.strip().splitlines()) == 1, r.err
+
+
 def test_slurm_head_node_and_rendezvous(tmp_path):
     log = tmp_path / "calls"
     env = {

@@ -40,8 +40,10 @@ CHECKOUT_SCRIPTS = {"hf": "run_hf_standalone.py", "fsdp": "run_fsdp_standalone.p
 SCRIPT_NAME = {NVIDIA: "run_nvidia_all.sh", AMD: "run_amd_all.sh"}
 DEFAULT_MASTER_PORT = 29500
 PREFIX = "[anygpu]"
-# torchrun's c10d rendezvous settings a user may tune (--rdzv-conf); is_host is the launcher's own.
+# torchrun's c10d rendezvous settings a user may tune (--rdzv-conf), in seconds (attempts); and is_host=true|false,
+# by default true on node 0 only: false on every node when the store is hosted off the training nodes.
 RDZV_CONF_KEYS = (
+    "is_host",
     "join_timeout",
     "last_call_timeout",
     "close_timeout",
@@ -137,8 +139,9 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
         metavar="K=V[,K=V]",
         default="",
         help="--engine fsdp: torchrun's rendezvous settings, e.g. last_call_timeout=10,keep_alive_interval=2 "
-        f"(keys: {', '.join(RDZV_CONF_KEYS)}; seconds, whole numbers). Elastic jobs (NNODES=MIN:MAX): "
-        "how long a membership change takes (docs/launchers.md#elastic-node-counts).",
+        f"(keys: {', '.join(RDZV_CONF_KEYS)}; seconds, whole numbers; is_host=false on every node when the "
+        "store runs off the training nodes). Elastic jobs (NNODES=MIN:MAX): how long a membership change takes "
+        "(docs/launchers.md#elastic-node-counts).",
     )
     p.add_argument(
         "--script",
@@ -451,9 +454,9 @@ def rdzv_conf(text: str) -> list[str]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     for item in items:
         key, _, value = item.partition("=")
-        if key not in RDZV_CONF_KEYS or not value.isdigit():
+        if key not in RDZV_CONF_KEYS or not (value in ("true", "false") if key == "is_host" else value.isdigit()):
             raise LaunchError(
-                f"--rdzv-conf {text!r}: {item!r} is not KEY=SECONDS with a known key (valid keys: "
+                f"--rdzv-conf {text!r}: {item!r} is not KEY=SECONDS (is_host=true|false) with a known key (valid keys: "
                 f"{', '.join(RDZV_CONF_KEYS)}; e.g. --rdzv-conf last_call_timeout=10,keep_alive_interval=2)"
             )
     return items
@@ -797,8 +800,12 @@ def _torchrun_rendezvous(nodes: Nodes, conf: list[str]) -> list[str]:
         "--rdzv-id",
         nodes.rdzv_id,
         "--rdzv-conf",
-        ",".join([f"is_host={'true' if nodes.node_rank == 0 else 'false'}", *conf]),
+        ",".join([*([] if any(c.startswith("is_host=") for c in conf) else [_is_host(nodes)]), *conf]),
     ]
+
+
+def _is_host(nodes: Nodes) -> str:
+    return f"is_host={'true' if nodes.node_rank == 0 else 'false'}"
 
 
 def _accelerate_options(

@@ -79,7 +79,7 @@ class SaveClock:
     their step boundary already holds (`distributed.any_ranks`), so every rank saves at the same step."""
 
     minutes: float = 0
-    since: float = field(default_factory=time.monotonic)
+    since: float = field(default_factory=lambda: time.monotonic())
 
     def due(self, is_main: bool) -> bool:
         return bool(self.minutes) and is_main and time.monotonic() - self.since >= self.minutes * 60
