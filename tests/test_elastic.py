@@ -29,11 +29,11 @@ from anygpu.launch import launcher
 pytestmark = pytest.mark.slow
 
 RUN = [*TINY, "--max_steps", "12", "--save_steps", "2", "--export_final", "false"]
-# A dead node's heartbeat expires after 1 s × 4; once enough nodes are in, a round waits 2 s for more. A live
+# A dead node's heartbeat expires after 1 s × 4; once enough nodes are in, a round waits 1 s for more. A live
 # agent refreshes its heartbeat only once it is older than the interval (so every 1-2 s): an expiry of 2 s
 # declared live nodes dead under load here, and the job split in two (docs/launchers.md#elastic-node-counts).
-RDZV = "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=4"
-# heartbeat expiry (1 s × 4) + last call (2 s) + the rendezvous' 1 s polling, then a rank's start-up and a step
+RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=4"
+# heartbeat expiry (1 s × 4) + last call (1 s) + the rendezvous' 1 s polling, then a rank's start-up and a step
 # (~2 s here: forked, data from the cache): 6 s measured on 2 idle cores; the rest is room for a loaded machine
 KILL_TO_STEP_BOUND_S = 30
 

@@ -5,7 +5,8 @@ At each start every rank reports its node: the host and torchrun's agent process
 also tells apart two nodes on one host. Rank 0 compares the nodes with those of the previous start of the same
 torchrun job (`TORCHELASTIC_RUN_ID`), kept in `<output_dir>/.anygpu-nodes.json`, and says which nodes left and
 which joined, the world size before and now and the step the run resumes from. Only for jobs that can
-restart (`--max-restarts`, or an elastic node count), where it costs one small gather at start-up.
+restart (`--max-restarts`, or an elastic node count); the gather (one small collective at start-up) is made by
+every torchrun job, so that ranks whose nodes were started with different settings still agree.
 """
 
 from __future__ import annotations
@@ -32,18 +33,17 @@ def this_node() -> str:
 
 
 def nodes() -> list[str]:
-    """Every rank's node, once each, in rank order (a collective: every rank calls it); [] where it does not
-    apply."""
-    if not applies():
+    """Every rank's node, once each, in rank order; [] where it does not apply. A collective of every torchrun
+    job (TORCHELASTIC_RUN_ID is set on all its ranks alike, unlike --max-restarts, which is each node's own)."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
         return []
     import torch.distributed as dist
 
-    mine = this_node()
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [mine]
-    found: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, mine)
-    return list(dict.fromkeys(found))
+    found: list[Any] = [this_node()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, this_node())
+    return list(dict.fromkeys(found)) if applies() else []
 
 
 def event_line(output_dir: str, now: list[str], world_size: int, resumed_step: int | None) -> str | None:
