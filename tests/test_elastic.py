@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,8 @@ def plan_node(
 
 
 class Nodes:
-    """Nodes started and killed at will (tests/scripts/elastic_nodes.py), their exit codes and logs."""
+    """Nodes started and killed at will (tests/scripts/elastic_nodes.py), their exit codes and logs; safe to use
+    from several threads (one reader routes the server's answers)."""
 
     def __init__(self, logs: Path) -> None:
         self.tmp = logs
@@ -76,30 +78,29 @@ class Nodes:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
-        self.answers: queue.Queue = queue.Queue()
+        self.started: queue.Queue = queue.Queue()
         self.codes: dict[int, int] = {}
         self.logs: dict[int, Path] = {}
+        self.lock = threading.Lock()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         for line in self.server.stdout:
-            self.answers.put(json.loads(line))
-
-    def _answer(self, timeout: float) -> dict:
-        answer = self.answers.get(timeout=timeout)
-        if "code" in answer:
-            self.codes[answer["pid"]] = answer["code"]
-        return answer
+            answer = json.loads(line)
+            if "code" in answer:
+                self.codes[answer["pid"]] = answer["code"]
+            else:
+                self.started.put(answer["pid"])
 
     def start(self, name: str, argv: list[str], node_env: dict[str, str]) -> int:
-        log = self.tmp / f"{len(self.logs)}-{name}.log"
-        request = {"argv": argv, "env": node_env, "cwd": str(ROOT), "log": str(log)}
-        self.server.stdin.write(json.dumps(request) + "\n")
-        self.server.stdin.flush()
-        while "code" in (answer := self._answer(timeout=60)):
-            pass
-        self.logs[answer["pid"]] = log
-        return answer["pid"]
+        with self.lock:
+            log = self.tmp / f"{len(self.logs)}-{name}.log"
+            request = {"argv": argv, "env": node_env, "cwd": str(ROOT), "log": str(log)}
+            self.server.stdin.write(json.dumps(request) + "\n")
+            self.server.stdin.flush()
+            pid = self.started.get(timeout=60)
+            self.logs[pid] = log
+        return pid
 
     def kill(self, pid: int) -> None:
         """SIGKILL a node's agent and every process under it: no chance to save or to say goodbye."""
@@ -113,10 +114,7 @@ class Nodes:
         deadline = time.monotonic() + timeout
         while pid not in self.codes:
             assert time.monotonic() < deadline, f"node {pid} still running:\n{self.log(pid)[-6000:]}"
-            try:
-                self._answer(timeout=1)
-            except queue.Empty:
-                pass
+            time.sleep(0.1)
         return self.codes[pid]
 
     def log(self, pid: int) -> str:
@@ -147,6 +145,54 @@ def wait_for(condition, timeout: float, what: str) -> float:
     return time.monotonic()
 
 
+@dataclass
+class Job:
+    """One elastic job of two nodes, driven in a thread: node 1 SIGKILLed after step 5, and with `comes_back`
+    a third agent as node 1 again once node 0 trains alone. Both jobs of this file run at once (most of their
+    time is waiting for the rendezvous), each test reading its own."""
+
+    nodes: Nodes
+    out: Path
+    comes_back: bool
+    more: tuple[str, ...] = ()
+    extra: dict[str, str] = field(default_factory=dict)
+    pids: list[int] = field(default_factory=list)
+    before: list[dict] = field(default_factory=list)  # metrics.jsonl when node 1 was killed
+    kill_to_step_s: float = 0.0
+    codes: list[int] = field(default_factory=list)  # node 0's exit code, and the returning node's
+    error: BaseException | None = None
+    thread: threading.Thread | None = None
+
+    def begin(self) -> Job:
+        self.thread = threading.Thread(target=self._drive, daemon=True)
+        self.thread.start()
+        return self
+
+    def _drive(self) -> None:
+        try:
+            port = launcher_port()
+            plan = lambda r: plan_node(r, port, self.out, self.more, **self.extra)  # noqa: E731
+            self.pids = [self.nodes.start(f"{self.out.parent.name}-node{r}", *plan(r)) for r in (0, 1)]
+            wait_for(lambda: any(r["step"] >= 5 for r in metrics(self.out)), 180, "step 5")
+            self.before = metrics(self.out)
+            self.nodes.kill(self.pids[1])
+            killed = time.monotonic()
+            resumed = wait_for(lambda: any(r["world_size"] == 1 for r in metrics(self.out)), 120, "a step on one node")
+            self.kill_to_step_s = resumed - killed
+            if self.comes_back:
+                self.pids.append(self.nodes.start(f"{self.out.parent.name}-node1-again", *plan(1)))
+            self.codes = [self.nodes.wait(pid, timeout=180) for pid in (self.pids[0], *self.pids[2:])]
+        except BaseException as e:  # the test reports it
+            self.error = e
+
+    def result(self) -> Job:
+        self.thread.join(timeout=400)
+        if self.error is not None:
+            raise self.error
+        assert self.codes == [0] * len(self.codes) and self.codes, [self.nodes.log(p)[-5000:] for p in self.pids]
+        return self
+
+
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
     n = Nodes(tmp_path_factory.mktemp("nodes"))
@@ -155,18 +201,22 @@ def nodes(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(nodes, tmp_path_factory):
-    """The one-node run: one process (the global batch makes the losses independent of the world size), started
-    at once on the same forking server and waited for only when a test compares with it."""
-    out = tmp_path_factory.mktemp("one-node")
-    argv = ["--standalone", "--nproc-per-node", "1", "-m", "anygpu.engines.run_fsdp", *RUN, "--output_dir", str(out)]
+def jobs(nodes, tmp_path_factory) -> dict[str, Job]:
+    """The one-node reference (one process: the global batch makes the losses independent of the world size),
+    the job that loses a node and the job whose lost node comes back, all started at once."""
+    ref = tmp_path_factory.mktemp("one-node") / "run"
+    argv = ["--standalone", "--nproc-per-node", "1", "-m", "anygpu.engines.run_fsdp", *RUN, "--output_dir", str(ref)]
     pid = nodes.start("one-node", argv, {**env(), **HIDE_GPUS})
-
-    def done() -> Path:
-        assert nodes.wait(pid, timeout=240) == 0, nodes.log(pid)[-6000:]
-        return out
-
-    return done
+    lost = Job(nodes, tmp_path_factory.mktemp("lost") / "run", comes_back=False).begin()
+    back = Job(
+        nodes,
+        tmp_path_factory.mktemp("back") / "run",
+        comes_back=True,
+        more=("--save_every_minutes", "0.005"),  # saves every 0.3 s too: the ranks must agree on those steps
+        extra={"ANYGPU_TEST_SLOW_STEP": "1:1"},  # node 0 alone takes 1 s a step: it cannot end before node 1 is back
+    ).begin()
+    assert nodes.wait(pid, timeout=300) == 0, nodes.log(pid)[-6000:]
+    return {"reference": ref, "lost": lost, "back": back}
 
 
 def world_sizes(recs: list[dict]) -> list[int]:
@@ -178,53 +228,37 @@ def world_sizes(recs: list[dict]) -> list[int]:
     return out
 
 
-def test_a_lost_node_does_not_stop_the_job(nodes, reference, tmp_path):
+def test_a_lost_node_does_not_stop_the_job(jobs):
     """NNODES=1:2, 12 steps, a checkpoint every 2: node 1's agent and its rank are SIGKILLed after step 5.
     Node 0 re-rendezvouses alone within the documented timeouts, resumes the newest intact checkpoint on one
     rank, and ends the job with exit 0 and the one-node run's losses; metrics.jsonl shows where it changed."""
-    port, out = launcher_port(), tmp_path / "run"
-    pids = [nodes.start(f"node{r}", *plan_node(r, port, out)) for r in (0, 1)]
-    wait_for(lambda: any(r["step"] >= 5 for r in metrics(out)), 120, "step 5")
-    before = metrics(out)
-    nodes.kill(pids[1])
-    killed = time.monotonic()
-    resumed = wait_for(lambda: any(r["world_size"] == 1 for r in metrics(out)), 120, "a step on one node")
-    assert nodes.wait(pids[0], timeout=120) == 0, nodes.log(pids[0])[-6000:]
-    log = nodes.log(pids[0])
-    assert {r["world_size"] for r in before} == {2}, before
-    recs = metrics(out)
+    job = jobs["lost"].result()
+    log = job.nodes.log(job.pids[0])
+    assert {r["world_size"] for r in job.before} == {2}, job.before
+    recs = metrics(job.out)
     assert world_sizes(recs) == [2, 1] and [r["step"] for r in recs] == list(range(1, 13))
-    assert_close(losses(reference()), losses(out), rel=1e-5, steps=range(1, 13))
+    assert_close(losses(jobs["reference"]), losses(job.out), rel=1e-5, steps=range(1, 13))
     line = next(ln for ln in log.splitlines() if ln.startswith("elastic: node "))
     assert " left; now 1 node, 1 rank (was 2 nodes, 2 ranks); resuming from checkpoint-" in line, line
-    step = int(line.rsplit("checkpoint-", 1)[1])
-    redone = max(r["step"] for r in before) - step
-    print(f"lost node: {redone} steps redone, {resumed - killed:.1f} s from the kill to the next logged step")
-    assert resumed - killed < KILL_TO_STEP_BOUND_S  # never hangs beyond the rendezvous timeouts
+    redone = max(r["step"] for r in job.before) - int(line.rsplit("checkpoint-", 1)[1])
+    print(f"lost node: {redone} steps redone, {job.kill_to_step_s:.1f} s from the kill to the next logged step")
+    assert job.kill_to_step_s < KILL_TO_STEP_BOUND_S  # never hangs beyond the rendezvous timeouts
 
 
-def test_a_lost_node_that_comes_back_joins_again(nodes, reference, tmp_path):
-    """As above, then a third agent as node 1 again once node 0 trains alone (its steps slowed to 1 s, so the
-    job cannot end first): node 0's workers save at the next step boundary, both nodes re-rendezvous, and the
-    job ends on two nodes again, with the one-node run's losses. This job also saves every 0.3 s
-    (--save_every_minutes 0.005): both ranks agree on those steps (a disagreement would hang the save)."""
-    port, out = launcher_port(), tmp_path / "run"
-    slow, timed = {"ANYGPU_TEST_SLOW_STEP": "1:1"}, ("--save_every_minutes", "0.005")
-    pids = [nodes.start(f"node{r}", *plan_node(r, port, out, timed, **slow)) for r in (0, 1)]
-    wait_for(lambda: any(r["step"] >= 5 for r in metrics(out)), 120, "step 5")
-    nodes.kill(pids[1])
-    wait_for(lambda: any(r["world_size"] == 1 for r in metrics(out)), 120, "a step on one node")
-    back = nodes.start("node1-again", *plan_node(1, port, out, timed, **slow))
-    assert nodes.wait(pids[0], timeout=120) == 0, nodes.log(pids[0])[-6000:]
-    assert nodes.wait(back, timeout=60) == 0, nodes.log(back)[-6000:]
-    recs = metrics(out)
+def test_a_lost_node_that_comes_back_joins_again(jobs):
+    """As above, then a third agent as node 1 again once node 0 trains alone: node 0's workers save at the next
+    step boundary, both nodes re-rendezvous, and the job ends on two nodes again, with the one-node run's losses.
+    This job also saves every 0.3 s (--save_every_minutes 0.005): both ranks agree on those steps (a disagreement
+    would hang the save), and some are odd steps of the two-node phases (--save_steps 2 saves even ones)."""
+    job = jobs["back"].result()
+    recs = metrics(job.out)
     assert world_sizes(recs) == [2, 1, 2] and [r["step"] for r in recs] == list(range(1, 13))
-    assert_close(losses(reference()), losses(out), rel=1e-5, steps=range(1, 13))
-    log = nodes.log(pids[0])
+    assert_close(losses(jobs["reference"]), losses(job.out), rel=1e-5, steps=range(1, 13))
+    log = job.nodes.log(job.pids[0])
     assert "elastic: node " in log and " joined; now 2 nodes, 2 ranks (was 1 node, 1 rank)" in log, log[-4000:]
     two_ranks = {r["step"] for r in recs if r["world_size"] == 2}
     saved = {int(m) for m in re.findall(r"^\[INFO\] checkpoint-(\d+): training paused", log, re.MULTILINE)}
-    assert {s for s in saved if s % 2} & two_ranks, (saved, two_ranks)  # by time: --save_steps 2 saves even steps
+    assert {s for s in saved if s % 2} & two_ranks, (saved, two_ranks)
 
 
 def launcher_port() -> int:
