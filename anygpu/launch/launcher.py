@@ -52,7 +52,9 @@ RDZV_CONF_KEYS = (
     "keep_alive_max_attempt",
     "read_timeout",
 )
-ELASTIC_VARIABLE = "ANYGPU_ELASTIC"  # MIN:MAX, exported for an elastic job: its workers continue the run by themselves
+# MIN:MAX, exported for an elastic job: its workers continue the run by themselves (anygpu.checkpoint.store reads
+# it as store.ELASTIC_VARIABLE; launch/ imports the standard library only, so the name is written twice)
+ELASTIC_VARIABLE = "ANYGPU_ELASTIC"
 
 
 class LaunchError(Exception):
