@@ -252,7 +252,7 @@ class HFRun:
                 self.trainer.model,
                 self.prep,
                 self.model_args,
-                self.args.output_dir,
+                self.args,
                 info.rank,
                 self.preemption.progress,
                 gathered,
