@@ -35,7 +35,7 @@ SOURCES = {
     "deepseek_v3": (
         dict(
             model_type="deepseek_v3",
-            **SMALL,
+            **{**SMALL, "num_key_value_heads": 4},  # multi-head latent attention: as many kv heads as heads
             **EXPERTS,
             n_routed_experts=4,
             n_shared_experts=1,
@@ -86,7 +86,7 @@ def tokenizer():
 
 
 def build(root: Path, names=SOURCES) -> dict[str, Path]:
-    """root/<name>: each source folder, written by save_pretrained in its storage dtype and shard size."""
+    """root/hub-<name>: each source folder, written by save_pretrained in its storage dtype and shard size."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -102,7 +102,7 @@ def build(root: Path, names=SOURCES) -> dict[str, Path]:
             for key, buf in model.named_buffers():
                 if "e_score_correction_bias" in key:
                     buf.normal_()
-        out[name] = root / name
+        out[name] = root / f"hub-{name}"  # not a family's own name: tests/scripts/families.py names runs by it
         model.to(getattr(torch, dtype)).save_pretrained(out[name], max_shard_size=shard)
         tok.save_pretrained(out[name])
     return out

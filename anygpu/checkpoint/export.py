@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from anygpu.model import hub_weights
 from anygpu.runtime import distributed, faults, fs
 
 
@@ -56,7 +57,7 @@ def gather_in(model: nn.Module, dtype: torch.dtype, rank: int) -> dict[str, torc
 
     out: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in model.state_dict(keep_vars=True).items():  # the parameters themselves: ties share an id
         if id(tensor) in seen:
             if rank == 0:
                 out[name] = out[seen[id(tensor)]]
@@ -89,8 +90,9 @@ def hub_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, to
         match = re.match(r"(.*?\.\d+\.)", name)
         groups.setdefault(match.group(1) if match else "", []).append(name)
     out: dict[str, torch.Tensor] = {}
-    for names in groups.values():
-        out.update(revert_weight_conversion(model, {n: state.pop(n) for n in names}))
+    with hub_weights.transformers_classes(model):  # FSDP2's classes would read as custom code: no conversions
+        for names in groups.values():
+            out.update(revert_weight_conversion(model, {n: state.pop(n) for n in names}))
     return out
 
 

@@ -73,6 +73,35 @@ def hf_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if lora.is_peft(model) else model
 
 
+@contextlib.contextmanager
+def transformers_classes(model: nn.Module):
+    """For the block: every module that FSDP2's `fully_shard` gave a class of its own (`FSDPQwen2MoeForCausalLM`,
+    defined outside transformers) is of its transformers class again. transformers takes a class defined outside
+    it for custom code and gives it no conversion mapping (`PreTrainedModel.is_custom_code`), so without this a
+    sharded model would load and export without its family's renames."""
+    swapped = []
+    for module in model.modules():
+        cls = type(module)
+        if not cls.__module__.startswith("transformers."):
+            own = next((c for c in cls.__mro__ if c.__module__.startswith("transformers.")), None)
+            if own is not None and own.__name__ in cls.__name__:
+                swapped.append((module, cls))
+                module.__class__ = own
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
+
+
+def conversion_mapping(model: nn.Module) -> list:
+    """transformers' weight conversions for the model's family, as `from_pretrained` takes them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    with transformers_classes(model):
+        return get_model_conversion_mapping(model)
+
+
 def targets_of(model: nn.Module) -> tuple[dict[str, list[torch.Tensor]], dict[str, torch.Tensor]]:
     """(base name → parameters, base name → persistent buffer): what a checkpoint fills."""
     params = lora.base_targets(model)
@@ -122,11 +151,10 @@ def _reader(handle, key: str, params: list[torch.Tensor], shard: bool, tensor_id
 def plan_groups(model: nn.Module, handles: dict[str, object], params, buffers) -> dict[str, object]:
     """Target name → a transformers WeightTransform holding deferred reads of its checkpoint tensors, built as
     `convert_and_load_state_dict_in_model` builds them (same renaming, same order, one converter per target)."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
     base = hf_model(model)
-    mapping_list = get_model_conversion_mapping(base)
+    mapping_list = conversion_mapping(base)
     renamings = [m for m in mapping_list if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping_list if isinstance(m, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
