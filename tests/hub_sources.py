@@ -1,6 +1,6 @@
 """Tiny pretrained folders as `save_pretrained` writes them (the Hub's layout): MoE families with one tensor per
 expert (Mixtral's `block_sparse_moe.experts.E.w1`, Qwen/OLMoE/DeepSeek's `mlp.experts.E.gate_proj`), gpt-oss's
-fused experts with biases, and a dense Llama stored in bf16 across several files with an index; each with a small
+fused experts with biases, and a dense Llama with tied embeddings stored in bf16 across several files with an index; each with a small
 BPE tokenizer so the engines train on it as a user's download."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ SOURCES = {
         "float32",
         "50GB",
     ),
-    "llama_bf16": (dict(model_type="llama", **SMALL), "bfloat16", "20KB"),
+    "llama_bf16": (dict(model_type="llama", **SMALL, tie_word_embeddings=True), "bfloat16", "20KB"),
 }
 MOE = [name for name in SOURCES if name != "llama_bf16"]
 EAGER = {"gpt_oss"}  # transformers has no SDPA path for its attention sinks

@@ -101,6 +101,7 @@ def test_bf16_source_exports_bf16_in_shards_at_half_the_fp32_size(sources, final
     assert len(set(index["weight_map"].values())) > 1  # several files, as --save_max_shard_size 20KB asks
     assert {t.dtype for t in tensors(final).values()} == {torch.bfloat16}
     assert json.loads((final / "config.json").read_text())["dtype"] == "bfloat16"
+    assert "lm_head.weight" not in tensors(final)  # tied to the embedding: stored once, as in the source
     fp32 = export(native(sources["llama_bf16"], "llama_bf16"), sources["llama_bf16"], tmp_path / "fp32", torch.float32)
 
     def size(folder: Path) -> int:

@@ -195,14 +195,15 @@ def test_hf_engine_matches_with_dropout(runs, tmp_path):
 
 @pytest.fixture(scope="module")
 def hf_pretrained(runs, tmp_path_factory) -> Path:
-    """The HF engine on one process over each trained Hub source: one launch for all."""
+    """The HF engine on one process over each trained Hub source: one launch for all (Mixtral's exported)."""
     root = tmp_path_factory.mktemp("hf-hub")
     plain = [a for a in ARGS if a not in ("--config_name", "tiny")]
     hf_runs(
         1,
         [
-            [*plain, "--model_name_or_path", str(_SOURCES[n]), "--output_dir", str(root / n), "--export_final", "false"]
+            [*plain, "--model_name_or_path", str(_SOURCES[n]), "--output_dir", str(root / n), "--export_final", export]
             for n in TRAINED
+            for export in [str(n == "mixtral").lower()]  # one export: the trunk's code, as the native engine's
         ],
         timeout=600,
     )
@@ -250,3 +251,16 @@ def test_hub_checkpoint_exports_in_its_own_layout(runs, name):
     assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
     if name in MOE:
         assert any(".experts.0." in key for key in final)
+
+
+@pytest.mark.slow
+def test_hf_engine_exports_the_same_layout(runs, hf_pretrained):
+    """The HF engine's final/ of the bf16 Mixtral: the same keys and dtype as the native engine's and the source's."""
+    import torch
+
+    hf, ours = (
+        tensors(hf_pretrained / "mixtral" / "final"),
+        tensors(runs[2] / _SOURCES["mixtral"].name / "run" / "final"),
+    )
+    assert sorted(hf) == sorted(ours) == sorted(tensors(_SOURCES["mixtral"]))
+    assert {v.dtype for v in hf.values()} == {v.dtype for v in ours.values()} == {torch.bfloat16}
