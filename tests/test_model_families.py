@@ -227,6 +227,17 @@ def test_hub_checkpoint_loads_into_shards_bit_for_bit(runs, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TRAINED)
+def test_each_rank_reads_only_its_shards(runs, name):
+    """On 2 ranks each rank materialises about half of the checkpoint (its rows, its experts), not all of it."""
+    whole = json.loads((runs[1] / _SOURCES[name].name / "read-rank0.json").read_text())["elements"]
+    assert whole == sum(v.numel() for v in tensors(_SOURCES[name]).values())
+    for rank in (0, 1):
+        part = json.loads((runs[2] / _SOURCES[name].name / f"read-rank{rank}.json").read_text())["elements"]
+        assert 0.45 * whole < part < 0.55 * whole, (rank, part, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TRAINED)
 def test_hub_checkpoint_trains_as_the_hf_engine(runs, hf_pretrained, name):
     run = _SOURCES[name].name
     one, two, hf = losses(runs[1] / run / "run"), losses(runs[2] / run / "run"), losses(hf_pretrained / name)
