@@ -62,6 +62,10 @@ def test_unknown_option_and_bad_choice(capsys, tmp_path):
     err = refuse([*TINY, "--learning_rat", "1", "--output_dir", str(tmp_path)], capsys)
     assert "unknown option --learning_rat (did you mean --learning_rate?)" in err
     assert "cosine" in refuse([*TINY, "--lr_scheduler_type", "cosin", "--output_dir", str(tmp_path)], capsys)
+    err = refuse([*TINY, "--export_dtype", "bf16", "--output_dir", str(tmp_path)], capsys)
+    assert "--export_dtype 'bf16' is unknown: use one of auto, float32, bfloat16, float16." in err
+    err = refuse([*TINY, "--save_max_shard_size", "5 gigs", "--output_dir", str(tmp_path)], capsys)
+    assert "--save_max_shard_size '5 gigs' is not a size: use digits and a unit, e.g. 5GB or 500MB." in err
 
 
 def test_world_size_that_cannot_split_the_global_batch(capsys, tmp_path, monkeypatch):

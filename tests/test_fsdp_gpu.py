@@ -144,3 +144,21 @@ def test_flash_attention_over_packed_samples_matches_sdpa(tmp_path):
     native([*job, "--attn_implementation", "flash_attention_2"], tmp_path / "flash")
     native([*job, "--attn_implementation", "sdpa"], tmp_path / "sdpa")
     assert_close(losses(tmp_path / "sdpa"), losses(tmp_path / "flash"), rel=BF16_REL)
+
+
+def test_hub_moe_checkpoint_fine_tunes_in_bf16_and_exports_its_own_layout(tmp_path):
+    """A Mixtral folder as save_pretrained writes it (experts one tensor each, bf16 over several files) on GPU 0
+    with --bf16: the loader copies each tensor to the device's shards, and final/ comes back in bf16 with the
+    source's keys, loadable with no missing or unexpected key."""
+    from hub_sources import build, tensors
+    from transformers import AutoModelForCausalLM
+
+    source = build(tmp_path / "hub", ["mixtral"])["mixtral"]
+    i = TINY.index("--config_name")
+    args = [*TINY[:i], *TINY[i + 2 :], "--max_steps", "2", "--tf32", "false", "--save_steps", "0", "--bf16", "true"]
+    native([*args, "--model_name_or_path", str(source)], tmp_path / "run")
+    final = tensors(tmp_path / "run" / "final")
+    assert sorted(final) == sorted(tensors(source))
+    assert {t.dtype for t in final.values()} == {torch.bfloat16}
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", output_loading_info=True)
+    assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info

@@ -1,19 +1,23 @@
 """The final model: Hugging Face safetensors + config + tokenizer, or a PEFT adapter (and its merge).
 
-The library does both jobs: torch's `get_model_state_dict` (full, CPU-offloaded, kept on rank 0) gathers,
-and `save_pretrained` (transformers for the model, peft for the adapter) writes: HF shard names and index,
-tied weights stored once, config, generation config, adapter config.
+`final/` is what `save_pretrained` writes for the family by default: the checkpoint's own names and layout
+(transformers' reverse weight conversion: MoE experts one tensor per expert as the Hub stores them, Mixtral's
+`block_sparse_moe`, and any legacy name the source used), in the export dtype (`--export_dtype`: by default the
+source checkpoint's storage dtype), split into files of at most `--save_max_shard_size` with an index.
 
-Memory: rank 0 holds the whole model in CPU memory (4 bytes per fp32 parameter) while it writes. The
-hand-written gather this replaced held one 4 GiB shard at most, which for any model under 4 GiB was the
-whole model too. Rank 0's peak RSS growth during the export, FSDP2 on 2 gloo ranks, old → new:
-default preset (15.7M params, 60 MiB) 77 → 203 MiB (the extra is a fixed cost of the library's
-imports); 156M params (594 MiB) 754 → 767 MiB. Beyond 4 GiB the old code stayed at one shard.
+The library does the writing (`save_pretrained`: shard names, index, tied weights stored once, config,
+generation config; transformers' `revert_weight_conversion` for the layout). The gather is ours: one tensor at a
+time (`DTensor.full_tensor`, a collective every rank joins), cast to the export dtype on rank 0 as it arrives, so
+rank 0 never holds the model in fp32: its host memory peaks at the model in the export dtype (2 bytes a
+parameter in bf16) plus one decoder layer's tensors while that layer's layout is reverted. torch's
+`get_model_state_dict(full_state_dict=True)` would gather the whole model in its fp32 master dtype first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from anygpu.model import hub_weights
 from anygpu.runtime import distributed, faults, fs
 
 
@@ -45,32 +50,80 @@ def gather_full(model: nn.Module, trainable_only: bool = False) -> dict[str, tor
     return state
 
 
+def gather_in(model: nn.Module, dtype: torch.dtype, rank: int) -> dict[str, torch.Tensor]:
+    """The model's state dict as full tensors in `dtype` on rank 0's CPU (empty elsewhere), gathered one tensor at a
+    time; a tied weight is gathered once and shared. Every rank calls it (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():  # the parameters themselves: ties share an id
+        if id(tensor) in seen:
+            if rank == 0:
+                out[name] = out[seen[id(tensor)]]
+            continue
+        seen[id(tensor)] = name
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if rank == 0:
+            out[name] = full.detach().to("cpu", dtype if full.is_floating_point() else full.dtype, copy=True)
+        del full
+    return out
+
+
+def cast_(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`state`'s floating tensors in `dtype`, one at a time (each old one freed as its copy is made), ties kept."""
+    done: dict[int, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if id(tensor) not in done:
+            done[id(tensor)] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+        state[name] = done[id(tensor)]
+    return state
+
+
+def hub_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` in the names and layout `save_pretrained` writes (transformers' reverse conversion), one decoder
+    layer at a time so that only one layer's tensors exist twice (a conversion never spans layers)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    groups: dict[str, list[str]] = {}
+    for name in state:
+        match = re.match(r"(.*?\.\d+\.)", name)
+        groups.setdefault(match.group(1) if match else "", []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    with hub_weights.transformers_classes(model):  # FSDP2's classes would read as custom code: no conversions
+        for names in groups.values():
+            out.update(revert_weight_conversion(model, {n: state.pop(n) for n in names}))
+    return out
+
+
 def export_safetensors(
     model: nn.Module,
     config: Any,
     tokenizer: Any,
     out_dir: str | Path,
     rank: int,
-    max_shard_bytes: int = 4 * 2**30,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | int = "5GB",
     state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """<out_dir> as Hugging Face safetensors + config + generation config + tokenizer, replaced atomically.
+    """<out_dir> as Hugging Face safetensors (in `dtype`, the family's own layout) + config + generation config +
+    tokenizer, replaced atomically.
 
     `model`: the Hugging Face model (FSDP2's fully_shard keeps its class); `state_dict`: full tensors the
     caller already gathered on rank 0 (the HF engine under ZeRO-3), else gathered here.
     """
-    state = state_dict if state_dict is not None else gather_full(model)
+    state = cast_(state_dict, dtype) if state_dict is not None else gather_in(model, dtype, rank)
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp")
     if rank == 0:
+        state = hub_layout(model, state)
         shutil.rmtree(tmp, ignore_errors=True)
         with _no_progress_bar():  # no "Writing model shards" bar between the engine's log lines
-            # save_original_format=False: keys as the model names them (as the export always wrote, and
-            # as `modeling` reads a folder back), not transformers' legacy layout (MoE experts unfused).
-            model.save_pretrained(
-                str(tmp), state_dict=state, max_shard_size=max_shard_bytes, save_original_format=False
-            )
-        config.save_pretrained(str(tmp))  # the caller's config over the model's copy, as the export always wrote
+            # save_original_format=False: `state` is in the original format already (reverted layer by layer)
+            model.save_pretrained(str(tmp), state_dict=state, max_shard_size=max_shard_size, save_original_format=False)
+        config = copy.deepcopy(config)  # the caller's config over the model's copy, as the export always wrote
+        config.dtype = str(dtype).removeprefix("torch.")  # what from_pretrained(dtype="auto") loads it as
+        config.save_pretrained(str(tmp))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         fs.replace_dir(tmp, out)
@@ -102,6 +155,8 @@ def export_adapter(
     rank: int,
     merge: bool,
     gathered: dict[str, torch.Tensor] | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str = "5GB",
 ) -> Path:
     """<out_dir> as a PEFT adapter (adapter_model.safetensors + adapter_config.json + tokenizer); with
     `merge`, also <out_dir>-merged, the base with the adapter merged in.
@@ -121,7 +176,7 @@ def export_adapter(
         tokenizer.save_pretrained(str(tmp))
         fs.replace_dir(tmp, out)
         if merge:
-            merge_adapter(base_path, out, tokenizer)
+            merge_adapter(base_path, out, tokenizer, dtype, max_shard_size)
         faults.at("export")
     del state
     _wait_for_rank0("the final adapter export" + (" and its merge" if merge else ""))
@@ -134,16 +189,19 @@ def _wait_for_rank0(what: str) -> None:
     distributed.wait_for_all(what)
 
 
-def merge_adapter(base_path: str, adapter: Path, tokenizer: Any) -> Path:
-    """<adapter>-merged: the base from its folder (never modified) with the adapter merged in (one process, CPU)."""
+def merge_adapter(
+    base_path: str, adapter: Path, tokenizer: Any, dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB"
+) -> Path:
+    """<adapter>-merged: the base from its folder (never modified) with the adapter merged in (one process, CPU),
+    in `dtype` and the base's own layout (from_pretrained records the conversions save_pretrained reverses)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     merged_dir = adapter.with_name(f"{adapter.name}-merged")
     tmp = merged_dir.with_name(f".{merged_dir.name}.tmp")
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
-    merged.save_pretrained(str(tmp))
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().to(dtype)
+    merged.save_pretrained(str(tmp), max_shard_size=max_shard_size)
     tokenizer.save_pretrained(str(tmp))
     fs.replace_dir(tmp, merged_dir)
     return merged_dir

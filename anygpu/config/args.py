@@ -465,6 +465,22 @@ class TrainArguments:
     export_final: bool = field(
         default=True, metadata={"resume": FREE, "help": "Export the final model as safetensors to <output_dir>/final."}
     )
+    export_dtype: str = field(
+        default="auto",
+        metadata={
+            "resume": FREE,
+            "help": "The dtype of <output_dir>/final's weights: auto (the pretrained checkpoint's own storage dtype; "
+            "from scratch the training precision, bfloat16 with --bf16, else float32), float32, bfloat16 or float16.",
+        },
+    )
+    save_max_shard_size: str = field(
+        default="5GB",
+        metadata={
+            "resume": FREE,
+            "help": "The largest safetensors file of <output_dir>/final (save_pretrained's max_shard_size, e.g. "
+            "5GB or 500MB); a larger model is split into several files with a model.safetensors.index.json.",
+        },
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -556,6 +572,8 @@ class TrainArguments:
             )
         if self.max_memory_per_device_gb is not None and self.max_memory_per_device_gb <= 0:
             raise UsageError(f"--max_memory_per_device_gb {self.max_memory_per_device_gb} must be positive, e.g. 40.")
+        _check_choice("export_dtype", self.export_dtype, EXPORT_DTYPES)
+        check_shard_size(self.save_max_shard_size)
         split_commas(self)
         if (
             self.global_batch_size is None
@@ -586,6 +604,20 @@ def split_commas(obj: Any) -> None:
     for name, value in vars(obj).items():
         if isinstance(value, list) and any(isinstance(v, str) and "," in v for v in value):
             setattr(obj, name, [part.strip() for v in value for part in str(v).split(",") if part.strip()])
+
+
+EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_shard_size(value: str) -> None:
+    """--save_max_shard_size as save_pretrained reads it (digits and a unit: 5GB, 500MB)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        if parse_size_to_int(value) <= 0:
+            raise ValueError(value)
+    except (ValueError, TypeError):
+        raise UsageError(f"--save_max_shard_size {value!r} is not a size: use digits and a unit, e.g. 5GB or 500MB.")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -693,6 +725,8 @@ FIELD_GROUP = {
             "save_on_preempt",
             "async_save",
             "export_final",
+            "export_dtype",
+            "save_max_shard_size",
         ),
         "checkpoints",
     ),

@@ -357,7 +357,7 @@ class FSDPTrainer:
         self.log.close_bar()
         if self.schedule.exports:
             finish.export_final(
-                self.model, self.prep, self.model_args, self.args.output_dir, self.info.rank, self.preemption.progress
+                self.model, self.prep, self.model_args, self.args, self.info.rank, self.preemption.progress
             )
         finish.curves(self.args.output_dir, self.info.is_main)
         self.close()

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from anygpu.config.args import PRESETS_DIR, ModelArguments, preset_names
 from anygpu.errors import UsageError
-from anygpu.model import init_weights, lora
+from anygpu.model import hub_weights, init_weights, lora
 from anygpu.runtime.blocks import decoder_layer_classes
 
 logger = logging.getLogger(__name__)
@@ -134,35 +134,9 @@ def init_parameters(model: nn.Module, config: PretrainedConfig, seed: int, trust
     init_weights.initialize(lora.base_targets(model), scratch, seed, decoder_layer_classes(scratch))
 
 
-@torch.no_grad()
 def load_pretrained_weights(model: nn.Module, path: str) -> None:
-    """Fill a (possibly sharded) model from a folder's safetensors, one tensor at a time."""
-    from safetensors import safe_open
-
-    folder = Path(path)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(path, allow_patterns=["*.safetensors", "*.json"]))
-        files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise UsageError(
-            f"--model_name_or_path {path}: no *.safetensors weights found (convert .bin weights with save_pretrained)."
-        )
-    params = lora.base_targets(model)  # under a LoRA adapter, the base weights' own names
-    missing = set(params)
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key not in params:
-                    continue
-                full = f.get_tensor(key)
-                for param in params[key]:
-                    init_weights.assign(param, full)
-                missing.discard(key)
-    if missing:
-        raise UsageError(f"--model_name_or_path {path}: weights missing for {sorted(missing)[:5]}…")
+    """Fill a (possibly sharded) model from a folder's safetensors as `from_pretrained` would (`hub_weights`)."""
+    hub_weights.load(model, path)
 
 
 def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:

@@ -254,12 +254,13 @@ class HFRun:
         if self.callback.terminated:
             self._exit_preempted()
         if schedule.exports and schedule.trains:  # the trained weights: Trainer loads a checkpoint only to train
-            gathered = zero3_state_dict(self.trainer.model, info.is_main)  # None unless ZeRO-3: export gathers
+            dtype = finish.export_dtype(self.args.export_dtype, self.model_args.model_name_or_path, self.args.bf16)
+            gathered = zero3_state_dict(self.trainer.model, info.is_main, dtype)  # None unless ZeRO-3
             finish.export_final(
                 self.trainer.model,
                 self.prep,
                 self.model_args,
-                self.args.output_dir,
+                self.args,
                 info.rank,
                 self.preemption.progress,
                 gathered,

@@ -384,12 +384,15 @@ def plain_model_construction(deepspeed_plugin: Any) -> Iterator[None]:
         deepspeed_plugin.set_deepspeed_weakref()
 
 
-def zero3_state_dict(model: torch.nn.Module, is_main: bool) -> dict[str, torch.Tensor] | None:
-    """ZeRO-3's partitioned model as whole tensors on rank 0's CPU (empty elsewhere); None for any other
-    strategy (DDP, ZeRO-1/2, FSDP2), which `export.gather_full` gathers. Every rank calls it (collective).
+def zero3_state_dict(
+    model: torch.nn.Module, is_main: bool, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor] | None:
+    """ZeRO-3's partitioned model as whole tensors in `dtype` (floating ones) on rank 0's CPU (empty elsewhere);
+    None for any other strategy (DDP, ZeRO-1/2, FSDP2), which the export gathers. Every rank calls it (collective).
 
     Ours, not accelerate's `get_state_dict`: that one needs `zero3_save_16bit_model: true`, which the
-    shipped ZeRO-3 configs leave off (checkpoints hold partitions). One tensor is gathered at a time.
+    shipped ZeRO-3 configs leave off (checkpoints hold partitions). One tensor is gathered at a time and cast
+    as it arrives, so rank 0 holds the model in the export dtype, not in fp32; a tied weight is gathered once.
     """
     tensors = model.state_dict(keep_vars=True)
     if not any(hasattr(t, "ds_id") for t in tensors.values()):
@@ -397,12 +400,19 @@ def zero3_state_dict(model: torch.nn.Module, is_main: bool) -> dict[str, torch.T
     import deepspeed
 
     out: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
     for name, tensor in tensors.items():
+        if id(tensor) in seen:
+            if is_main:
+                out[name] = out[seen[id(tensor)]]
+            continue
+        seen[id(tensor)] = name
+        cast = dtype if tensor.is_floating_point() else tensor.dtype
         if hasattr(tensor, "ds_id"):  # a partitioned parameter: empty until gathered
             with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None):
-                full = tensor.data.detach().to("cpu", copy=True) if is_main else None
+                full = tensor.data.detach().to("cpu", cast, copy=True) if is_main else None
         else:  # a buffer: whole on every rank
-            full = tensor.detach().to("cpu")
+            full = tensor.detach().to("cpu", cast)
         if is_main and full is not None:
             out[name] = full
     return out
