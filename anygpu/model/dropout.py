@@ -130,9 +130,7 @@ def _seed(*parts) -> int:
 
 
 @contextlib.contextmanager
-def keys(
-    model: nn.Module, step: int, samples: Sequence[int], part: tuple[int, int] = (1, 0)
-) -> Iterator[None]:
+def keys(model: nn.Module, step: int, samples: Sequence[int], part: tuple[int, int] = (1, 0)) -> Iterator[None]:
     """Around one micro-batch's forward and backward: its rows are `samples` (data set indices) of `step`;
     `part`: (C, i) when the rank holds part i of C of each sequence (context parallelism)."""
     state = getattr(model, ATTR, None)

@@ -236,7 +236,9 @@ def split(model: nn.Module, batch: dict[str, torch.Tensor], cp: CPGroup) -> Iter
     config = model.config
     base = config._attn_implementation
     part = rows["input_ids"].shape[1] // cp.size
-    local = {k: rows[k][:, me * part : (me + 1) * part].contiguous() for k in ("input_ids", "position_ids", "shift_labels")}
+    local = {
+        k: rows[k][:, me * part : (me + 1) * part].contiguous() for k in ("input_ids", "position_ids", "shift_labels")
+    }
     local["labels"] = local["shift_labels"]  # the loss runs when labels are given; it reads shift_labels
     mask = _full_mask(model, rows, cp.compute_dtype)
     _ACTIVE.append(_Split(cp.group, cp.size, base, mask, rows["position_ids"]))

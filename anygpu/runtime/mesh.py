@@ -68,7 +68,6 @@ class MeshShape:
             f"groups, gradients averaged across the groups"
         )
 
-
     def _cp_banner(self) -> str:
         head = f"mesh {self.dp_replicate} × {self.dp_shard} × {self.cp} (dp_replicate × dp_shard × cp): "
         split = f"each sequence split into {self.cp} parts (Ulysses attention), "

@@ -1,0 +1,180 @@
+"""Context parallelism (`--cp C`) in the FSDP2 engine: each sequence split over C ranks, Ulysses attention.
+
+Real gloo runs, three launches once per module: 4 ranks as dp_shard 2 × cp 2 (packed text, saving a
+checkpoint at step 2; chat data with packing; GPT-2 shapes with dropout), 2 ranks (cp 2 on packed text, and
+the 4-rank checkpoint resumed as dp_shard 2 × cp 1) and 1 rank (the references and the checkpoint resumed
+on one rank). The tiny preset is GQA (4 heads, 2 KV heads): each CP rank gets one KV head. Losses and grad
+norms against one rank ≤ 1e-5. The refusals need no processes (quick tier)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch.distributed as dist
+from conftest import TINY, fsdp_runs, records
+from test_sft import WORDS, sentence
+
+from anygpu.engines.fsdp import main as fsdp_main
+from anygpu.engines.hf.engine import main as hf_main
+from anygpu.runtime.mesh import MeshShape, resolve
+
+STEPS = ["--max_steps", "4", "--export_final", "false", "--max_eval_samples", "8"]
+CP = ["--dp_shard", "2", "--cp", "2"]
+GPT2 = {
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_embd": 32,
+    "n_head": 4,
+    "n_positions": 128,
+    "vocab_size": 400,
+    "resid_pdrop": 0.1,
+    "embd_pdrop": 0.1,
+    "attn_pdrop": 0.1,
+}
+
+
+def _chat(path) -> None:
+    import random
+
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(120):
+            msgs = []
+            for _ in range(rng.randint(1, 3)):
+                msgs += [
+                    {"role": "user", "content": sentence(rng, 1, 12)},
+                    {"role": "assistant", "content": sentence(rng, 1, 20)},
+                ]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp")
+    chat, gpt2 = root / "chat.jsonl", root / "gpt2.json"
+    _chat(chat)
+    gpt2.write_text(json.dumps(GPT2))
+    assert WORDS
+    text = [*TINY, *STEPS]
+    chat_args = [*TINY, *STEPS, "--train_file", str(chat), "--vocab_size", "400", "--block_size", "128"]
+    gpt2_args = [*TINY, *STEPS, "--config_name", str(gpt2), "--vocab_size", "400", "--block_size", "128"]
+    d = {name: root / name for name in ("text1", "text4", "chat1", "chat4", "gpt2_1", "gpt2_4", "text2", "r2", "r1")}
+    out = {}
+    out["text4"], out["chat4"], out["gpt2_4"] = fsdp_runs(
+        4,
+        [
+            [*text, *CP, "--save_steps", "2", "--output_dir", str(d["text4"])],
+            [*chat_args, *CP, "--output_dir", str(d["chat4"])],
+            [*gpt2_args, *CP, "--output_dir", str(d["gpt2_4"])],
+        ],
+    )
+    for name in ("r2", "r1"):  # the run as it stood after step 2, resumed elsewhere
+        shutil.copytree(d["text4"] / "checkpoint-2", d[name] / "checkpoint-2")
+    resume = ["--resume_from_checkpoint", "latest"]
+    out["text2"], out["r2"] = fsdp_runs(
+        2,
+        [
+            [*text, "--cp", "2", "--output_dir", str(d["text2"])],
+            [*text, "--dp_shard", "2", *resume, "--output_dir", str(d["r2"])],
+        ],
+    )
+    out["text1"], out["chat1"], out["gpt2_1"], out["r1"] = fsdp_runs(
+        1,
+        [
+            [*text, "--output_dir", str(d["text1"])],
+            [*chat_args, "--output_dir", str(d["chat1"])],
+            [*gpt2_args, "--output_dir", str(d["gpt2_1"])],
+            [*text, *resume, "--output_dir", str(d["r1"])],
+        ],
+    )
+    return d, out
+
+
+def _curve(run_dir) -> dict[int, tuple[float, float]]:
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records(run_dir) if "loss" in r}
+
+
+def _assert_same(a, b, steps=None) -> None:
+    ca, cb = _curve(a), _curve(b)
+    steps = steps or sorted(ca)
+    assert steps and all(s in cb for s in steps), (ca, cb)
+    for s in steps:
+        for x, y in zip(ca[s], cb[s]):
+            assert abs(x - y) <= 1e-5 * abs(x), f"step {s}: {ca[s]} vs {cb[s]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", ["text", "chat", "gpt2_"])
+def test_split_sequences_follow_the_one_rank_curve(runs, data):
+    """dp_shard 2 × cp 2 (and cp 2 on 2 ranks, packed text) against 1 rank: the same losses and grad norms;
+    chat rows packed with their own position restarts; GPT-2 with residual, embedding and attention dropout."""
+    d, out = runs
+    four = d[f"{data}4"] if data != "gpt2_" else d["gpt2_4"]
+    one = d[f"{data}1"] if data != "gpt2_" else d["gpt2_1"]
+    _assert_same(one, four)
+    if data == "text":
+        _assert_same(d["text1"], d["text2"])
+        assert "mesh 1 × 2 × 2 (dp_replicate × dp_shard × cp): each sequence split into 2 parts" in out["text4"]
+        assert "global batch 8 = 4 per device × 2 devices × 1 accumulation step" in out["text4"]
+
+
+@pytest.mark.slow
+def test_a_cp_checkpoint_resumes_on_another_mesh(runs):
+    """checkpoint-2 of dp_shard 2 × cp 2 resumed as dp_shard 2 × cp 1 and on one rank: steps 3-4 as uninterrupted."""
+    d, out = runs
+    state = json.loads((d["text4"] / "checkpoint-2" / "trainer_state.json").read_text())
+    assert (state["world_size"], state["dp_shard"], state["cp"]) == (4, 2, 2)
+    for name in ("r2", "r1"):
+        _assert_same(d["text4"], d[name], steps=[3, 4])
+    assert "mesh was 1 × 2 × 2, now 1 × 2" in out["r2"]
+    assert "mesh was 1 × 2 × 2, now 1 × 1" in out["r1"]
+
+
+@pytest.mark.parametrize(
+    "replicate, shard, cp, world, per_node, expected",
+    [
+        (None, None, 2, 4, 4, (1, 2, 2)),  # one node: shard over the rest
+        (None, None, 2, 16, 8, (2, 4, 2)),  # two nodes of 8: CP within a node, replicas across nodes
+        (None, 2, 2, 4, 4, (1, 2, 2)),
+        (2, None, 2, 8, 8, (2, 2, 2)),
+        (None, None, 4, 4, 4, (1, 1, 4)),
+    ],
+)
+def test_the_mesh_with_context_parallelism(replicate, shard, cp, world, per_node, expected):
+    shape = resolve(replicate, shard, world, per_node, cp)
+    assert shape == MeshShape(*expected)
+    assert shape.world_size == world and shape.data_parallel == world // cp
+    assert [shape.data_rank(r) for r in range(cp)] == [0] * cp  # a CP group reads the same sequences
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--cp", "3"], "--cp 3 does not divide the world size 4 (--dp_replicate × --dp_shard × --cp must equal it): "),
+        (
+            ["--cp", "2", "--dp_shard", "4"],
+            "--dp_shard 4 does not divide the world size 4 / --cp 2 (--dp_replicate × --dp_shard must equal it)",
+        ),
+        (["--cp", "4"], "--cp 4 does not divide the model's 2 key/value heads"),
+        (["--cp", "2", "--block_size", "65"], "--cp 2 does not divide --block_size 65"),
+        (["--cp", "0"], "--cp 0 must be a finite number ≥ 1"),
+    ],
+    ids=["world", "mesh", "kv-heads", "block", "zero"],
+)
+def test_a_split_that_does_not_fit_is_refused_before_any_process_group(extra, expected, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as e:
+        fsdp_main([*TINY, *extra, "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and expected in err, err
+    assert not dist.is_initialized() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_the_hf_engine_names_the_engine_that_has_context_parallelism(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        hf_main([*TINY, "--cp", "2", "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--cp 2: context parallelism is the FSDP2 engine's" in err
