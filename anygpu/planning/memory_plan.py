@@ -258,6 +258,19 @@ class PlanResult:
     flops_per_token: float = 0.0
     notes: list[str] = field(default_factory=list)
     dp_shard: int | None = None  # HSDP's shard group, where it has rows
+    cp_advice: tuple[int, Row] | None = None  # nothing fits without offload: the smallest --cp that does
+
+
+def cp_advice(shapes: Shapes, machine: Machine, block_size: int, lora: bool = False) -> tuple[int, Row] | None:
+    """The smallest context parallelism C (dividing the GPUs, the attention and KV heads and the block) at
+    which the FSDP2 engine, bf16 with activation checkpointing, fits a micro-batch of one sequence."""
+    for c in divisors(max(1, machine.num_gpus))[1:]:
+        if shapes.num_heads % c or shapes.num_kv_heads % c or block_size % c:
+            continue
+        row = row_for(shapes, machine, "fsdp2", "bf16", True, lora, 1, block_size, cp=c)
+        if row.fits:
+            return c, row
+    return None
 
 
 def divisors(n: int) -> list[int]:
@@ -279,12 +292,14 @@ def row_for(
     block_size: int,
     dp_shard: int | None = None,
     lean_loss: bool = True,
+    cp: int = 1,
 ) -> Row:
-    """One strategy's per-GPU bytes; `dp_shard`: HSDP's shard group (the ranks its state is divided by)."""
+    """One strategy's per-GPU bytes; `dp_shard`: HSDP's shard group (the ranks its state is divided by); `cp`:
+    the FSDP2 engine's context parallelism (a rank holds the activations of block_size / C tokens)."""
     world = max(1, machine.num_gpus)  # no GPU detected: the plan of one process
     shards = (dp_shard or world) if strategy == HSDP else world
     states, cpu = model_state_bytes(shapes, strategy, precision, shards)
-    acts = activation_bytes(shapes, micro_batch, block_size, precision, checkpointing, lean_loss)
+    acts = activation_bytes(shapes, micro_batch, block_size // cp, precision, checkpointing, lean_loss)
     per_gpu = {
         **states,
         "activations": acts,
@@ -294,6 +309,8 @@ def row_for(
     budget = machine.gpu_memory_bytes * SAFETY
     fits = bool(machine.gpu_memory_bytes) and sum(per_gpu.values()) <= budget
     how = hsdp_command(world, shards) if strategy == HSDP else ACCELERATE_CONFIG[strategy]
+    if cp > 1:
+        how = f"run_fsdp_standalone.py --cp {cp}"
     return Row(strategy, precision, checkpointing, lora, micro_batch, per_gpu, cpu, fits, how)
 
 
@@ -353,6 +370,9 @@ def make_plan(
                 break
         if result.recommended:
             break
+    rec = result.recommended
+    if machine.gpu_memory_bytes and (rec is None or rec.strategy.endswith("offload")):
+        result.cp_advice = cp_advice(shapes, machine, block_size, lora)
     if flops_per_token and machine.peak_flops:
         rec = result.recommended
         recompute = 4 / 3 if rec is not None and rec.activation_checkpointing else 1.0  # one more forward

@@ -280,6 +280,14 @@ def recommendation(result: PlanResult) -> list[str]:
     if rec is None:
         if not result.machine.gpu_memory_bytes:
             return ["recommendation: no GPU memory known (no GPU detected): pass --num_gpus and --gpu_memory_gb"]
+        if result.cp_advice is not None:
+            cp, row = result.cp_advice
+            return [
+                f"recommendation: one {result.block_size}-token sequence does not fit one GPU: split it with context "
+                f"parallelism, {row.accelerate_config} --bf16 true --gradient_checkpointing true "
+                f"(fsdp2, peak ≈ {gib(row.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU; "
+                f"the global batch is then split over {n // cp} data-parallel ranks; docs/long-context.md)"
+            ]
         return [
             "recommendation: nothing fits, even with offload and checkpointing: more GPUs, a shorter "
             "--block_size, or LoRA"
@@ -294,6 +302,12 @@ def recommendation(result: PlanResult) -> list[str]:
         f"{result.gradient_accumulation_steps} accumulation step{'' if result.gradient_accumulation_steps == 1 else 's'} "
         f"(peak ≈ {gib(rec.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU)",
     ]
+    if result.cp_advice is not None:
+        cp, row = result.cp_advice
+        lines.append(
+            f"  or without offload, each sequence split over {cp} GPUs (context parallelism): {row.accelerate_config} "
+            f"--bf16 true --gradient_checkpointing true (peak ≈ {gib(row.total)} GiB per GPU; docs/long-context.md)"
+        )
     if result.step_seconds is not None:
         lines.append(
             f"  estimated step time {result.step_seconds:.2f} s at MFU {result.mfu:.0%} "
