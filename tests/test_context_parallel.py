@@ -178,3 +178,19 @@ def test_the_hf_engine_names_the_engine_that_has_context_parallelism(capsys, tmp
         hf_main([*TINY, "--cp", "2", "--output_dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--cp 2: context parallelism is the FSDP2 engine's" in err
+
+
+def test_what_the_split_cannot_keep_is_refused_in_one_line():
+    """A MoE router loss (computed per row) and sliding-window layers (masks not built here): refused, naming --cp."""
+    from transformers import AutoConfig
+
+    from anygpu.errors import UsageError
+    from anygpu.runtime import context_parallel
+
+    moe = AutoConfig.for_model("qwen2_moe", num_attention_heads=4, num_key_value_heads=2, output_router_logits=True)
+    with pytest.raises(UsageError, match=r"^--cp 2: the MoE router loss \(output_router_logits\) of qwen2_moe"):
+        context_parallel.check(moe, 64, 2)
+    sliding = AutoConfig.for_model("mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
+    with pytest.raises(UsageError, match="^--cp 2: mistral has sliding-window"):
+        context_parallel.check(sliding, 64, 2)
+    context_parallel.check(AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2), 64, 2)
