@@ -194,3 +194,26 @@ def test_what_the_split_cannot_keep_is_refused_in_one_line():
     with pytest.raises(UsageError, match="^--cp 2: mistral has sliding-window"):
         context_parallel.check(sliding, 64, 2)
     context_parallel.check(AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2), 64, 2)
+
+
+def test_plan_counts_a_ranks_part_of_the_sequence_and_recommends_a_split():
+    """`anygpu plan`: activations of block_size / C tokens per GPU; at a block that fits only with offload
+    (Llama-3 8B, 128k tokens, 8 × 80 GB) the smallest C that fits without it is recommended."""
+    from anygpu.planning import memory_plan
+    from anygpu.tools import plan as plan_tool
+
+    shapes, _, _ = plan_tool.load_shapes(None, "llama-8b")
+    machine = memory_plan.Machine(8, 80 << 30)
+    acts = {
+        c: memory_plan.row_for(shapes, machine, "fsdp2", "bf16", True, False, 1, 131072, cp=c).per_gpu_bytes
+        for c in (1, 2)
+    }
+    assert acts[2]["activations"] * 2 == pytest.approx(acts[1]["activations"], rel=0.01)
+    assert acts[2]["parameters"] == acts[1]["parameters"]  # states are sharded over every GPU either way
+    unsplit = memory_plan.make_plan(shapes, machine, 131072, 8)
+    assert unsplit.recommended.strategy.endswith("offload") and unsplit.cp_advice[0] == 2
+    split = memory_plan.make_plan(shapes, machine, 131072, 8, cp=2)
+    assert split.recommended.strategy == "fsdp2" and split.gradient_accumulation_steps == 2  # G 8 over 4 ranks
+    assert (
+        split.recommended.accelerate_config == "run_fsdp_standalone.py --cp 2 --bf16 true --gradient_checkpointing true"
+    )

@@ -259,6 +259,7 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
     dp_shard: int | None = None  # HSDP's shard group, where it has rows
     cp_advice: tuple[int, Row] | None = None  # nothing fits without offload: the smallest --cp that does
+    cp: int = 1  # the plan's context parallelism (the global batch is split over the GPUs / C)
 
 
 def cp_advice(shapes: Shapes, machine: Machine, block_size: int, lora: bool = False) -> tuple[int, Row] | None:
@@ -310,13 +311,36 @@ def row_for(
     fits = bool(machine.gpu_memory_bytes) and sum(per_gpu.values()) <= budget
     how = hsdp_command(world, shards) if strategy == HSDP else ACCELERATE_CONFIG[strategy]
     if cp > 1:
-        how = f"run_fsdp_standalone.py --cp {cp}"
+        how = f"run_fsdp_standalone.py --cp {cp}" + " --bf16 true" * (precision == "bf16")
+        how += " --gradient_checkpointing true" * checkpointing
     return Row(strategy, precision, checkpointing, lora, micro_batch, per_gpu, cpu, fits, how)
 
 
 # Fastest first: no sharding, then sharding without and with offload (ZeRO-2 before 3: fewer gathers). HSDP
 # (when asked for) before FSDP2: only its gradient all-reduce crosses the replica groups (nodes).
 PREFERENCE = ("ddp", HSDP, "fsdp2", "zero2", "zero3", "zero2_offload", "fsdp2_offload", "zero3_offload")
+
+
+def _recommend(
+    result: PlanResult, strategies: tuple[str, ...], precisions: tuple[str, ...], lora: bool, share: int, cp: int
+) -> None:
+    """The fastest strategy that fits (bf16 first, without checkpointing first) at the largest micro-batch
+    dividing `share` (the sequences of a data-parallel rank), into `result`."""
+    shapes, machine, block_size, dp_shard = result.shapes, result.machine, result.block_size, result.dp_shard
+    for precision in precisions:
+        for ckpt in (False, True):
+            for strategy in (s for s in PREFERENCE if s in strategies):
+                fitting = [
+                    r
+                    for m in reversed(divisors(share))
+                    if (
+                        r := row_for(shapes, machine, strategy, precision, ckpt, lora, m, block_size, dp_shard, cp=cp)
+                    ).fits
+                ]
+                if fitting:
+                    result.recommended = fitting[0]
+                    result.gradient_accumulation_steps = share // fitting[0].micro_batch
+                    return
 
 
 def make_plan(
@@ -330,15 +354,18 @@ def make_plan(
     mfu: float = 0.4,
     flops_per_token: float = 0.0,
     dp_shard: int | None = None,
+    cp: int = 1,
 ) -> PlanResult:
     """Every strategy × precision × checkpointing at micro-batch 1, and the recommendation: the
     fastest strategy that fits (bf16 first, without checkpointing first) at the largest micro-batch
     dividing the per-GPU share of the global batch. `dp_shard` smaller than the GPUs adds HSDP's rows
-    (e.g. the GPUs of one node, replicated across nodes)."""
+    (e.g. the GPUs of one node, replicated across nodes). `cp` > 1: the FSDP2 engine's context parallelism
+    alone (its rows), each sequence over C GPUs: the global batch is split over the GPUs / C."""
     n = max(1, machine.num_gpus)
-    if global_batch_size % n:
+    dp = max(1, n // cp)
+    if global_batch_size % dp:
         raise ValueError(
-            f"--global_batch_size {global_batch_size} cannot be split over {n} GPUs: use a multiple of {n}"
+            f"--global_batch_size {global_batch_size} cannot be split over {dp} data-parallel ranks: use a multiple of {dp}"
         )
     if dp_shard is not None and (dp_shard < 1 or n % dp_shard):
         raise ValueError(
@@ -346,32 +373,20 @@ def make_plan(
             f"{', '.join(map(str, divisors(n)))} (e.g. the GPUs of one node)"
         )
     strategies = (*STRATEGIES, HSDP) if dp_shard is not None and dp_shard < n else STRATEGIES
+    strategies = strategies if cp == 1 else ("fsdp2",)
     result = PlanResult(
         shapes, machine, block_size, global_batch_size, mfu=mfu, flops_per_token=flops_per_token, dp_shard=dp_shard
     )
+    result.cp = cp
     for precision in precisions:
         for strategy in strategies:
             for ckpt in (False, True):
-                result.rows.append(row_for(shapes, machine, strategy, precision, ckpt, lora, 1, block_size, dp_shard))
-    share = global_batch_size // n
-    for precision in precisions:
-        for ckpt in (False, True):
-            for strategy in (s for s in PREFERENCE if s in strategies):
-                fitting = [
-                    r
-                    for m in reversed(divisors(share))
-                    if (r := row_for(shapes, machine, strategy, precision, ckpt, lora, m, block_size, dp_shard)).fits
-                ]
-                if fitting:
-                    result.recommended = fitting[0]
-                    result.gradient_accumulation_steps = share // fitting[0].micro_batch
-                    break
-            if result.recommended:
-                break
-        if result.recommended:
-            break
+                result.rows.append(
+                    row_for(shapes, machine, strategy, precision, ckpt, lora, 1, block_size, dp_shard, cp=cp)
+                )
+    _recommend(result, strategies, precisions, lora, global_batch_size // dp, cp)
     rec = result.recommended
-    if machine.gpu_memory_bytes and (rec is None or rec.strategy.endswith("offload")):
+    if cp == 1 and machine.gpu_memory_bytes and (rec is None or rec.strategy.endswith("offload")):
         result.cp_advice = cp_advice(shapes, machine, block_size, lora)
     if flops_per_token and machine.peak_flops:
         rec = result.recommended
