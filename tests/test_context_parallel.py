@@ -1,26 +1,28 @@
 """Context parallelism (`--cp C`) in the FSDP2 engine: each sequence split over C ranks, Ulysses attention.
 
 Real gloo runs, three launches once per module: 4 ranks as dp_shard 2 × cp 2 (packed text, saving a
-checkpoint at step 2; chat data with packing; GPT-2 shapes with dropout), 2 ranks (cp 2 on packed text, and
-the 4-rank checkpoint resumed as dp_shard 2 × cp 1) and 1 rank (the references and the checkpoint resumed
-on one rank). The tiny preset is GQA (4 heads, 2 KV heads): each CP rank gets one KV head. Losses and grad
-norms against one rank ≤ 1e-5. The refusals need no processes (quick tier)."""
+checkpoint at step 2; chat data with packing), 2 ranks as cp 2 (packed text; GPT-2 shapes with residual,
+embedding and attention dropout; Qwen2-MoE shapes with the router loss, on chat data) and the 4-rank
+checkpoint resumed as dp_shard 2 × cp 1, and 1 rank (the references, and the checkpoint resumed on one
+rank). The tiny preset is GQA (4 heads, 2 KV heads): each CP rank gets one KV head. Losses and grad norms
+against one rank ≤ 1e-5. The refusals and the plan need no processes (quick tier)."""
 
 from __future__ import annotations
 
 import json
+import random
 import shutil
 
 import pytest
 import torch.distributed as dist
 from conftest import TINY, fsdp_runs, records
-from test_sft import WORDS, sentence
+from test_sft import sentence
 
 from anygpu.engines.fsdp import main as fsdp_main
 from anygpu.engines.hf.engine import main as hf_main
 from anygpu.runtime.mesh import MeshShape, resolve
 
-STEPS = ["--max_steps", "4", "--export_final", "false", "--max_eval_samples", "8"]
+STEPS = ["--max_steps", "3", "--export_final", "false", "--max_eval_samples", "8"]
 CP = ["--dp_shard", "2", "--cp", "2"]
 GPT2 = {
     "model_type": "gpt2",
@@ -33,11 +35,25 @@ GPT2 = {
     "embd_pdrop": 0.1,
     "attn_pdrop": 0.1,
 }
+MOE = {  # 4 experts, top 2, a shared expert, router loss 0.1
+    "model_type": "qwen2_moe",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 128,
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.1,
+    "vocab_size": 400,
+}
 
 
 def _chat(path) -> None:
-    import random
-
     rng = random.Random(0)
     with path.open("w") as f:
         for _ in range(120):
@@ -53,39 +69,44 @@ def _chat(path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
-    chat, gpt2 = root / "chat.jsonl", root / "gpt2.json"
+    chat = root / "chat.jsonl"
     _chat(chat)
-    gpt2.write_text(json.dumps(GPT2))
-    assert WORDS
+    for name, config in (("gpt2", GPT2), ("moe", MOE)):
+        (root / f"{name}.json").write_text(json.dumps(config))
     text = [*TINY, *STEPS]
-    chat_args = [*TINY, *STEPS, "--train_file", str(chat), "--vocab_size", "400", "--block_size", "128"]
-    gpt2_args = [*TINY, *STEPS, "--config_name", str(gpt2), "--vocab_size", "400", "--block_size", "128"]
-    d = {name: root / name for name in ("text1", "text4", "chat1", "chat4", "gpt2_1", "gpt2_4", "text2", "r2", "r1")}
+    small = [*TINY, *STEPS, "--vocab_size", "400", "--block_size", "128"]
+    chat_args = [*small, "--train_file", str(chat)]
+    gpt2_args = [*small, "--config_name", str(root / "gpt2.json")]
+    moe_args = [*chat_args, "--config_name", str(root / "moe.json")]
+    names = ("text1", "text4", "chat1", "chat4", "gpt2_1", "gpt2_2", "moe1", "moe2", "text2", "r2", "r1")
+    d = {name: root / name for name in names}
     out = {}
-    out["text4"], out["chat4"], out["gpt2_4"] = fsdp_runs(
+    out["text4"], out["chat4"] = fsdp_runs(
         4,
         [
             [*text, *CP, "--save_steps", "2", "--output_dir", str(d["text4"])],
             [*chat_args, *CP, "--output_dir", str(d["chat4"])],
-            [*gpt2_args, *CP, "--output_dir", str(d["gpt2_4"])],
         ],
     )
     for name in ("r2", "r1"):  # the run as it stood after step 2, resumed elsewhere
         shutil.copytree(d["text4"] / "checkpoint-2", d[name] / "checkpoint-2")
     resume = ["--resume_from_checkpoint", "latest"]
-    out["text2"], out["r2"] = fsdp_runs(
+    out["text2"], out["gpt2_2"], out["moe2"], out["r2"] = fsdp_runs(
         2,
         [
             [*text, "--cp", "2", "--output_dir", str(d["text2"])],
+            [*gpt2_args, "--cp", "2", "--output_dir", str(d["gpt2_2"])],
+            [*moe_args, "--cp", "2", "--output_dir", str(d["moe2"])],
             [*text, "--dp_shard", "2", *resume, "--output_dir", str(d["r2"])],
         ],
     )
-    out["text1"], out["chat1"], out["gpt2_1"], out["r1"] = fsdp_runs(
+    out["text1"], out["chat1"], out["gpt2_1"], out["moe1"], out["r1"] = fsdp_runs(
         1,
         [
             [*text, "--output_dir", str(d["text1"])],
             [*chat_args, "--output_dir", str(d["chat1"])],
             [*gpt2_args, "--output_dir", str(d["gpt2_1"])],
+            [*moe_args, "--output_dir", str(d["moe1"])],
             [*text, *resume, "--output_dir", str(d["r1"])],
         ],
     )
@@ -106,28 +127,29 @@ def _assert_same(a, b, steps=None) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data", ["text", "chat", "gpt2_"])
-def test_split_sequences_follow_the_one_rank_curve(runs, data):
-    """dp_shard 2 × cp 2 (and cp 2 on 2 ranks, packed text) against 1 rank: the same losses and grad norms;
-    chat rows packed with their own position restarts; GPT-2 with residual, embedding and attention dropout."""
+@pytest.mark.parametrize(
+    "one, split", [("text1", "text4"), ("text1", "text2"), ("chat1", "chat4"), ("gpt2_1", "gpt2_2"), ("moe1", "moe2")]
+)
+def test_split_sequences_follow_the_one_rank_curve(runs, one, split):
+    """dp_shard 2 × cp 2 and cp 2 against 1 rank: the same losses and grad norms, on packed text and packed chat
+    rows (their own position restarts), GPT-2 with its dropout keyed per position, MoE with its router loss."""
     d, out = runs
-    four = d[f"{data}4"] if data != "gpt2_" else d["gpt2_4"]
-    one = d[f"{data}1"] if data != "gpt2_" else d["gpt2_1"]
-    _assert_same(one, four)
-    if data == "text":
-        _assert_same(d["text1"], d["text2"])
+    _assert_same(d[one], d[split])
+    if split == "text4":
         assert "mesh 1 × 2 × 2 (dp_replicate × dp_shard × cp): each sequence split into 2 parts" in out["text4"]
         assert "global batch 8 = 4 per device × 2 devices × 1 accumulation step" in out["text4"]
+    if split == "gpt2_2":
+        assert "masks keyed by (seed, step, sample, call site)" in out["gpt2_2"]
 
 
 @pytest.mark.slow
 def test_a_cp_checkpoint_resumes_on_another_mesh(runs):
-    """checkpoint-2 of dp_shard 2 × cp 2 resumed as dp_shard 2 × cp 1 and on one rank: steps 3-4 as uninterrupted."""
+    """checkpoint-2 of dp_shard 2 × cp 2 resumed as dp_shard 2 × cp 1 and on one rank: step 3 as uninterrupted."""
     d, out = runs
     state = json.loads((d["text4"] / "checkpoint-2" / "trainer_state.json").read_text())
     assert (state["world_size"], state["dp_shard"], state["cp"]) == (4, 2, 2)
     for name in ("r2", "r1"):
-        _assert_same(d["text4"], d[name], steps=[3, 4])
+        _assert_same(d["text4"], d[name], steps=[3])
     assert "mesh was 1 × 2 × 2, now 1 × 2" in out["r2"]
     assert "mesh was 1 × 2 × 2, now 1 × 1" in out["r1"]
 
@@ -181,15 +203,12 @@ def test_the_hf_engine_names_the_engine_that_has_context_parallelism(capsys, tmp
 
 
 def test_what_the_split_cannot_keep_is_refused_in_one_line():
-    """A MoE router loss (computed per row) and sliding-window layers (masks not built here): refused, naming --cp."""
+    """Sliding-window layers (their masks are not built here): refused, naming --cp."""
     from transformers import AutoConfig
 
     from anygpu.errors import UsageError
     from anygpu.runtime import context_parallel
 
-    moe = AutoConfig.for_model("qwen2_moe", num_attention_heads=4, num_key_value_heads=2, output_router_logits=True)
-    with pytest.raises(UsageError, match=r"^--cp 2: the MoE router loss \(output_router_logits\) of qwen2_moe"):
-        context_parallel.check(moe, 64, 2)
     sliding = AutoConfig.for_model("mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
     with pytest.raises(UsageError, match="^--cp 2: mistral has sliding-window"):
         context_parallel.check(sliding, 64, 2)

@@ -132,7 +132,7 @@ def train_step(
         ):
             # no KV cache: transformers confines attention to packed samples only without one
             out = model(**inputs, use_cache=False, num_items_in_batch=num_targets)
-            loss = moe.global_batch_loss(model, out, batch, prep.plan.global_batch_size)
+            loss = moe.global_batch_loss(model, out, batch, prep.plan.global_batch_size, cp)
             (loss * info.world_size).backward()
         loss_sum += loss.detach()
     return loss_sum

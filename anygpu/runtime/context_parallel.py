@@ -65,11 +65,6 @@ def check(config, block_size: int, cp: int) -> None:
                 f"--cp {cp} does not divide the model's {n} {name} (Ulysses attention gives each rank of the CP "
                 f"group a share of the heads; ring attention is not implemented): use --cp {_largest(heads, kv_heads, cp)}."
             )
-    if getattr(config, "output_router_logits", False):
-        raise UsageError(
-            f"--cp {cp}: the MoE router loss (output_router_logits) of {config.model_type} is computed per row and "
-            "is not split over a CP group here: use --cp 1."
-        )
     layer_types = set(getattr(config, "layer_types", None) or ())
     if layer_types - {"full_attention"} or (
         getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
@@ -248,6 +243,15 @@ def split(model: nn.Module, batch: dict[str, torch.Tensor], cp: CPGroup) -> Iter
     finally:
         config._attn_implementation = base
         _ACTIVE.pop()
+
+
+def gather_tokens(x: torch.Tensor, cp: CPGroup, rows: int) -> torch.Tensor:
+    """A per-token tensor of this rank's part of `rows` rows, [rows·T/C, E] → the full rows' [rows·T, E], every
+    rank the same (autograd: each part's gradient, summed over the CP group, goes back to its rank)."""
+    from torch.distributed.nn.functional import all_gather
+
+    parts = all_gather(x.reshape(rows, -1, x.shape[-1]).contiguous(), group=cp.group)
+    return torch.cat(parts, dim=1).reshape(-1, x.shape[-1])
 
 
 def active() -> bool:
