@@ -113,13 +113,17 @@ def runs(tmp_path_factory):
     return d, out
 
 
-def _curve(run_dir) -> dict[int, tuple[float, float]]:
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records(run_dir) if "loss" in r}
+def _curve(run_dir) -> dict[int, tuple[float, ...]]:
+    """step → (loss, grad norm) and, at the end, the evaluation's loss (also split over the CP group)."""
+    curve = {r["step"]: (r["loss"], r["grad_norm"]) for r in records(run_dir) if "loss" in r}
+    evals = [r for r in records(run_dir) if "eval_loss" in r]
+    return {**curve, "eval": (evals[-1]["eval_loss"],)} if evals else curve
 
 
 def _assert_same(a, b, steps=None) -> None:
     ca, cb = _curve(a), _curve(b)
-    steps = steps or sorted(ca)
+    steps = steps or list(ca)
+    assert "eval" in steps or len(steps) == 1, ca  # whole runs: their final evaluations are compared too
     assert steps and all(s in cb for s in steps), (ca, cb)
     for s in steps:
         for x, y in zip(ca[s], cb[s]):

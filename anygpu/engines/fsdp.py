@@ -296,6 +296,7 @@ class FSDPTrainer:
                 self.info.rank,
                 self.info.world_size,
                 self.info.device,
+                cp=self.cp,
             )
         self.log.eval(step, eval_loss)
 
