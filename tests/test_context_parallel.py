@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch.distributed as dist
-from conftest import TINY, fsdp_runs, records
+from conftest import TINY, fsdp_runs, records, torchrun
 from test_sft import sentence
 
 from anygpu.engines.fsdp import main as fsdp_main
@@ -240,3 +240,14 @@ def test_plan_counts_a_ranks_part_of_the_sequence_and_recommends_a_split():
     assert (
         split.recommended.accelerate_config == "run_fsdp_standalone.py --cp 2 --bf16 true --gradient_checkpointing true"
     )
+
+
+@pytest.mark.slow
+def test_flash_attentions_varlen_path_under_a_split():
+    """Packed rows under flash attention (the CPU stand-in of test_flash_attention.py, with transformers' own
+    packed-row test): the Ulysses wrapper flattens the whole rows for it; loss and gradient norm as one process.
+    The real kernel on GPUs: benchmarks/gpu_matrix.sh's context-parallelism rows."""
+    proc = torchrun(2, "tests/scripts/cp_flash.py", [])
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("LOSSES"))
+    whole, split, split_norm, whole_norm = map(float, line.split()[1:])
+    assert split == pytest.approx(whole, rel=1e-6) and split_norm == pytest.approx(whole_norm, rel=1e-5), line
