@@ -1,7 +1,7 @@
 """Context parallelism (`--cp C`) in the FSDP2 engine: each sequence split over C ranks, Ulysses attention.
 
 Real gloo runs, three launches once per module: 4 ranks as dp_shard 2 × cp 2 (packed text, saving a
-checkpoint at step 2; chat data with packing), 2 ranks as cp 2 (packed text; GPT-2 shapes with residual,
+checkpoint at step 2) and as dp_replicate 2 × cp 2 (HSDP; chat data with packing), 2 ranks as cp 2 (packed text; GPT-2 shapes with residual,
 embedding and attention dropout; Qwen2-MoE shapes with the router loss, on chat data) and the 4-rank
 checkpoint resumed as dp_shard 2 × cp 1, and 1 rank (the references, and the checkpoint resumed on one
 rank). The tiny preset is GQA (4 heads, 2 KV heads): each CP rank gets one KV head. Losses and grad norms
@@ -85,7 +85,7 @@ def runs(tmp_path_factory):
         4,
         [
             [*text, *CP, "--save_steps", "2", "--output_dir", str(d["text4"])],
-            [*chat_args, *CP, "--output_dir", str(d["chat4"])],
+            [*chat_args, "--dp_replicate", "2", "--cp", "2", "--output_dir", str(d["chat4"])],  # HSDP × CP
         ],
     )
     for name in ("r2", "r1"):  # the run as it stood after step 2, resumed elsewhere
@@ -135,13 +135,17 @@ def _assert_same(a, b, steps=None) -> None:
     "one, split", [("text1", "text4"), ("text1", "text2"), ("chat1", "chat4"), ("gpt2_1", "gpt2_2"), ("moe1", "moe2")]
 )
 def test_split_sequences_follow_the_one_rank_curve(runs, one, split):
-    """dp_shard 2 × cp 2 and cp 2 against 1 rank: the same losses and grad norms, on packed text and packed chat
+    """dp_shard 2 × cp 2, dp_replicate 2 × cp 2 (chat) and cp 2 against 1 rank: the same losses and grad norms
+    (and final evaluation), on packed text and packed chat
     rows (their own position restarts), GPT-2 with its dropout keyed per position, MoE with its router loss."""
     d, out = runs
     _assert_same(d[one], d[split])
     if split == "text4":
         assert "mesh 1 × 2 × 2 (dp_replicate × dp_shard × cp): each sequence split into 2 parts" in out["text4"]
         assert "global batch 8 = 4 per device × 2 devices × 1 accumulation step" in out["text4"]
+    if split == "chat4":
+        assert "mesh 2 × 1 × 2 (dp_replicate × dp_shard × cp): each sequence split into 2 parts" in out["chat4"]
+        assert "HSDP, state sharded over the 2 ranks (dp_shard × cp) of each of 2 replica groups" in out["chat4"]
     if split == "gpt2_2":
         assert "masks keyed by (seed, step, sample, call site)" in out["gpt2_2"]
 

@@ -217,7 +217,7 @@ class FSDPTrainer:
             "fsdp2",
             self.info.rank,
             model=self.model,
-            shard_size=self.mesh_shape.dp_shard,
+            shard_size=self.mesh_shape.shard_group,  # the states are divided by S·C
             lean=lean_loss.is_installed(self.model),
         )
 

@@ -147,6 +147,7 @@ class _Split:
     base: str  # the model's own attention implementation
     mask: torch.Tensor | None  # the full rows' mask as the model would build it (None: sdpa's is_causal)
     position_ids: torch.Tensor  # the full rows' positions [b, T]
+    calls: int = 0  # attention calls that went through the wrapper
 
 
 _ACTIVE: list[_Split] = []  # the split of the micro-batch whose forward/backward runs (one at a time)
@@ -165,6 +166,7 @@ def _kernel(module: nn.Module, base: str):
 def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     """Ulysses around the model's own kernel (registered as `anygpu_cp`; see the module docstring)."""
     split = _ACTIVE[-1]
+    split.calls += 1
     q, k, v = (seq_to_heads(x, split.group, split.cp) for x in (query, key, value))
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
         kwargs.pop(name, None)  # the local rows' (flash's varlen path): rebuilt from the full rows below
@@ -236,13 +238,19 @@ def split(model: nn.Module, batch: dict[str, torch.Tensor], cp: CPGroup) -> Iter
     }
     local["labels"] = local["shift_labels"]  # the loss runs when labels are given; it reads shift_labels
     mask = _full_mask(model, rows, cp.compute_dtype)
-    _ACTIVE.append(_Split(cp.group, cp.size, base, mask, rows["position_ids"]))
+    split = _Split(cp.group, cp.size, base, mask, rows["position_ids"])
+    _ACTIVE.append(split)
     config._attn_implementation = ATTENTION
     try:
         yield local
     finally:
         config._attn_implementation = base
         _ACTIVE.pop()
+    if split.calls == 0:  # each rank would attend within its own part only: never a silently different loss
+        raise RuntimeError(
+            f"--cp {cp.size}: {config.model_type}'s attention does not go through transformers' attention "
+            "interface, so its sequences cannot be split; use --cp 1."
+        )
 
 
 def gather_tokens(x: torch.Tensor, cp: CPGroup, rows: int) -> torch.Tensor:
