@@ -71,11 +71,12 @@ class MeshShape:
     def _cp_banner(self) -> str:
         head = f"mesh {self.dp_replicate} × {self.dp_shard} × {self.cp} (dp_replicate × dp_shard × cp): "
         split = f"each sequence split into {self.cp} parts (Ulysses attention), "
+        batch = f"; the global batch's devices are the {self.data_parallel} data-parallel ranks"
         if not self.is_hsdp:
-            return head + split + f"FSDP2 state sharded over all {self.shard_group} ranks (dp_shard × cp)"
+            return head + split + f"FSDP2 state sharded over all {self.shard_group} ranks (dp_shard × cp)" + batch
         return (
             head + split + f"HSDP, state sharded over the {self.shard_group} ranks (dp_shard × cp) of each of "
-            f"{self.dp_replicate} replica groups, gradients averaged across the groups"
+            f"{self.dp_replicate} replica groups, gradients averaged across the groups" + batch
         )
 
     def describe(self) -> str:
