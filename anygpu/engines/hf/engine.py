@@ -42,8 +42,8 @@ def refuse_early(
     if train_args.cp > 1:
         raise UsageError(
             f"--cp {train_args.cp}: context parallelism is the FSDP2 engine's (run_fsdp_standalone.py, or the "
-            "launchers' --engine fsdp); the HF engine's accelerate runs it only with its own FSDP2 on GPUs "
-            "(not wired here): use --cp 1 with the HF engine."
+            "launchers' --engine fsdp); accelerate's own (ParallelismConfig cp_size: its FSDP2 plugin, GPUs only, "
+            "sdpa) is not wired into the HF engine: use --cp 1 with the HF engine."
         )
     on_cpu = hardware.vendor() == "cpu"
     startup.check_precision(train_args, "hf", on_gpu=not on_cpu)
