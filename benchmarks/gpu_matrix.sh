@@ -2,7 +2,8 @@
 # The README's GPU table on this machine: native FSDP2 engine (bf16; torch.compile off/on; activation
 # checkpointing off/on; HSDP, two replica groups as if this node were two; the model's own loss instead of the
 # lean loss; torch.compile on GPT-2 124M with its shipped dropout 0.1, keyed) and the HF engine (DDP, FSDP2,
-# DeepSpeed ZeRO-3), each a short run on every GPU started by the vendor launcher (run_nvidia_all.sh or
+# DeepSpeed ZeRO-3), context parallelism 2 around sdpa and flash attention, each a short run on every GPU
+# started by the vendor launcher (run_nvidia_all.sh or
 # run_amd_all.sh: their environment presets, as a user's run gets them) under a time limit, summarised as one
 # Markdown table of tokens/s, tokens/s/GPU, MFU, peak memory and, for the torch.compile rows, dynamo's
 # recompiles after step 2 (TORCH_LOGS=recompiles; 0 expected); then benchmarks/lean_loss.py on one GPU (the
@@ -52,6 +53,15 @@ if [ "$NGPU" -ge 2 ]; then
 else
   HSDP="native bf16 + HSDP|SKIP HSDP needs at least 2 GPUs (world size ${NGPU/#0/1}): nothing to replicate"
 fi
+# Context parallelism (docs/long-context.md): each sequence split over 2 GPUs, Ulysses attention around sdpa and
+# around flash attention (flash-attn installed), with activation checkpointing; one GPU has nothing to split.
+if [ "$NGPU" -ge 2 ] && [ $(( NGPU % 2 )) = 0 ]; then
+  CP_SDPA="native bf16 + context parallelism 2 (sdpa)|$NATIVE $COMMON --cp 2 --gradient_checkpointing true"
+  CP_FLASH="native bf16 + context parallelism 2 (flash attention)|$NATIVE $COMMON --cp 2 --gradient_checkpointing true --attn_implementation flash_attention_2"
+else
+  CP_SDPA="native bf16 + context parallelism 2 (sdpa)|SKIP context parallelism needs an even number of GPUs (world size ${NGPU/#0/1})"
+  CP_FLASH="native bf16 + context parallelism 2 (flash attention)|SKIP context parallelism needs an even number of GPUs (world size ${NGPU/#0/1})"
+fi
 
 # name | command (each writes $OUT/<name>/metrics.jsonl)
 RUNS=(
@@ -62,6 +72,8 @@ RUNS=(
   "native bf16 + torch.compile + activation checkpointing|$COMPILED $COMMON --torch_compile true --gradient_checkpointing true"
   "native bf16 + torch.compile, GPT-2 124M with keyed dropout 0.1|$COMPILED $COMMON $GPT2_DROPOUT --torch_compile true"
   "$HSDP"
+  "$CP_SDPA"
+  "$CP_FLASH"
   "HF engine, DDP|$(hf ddp) $COMMON"
   "HF engine, FSDP2|$(hf fsdp) $COMMON"
   "HF engine, DeepSpeed ZeRO-3|$(hf deepspeed_zero3) $COMMON"

@@ -52,6 +52,7 @@ def test_gpu_matrix_without_a_gpu_prints_its_plan_and_exits_0():
     assert proc.stdout.count("--bf16 true") == 9
     assert "--lean_loss false" in proc.stdout and "benchmarks/lean_loss.py --bf16" in proc.stdout
     assert "skipped: HSDP needs at least 2 GPUs (world size 1)" in proc.stdout
+    assert "skipped: context parallelism needs an even number of GPUs (world size 1)" in proc.stdout
     # on a multi-GPU node the HSDP row runs two replica groups (what two nodes would get by default)
     four = matrix(NGPU="4", DRY_RUN="1")
     assert (
@@ -68,7 +69,8 @@ def test_every_configuration_runs_through_the_vendor_launcher_under_a_time_limit
     proc = matrix(NGPU="2", DRY_RUN="1", VENDOR=vendor, TIME_LIMIT="77")
     assert proc.returncode == 0, proc.stderr
     runs = {name: cmd for name, cmd in commands(proc.stdout).items() if "lean loss" not in name}
-    assert len(runs) == 10, runs
+    assert len(runs) == 12, runs
+    assert "--cp 2 --gradient_checkpointing true --attn_implementation flash_attention_2" in proc.stdout
     prefix = re.compile(
         rf"^(env TORCH_LOGS=recompiles )?timeout --kill-after 60 77 bash run_{vendor}_all.sh --nproc 2 "
     )

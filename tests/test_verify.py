@@ -206,6 +206,8 @@ def test_a_correct_bf16_job_passes_at_the_default_tolerance(tmp_path):
         (["--", "--learning_rate", "-1"], "--learning_rate -1.0 must be a finite number > 0"),
         (["--compare_only", "--"], "--compare_only: no earlier run fsdp-w1, fsdp-w2 in "),
         (["--", "--resume_from_checkpoint", "latest"], "job argument --resume_from_checkpoint latest: verify starts"),
+        (["--cp", "3"], "--cp 3: 3 divides none of --world_sizes 1,2: give a C that divides one of them, e.g. 2"),
+        (["--cp", "2", "--engines", "hf"], "--cp 2: context parallelism is the FSDP2 engine's: add --engines fsdp"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, says, tmp_path, capsys):
@@ -249,3 +251,18 @@ def test_world_sizes_are_capped_at_the_gpus_unless_cpu(monkeypatch, capsys):
     assert usable_sizes([1, 2, 4], True, NVIDIA, torch_sees_two) == ([1, 2, 4], "CPU processes (gloo)")
     with pytest.raises(UsageError, match="--world_sizes 4,8: only 2 NVIDIA GPU"):
         usable_sizes([4, 8], False, NVIDIA, torch_sees_two)
+
+
+def test_each_cp_is_one_more_fsdp_run_at_the_largest_world_size_it_divides(tmp_path):
+    """--cp 2,4 with --world_sizes 1,2,4: fsdp-w4-cp2 and fsdp-w4-cp4 after the world sizes, before the resumed run."""
+    from anygpu.tools.verify import plan_runs
+
+    runs = plan_runs(tmp_path, [1, 2, 4], ["fsdp"], 1, [2, 4])
+    assert [(r.name, r.world_size, r.cp) for r in runs] == [
+        ("fsdp-w1", 1, 1),
+        ("fsdp-w2", 2, 1),
+        ("fsdp-w4", 4, 1),
+        ("fsdp-w4-cp2", 4, 2),
+        ("fsdp-w4-cp4", 4, 4),
+        ("fsdp-w1to4-at1", 4, 1),
+    ]

@@ -400,6 +400,18 @@ class TrainArguments:
             "--dp_replicate is given. The global batch and the losses do not depend on R and S.",
         },
     )
+    cp: int = field(
+        default=1,
+        metadata={
+            "resume": FREE,
+            "help": "FSDP2 engine, context parallelism: split each sequence into C contiguous parts over C "
+            "consecutive ranks (Ulysses: an all-to-all over attention heads around the model's own attention "
+            "kernel), so a rank holds the activations of block_size / C tokens. The mesh becomes --dp_replicate "
+            "× --dp_shard × --cp = world size; the global batch is split over the data-parallel ranks (world "
+            "size / C). C must divide the world size, --block_size and the model's attention and key/value "
+            "heads. The losses do not depend on C (docs/long-context.md).",
+        },
+    )
     logging_steps: int = field(
         default=10, metadata={"resume": FREE, "help": "Log loss, tokens/s and memory every N steps."}
     )

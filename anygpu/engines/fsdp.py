@@ -1,9 +1,11 @@
 """The native FSDP2 training loop (run_fsdp_standalone.py).
 
-Per optimizer step, on every rank: its G/W sequences of global batch k, in A micro-batches
-of m (G = m·W·A). Each micro-batch's loss is its token-loss sum over the number of target
-tokens in the *whole global batch* (all-reduced up front), times W because FSDP averages
-gradients over ranks: the gradient is the global-batch token mean whatever W, m and A.
+Per optimizer step, on every rank: its G/D sequences of global batch k, in A micro-batches
+of m (G = m·D·A, D = W / C data-parallel ranks; with context parallelism the C ranks of a CP group
+read the same sequences and each computes its part of every one). Each micro-batch's loss is its
+token-loss sum over the number of target tokens in the *whole global batch* (all-reduced up front,
+each token counted once), times W because FSDP averages gradients over all ranks: the gradient is
+the global-batch token mean whatever W, C, m and A.
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ from anygpu.model import dropout, lean_loss, lora, modeling, moe
 from anygpu.planning import auto_batch
 from anygpu.reliability import elastic, run_guard
 from anygpu.reliability.preempt import Preemption
-from anygpu.runtime import distributed, faults, hardware, lazy_deepspeed, mesh, parallel
+from anygpu.runtime import context_parallel, distributed, faults, hardware, lazy_deepspeed, mesh, parallel
 from anygpu.train import optim, trackers
 
 logger = logging.getLogger("anygpu")
 
 
 def mesh_shape(train_args: TrainArguments, world_size: int) -> mesh.MeshShape:
-    """R × S from --dp_replicate/--dp_shard, else one replica group per node (refused when they do not fit)."""
-    return mesh.resolve(train_args.dp_replicate, train_args.dp_shard, world_size, mesh.local_world_size_from_env())
+    """R × S × C from --dp_replicate/--dp_shard/--cp, else one replica group per node (refused when they do not fit)."""
+    return mesh.resolve(
+        train_args.dp_replicate, train_args.dp_shard, world_size, mesh.local_world_size_from_env(), train_args.cp
+    )
 
 
 def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
@@ -74,15 +78,21 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
 
 
 def steps(
-    prep: Prepared, info: distributed.DistInfo, start_step: int, end_step: int, num_workers: int | None = None
+    prep: Prepared,
+    info: distributed.DistInfo,
+    start_step: int,
+    end_step: int,
+    num_workers: int | None = None,
+    cp: context_parallel.CPGroup = context_parallel.NONE,
 ) -> torch.utils.data.DataLoader:
-    """This rank's optimizer steps [start_step, end_step) (0-based), read ahead by a DataLoader."""
+    """This rank's optimizer steps [start_step, end_step) (0-based), read ahead by a DataLoader (the sequences
+    of its data rank: the C ranks of a CP group read the same ones)."""
     return step_loader(
         prep.datasets["train"],
         prep.collator,
         prep.order,
         prep.plan,
-        info.rank,
+        info.rank // cp.size,
         start_step,
         end_step,
         info.device,
@@ -91,27 +101,38 @@ def steps(
 
 
 def train_step(
-    model, prep: Prepared, step: int, info: distributed.DistInfo, cpu: StepBatches | None = None
+    model,
+    prep: Prepared,
+    step: int,
+    info: distributed.DistInfo,
+    cpu: StepBatches | None = None,
+    cp: context_parallel.CPGroup = context_parallel.NONE,
 ) -> torch.Tensor:
     """Forward/backward of one optimizer step's micro-batches (`cpu`: the loader's item for `step`, else read
     now); returns this rank's part of the global-batch mean loss, on the device (no host sync here:
-    `global_loss` sums it over the ranks at logging steps)."""
+    `global_loss` sums it over the ranks at logging steps). `cp`: this rank's CP group (its part of each row)."""
     if cpu is None:
-        cpu = read_step(prep.datasets["train"], prep.collator, prep.order, prep.plan, info.rank, step)
+        cpu = read_step(prep.datasets["train"], prep.collator, prep.order, prep.plan, info.rank // cp.size, step)
     assert cpu.step == step, f"the loader gave step {cpu.step} for step {step}"
     got = cpu.to(info.device)
     # The target tokens of the whole global batch (ranks and micro-batches hold different counts with
-    # padded or masked data); labels are shifted inside the model, so position 0 is never a target.
-    num_targets = distributed.all_reduce_sum(got.num_targets)
+    # padded or masked data; the C ranks of a CP group hold the same rows: each token counted once); the
+    # labels are shifted before any split, so position 0 is never a target.
+    num_targets = distributed.all_reduce_sum(got.num_targets) // cp.size
     loss_sum = torch.zeros((), device=info.device)
     for j, (batch, idx) in enumerate(zip(got.micro_batches, got.indices)):
         if parallel.is_sharded(model):
             parallel.set_gradient_reduction(model, last_micro_batch=j == len(got.micro_batches) - 1)
-        # masks keyed by sample, also in checkpointing's recomputation; the lean loss (if installed) on the labels
-        with dropout.keys(model, step, idx), lean_loss.active(model):
+        # masks keyed by sample, also in checkpointing's recomputation; the lean loss (if installed) on the
+        # labels; this rank's part of each row under context parallelism (the whole rows without)
+        with (
+            dropout.keys(model, step, idx, cp.part),
+            lean_loss.active(model),
+            context_parallel.split(model, batch, cp) as inputs,
+        ):
             # no KV cache: transformers confines attention to packed samples only without one
-            out = model(**batch, use_cache=False, num_items_in_batch=num_targets)
-            loss = moe.global_batch_loss(model, out, batch, prep.plan.global_batch_size)
+            out = model(**inputs, use_cache=False, num_items_in_batch=num_targets)
+            loss = moe.global_batch_loss(model, out, batch, prep.plan.global_batch_size, cp)
             (loss * info.world_size).backward()
         loss_sum += loss.detach()
     return loss_sum
@@ -137,14 +158,17 @@ class FSDPTrainer:
         train_args.report_to = trackers.resolve(train_args.report_to)  # refuse bad input first
         self.resolved = resolved_dict(model_args, data_args, train_args)
         world_size = distributed.world_size_from_env()
-        checked = check_run(model_args, data_args, train_args, world_size)  # refuse bad input first
-        self.mesh_shape = mesh_shape(train_args, world_size)  # a bad R × S: refused here
+        self.mesh_shape = mesh_shape(train_args, world_size)  # a bad R × S × C: refused here
+        # refuse bad input first; the batch math's devices are the data-parallel ranks D = W / C
+        checked = check_run(model_args, data_args, train_args, self.mesh_shape.data_parallel)
+        context_parallel.check(checked[0], checked[1], train_args.cp)
         startup.check_precision(train_args, "fsdp", on_gpu=hardware.vendor() != "cpu")
         startup.check_attention(model_args.attn_implementation, train_args, "fsdp")
         claimed = startup.claim(train_args)  # rank 0 takes --output_dir before the process group exists
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
         startup.joined(info, self.resolved, train_args.output_dir)
         self.nodes = elastic.nodes()  # torchrun jobs that may restart: who is in this round
+        self.cp = context_parallel.new_group(train_args.cp, torch.bfloat16 if train_args.bf16 else torch.float32)
         self.tf32 = startup.configure_matmuls(train_args)
         torch.manual_seed(train_args.seed + info.rank)
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
@@ -195,7 +219,7 @@ class FSDPTrainer:
             "fsdp2",
             self.info.rank,
             model=self.model,
-            shard_size=self.mesh_shape.dp_shard,
+            shard_size=self.mesh_shape.shard_group,  # the states are divided by S·C
             lean=lean_loss.is_installed(self.model),
         )
 
@@ -207,7 +231,7 @@ class FSDPTrainer:
         if schedule.evaluates_first:
             self.evaluate(0)
         log.open_bar()
-        self.batches = iter(steps(self.prep, self.info, schedule.start_step, schedule.end_step))  # 0-based batches
+        self.batches = iter(steps(self.prep, self.info, schedule.start_step, schedule.end_step, cp=self.cp))  # 0-based
         for step in schedule.steps():
             loss, lr, grad_norm = self.optimizer_step(step, next(self.batches))
             log.step_done(step)
@@ -243,14 +267,15 @@ class FSDPTrainer:
 
     def banner(self) -> str:
         built = parallel.mesh_of(self.model)  # what the parameters really live on, not what was asked for
+        if built is not None and self.mesh_shape.cp > 1:
+            built = mesh.MeshShape(built.dp_replicate, built.dp_shard // self.mesh_shape.cp, self.mesh_shape.cp)
         shape = (built or self.mesh_shape).banner(sharded=built is not None)
         return startup.banner("FSDP2", self.prep, self.model, self.args, self.tf32, shape)
 
     def _resume_line(self) -> str | None:
         if self.resumed is None:
             return None
-        (r0, s0), now = self.resumed.mesh, self.mesh_shape
-        meshes = f"; mesh was {r0} × {s0}, now {now.dp_replicate} × {now.dp_shard}"
+        meshes = f"; mesh was {self.resumed.mesh.describe()}, now {self.mesh_shape.describe()}"
         return startup.resume_line(
             self.resume, self.schedule.start_step, self.resumed.world_size, self.info.world_size, "ranks", meshes
         )
@@ -258,7 +283,7 @@ class FSDPTrainer:
     def optimizer_step(self, step: int, cpu: StepBatches) -> tuple[torch.Tensor, float, torch.Tensor]:
         """Step `step` (1-based) on its loader item: forward/backward, clip, AdamW, schedule. Returns this rank's
         loss part, lr, grad norm (tensors: read them on logging steps only, so the host runs ahead of the device)."""
-        loss = train_step(self.model, self.prep, step - 1, self.info, cpu)
+        loss = train_step(self.model, self.prep, step - 1, self.info, cpu, self.cp)
         grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -278,6 +303,7 @@ class FSDPTrainer:
                 self.info.rank,
                 self.info.world_size,
                 self.info.device,
+                cp=self.cp,
             )
         self.log.eval(step, eval_loss)
 
@@ -327,6 +353,7 @@ class FSDPTrainer:
             prep.total_steps,
             shape.dp_replicate,
             shape.dp_shard,
+            cp=shape.cp,
         )
 
     def save(self, step: int, background: bool = False) -> None:

@@ -19,6 +19,12 @@ dropout inside a fused kernel (sdpa's `dropout_p`, flash attention) cannot be ke
 config asks for attention dropout runs eager attention, whose dropout is a plain call (`note` says so).
 The masks come from the device's own generator type: identical across world sizes on the same kind
 of device (CPU or one GPU vendor), not between a CPU and a GPU.
+
+Under context parallelism (`--cp C`, `part` = (C, this rank's index in its CP group)) a rank holds part
+i of each sequence: it draws each sample's mask for the whole sequence (dim 1 of a batch-major sample,
+dim 0 of OPT's flattened rows) and keeps part i, so a position gets the mask it gets unsplit. Attention
+weights inside the split attention are [b, H/C, T, T] with head group i on rank i: dim 1 again, the same
+rule keeps the heads' masks; the Ulysses wrapper's own frame is left out of the call site.
 """
 
 from __future__ import annotations
@@ -35,10 +41,12 @@ import torch
 from torch import nn
 
 from anygpu.errors import UsageError
+from anygpu.runtime import context_parallel
 from anygpu.runtime.blocks import decoder_layer_classes
 
 logger = logging.getLogger(__name__)
 _MODULE_CALL_FILE = nn.Module.__call__.__code__.co_filename  # torch/nn/modules/module.py
+_SKIPPED_FILES = (_MODULE_CALL_FILE, context_parallel.__file__)  # hooks' lines; the CP attention wrapper
 
 _ATTENTION_KEYS = ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob")
 _IGNORED = ("classifier_dropout", "summary_first_dropout", "summary_last_dropout", "layerdrop")
@@ -64,6 +72,7 @@ class _Keyed:
     seed: int
     step: int = -1
     samples: Sequence[int] = ()
+    part: tuple[int, int] = (1, 0)  # context parallelism: (parts of each sequence, the one this rank holds)
     names: dict[int, str] = field(default_factory=dict)  # id(module) → its name in the model
     stops: set[int] = field(default_factory=set)  # ids of the decoder layers and the model: where a call site starts
     warned: bool = False
@@ -107,7 +116,7 @@ def _call_site(state: _Keyed) -> str:
     """The innermost decoder layer (or the model) on the Python stack and the code lines from it to the dropout call."""
     frame, lines = sys._getframe(2), []
     while frame is not None:
-        if frame.f_code.co_filename != _MODULE_CALL_FILE:
+        if frame.f_code.co_filename not in _SKIPPED_FILES:
             lines.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
         owner = frame.f_locals.get("self")
         if owner is not None and id(owner) in state.stops:
@@ -121,14 +130,15 @@ def _seed(*parts) -> int:
 
 
 @contextlib.contextmanager
-def keys(model: nn.Module, step: int, samples: Sequence[int]) -> Iterator[None]:
-    """Around one micro-batch's forward and backward: its rows are `samples` (data set indices) of `step`."""
+def keys(model: nn.Module, step: int, samples: Sequence[int], part: tuple[int, int] = (1, 0)) -> Iterator[None]:
+    """Around one micro-batch's forward and backward: its rows are `samples` (data set indices) of `step`;
+    `part`: (C, i) when the rank holds part i of C of each sequence (context parallelism)."""
     state = getattr(model, ATTR, None)
     if state is None:
         yield
         return
     original = torch.nn.functional.dropout
-    state.step, state.samples = step, list(samples)
+    state.step, state.samples, state.part = step, list(samples), part
 
     def keyed_dropout(
         input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False
@@ -168,8 +178,19 @@ def _masks(state: _Keyed, site: str, input: torch.Tensor, p: float) -> torch.Ten
     masks = []
     for sample in samples:
         gen.manual_seed(_seed(state.seed, state.step, sample, site))
-        masks.append(torch.rand(shape, generator=gen, device=input.device) >= p)
+        masks.append(_draw(gen, shape, state.part, input.device) >= p)
     return torch.cat(masks).reshape(input.shape).to(input.dtype) / (1.0 - p)
+
+
+def _draw(gen: torch.Generator, shape: tuple[int, ...], part: tuple[int, int], device) -> torch.Tensor:
+    """Uniform draws of one sample's `shape`; under context parallelism those of the whole sequence, cut to
+    this rank's part (the sequence is dim 1 of a batch-major sample, dim 0 of a flattened one)."""
+    parts, index = part
+    if parts == 1:
+        return torch.rand(shape, generator=gen, device=device)
+    dim = 1 if len(shape) >= 3 else 0
+    whole = (*shape[:dim], shape[dim] * parts, *shape[dim + 1 :])
+    return torch.rand(whole, generator=gen, device=device).narrow(dim, index * shape[dim], shape[dim])
 
 
 class SampleQueue:

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from anygpu.config.args import PRESETS_DIR, ModelArguments, preset_names
 from anygpu.errors import UsageError
 from anygpu.model import hub_weights, init_weights, lora
+from anygpu.runtime import context_parallel
 from anygpu.runtime.blocks import decoder_layer_classes
 
 logger = logging.getLogger(__name__)
@@ -169,6 +170,8 @@ def flatten_packed_rows(model: nn.Module) -> None:
         ids = kwargs.get("input_ids")
         if "flash" not in attention or kwargs.get("position_ids") is None or ids is None or ids.shape[0] == 1:
             return None
+        if context_parallel.active():
+            return None  # split sequences: the Ulysses wrapper flattens the whole rows itself
         if kwargs.get("attention_mask") is not None:
             return None  # padded rows, not packed ones: flash attention's padding path handles them
         rows = {k: kwargs[k] for k in PACKED_KEYS if kwargs.get(k) is not None}

@@ -9,7 +9,9 @@ row's real tokens: its samples, not the padding that fills it to the micro-batch
 width depends on the split) and averaged over the G rows, so the step's loss is
     mean over target tokens of the cross-entropy + coef · mean over rows of the per-row aux,
 a function of the global batch only. A LoRA adapter changes nothing: the base model's function and
-numbers are used.
+numbers are used. Under context parallelism (a rank holds part of each row) the router logits of the C
+parts are gathered first: every rank of a CP group computes the rows' aux losses whole and adds 1/C of
+them (the gather's backward sums the C ranks' gradients back to each part's logits).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from anygpu.data.collate import real_tokens
+from anygpu.runtime import context_parallel
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -68,12 +72,23 @@ def per_sample_aux(model: nn.Module, router_logits: tuple[torch.Tensor, ...], ma
     )
 
 
-def global_batch_loss(model: nn.Module, output, batch: dict[str, torch.Tensor], global_batch_size: int) -> torch.Tensor:
+def global_batch_loss(
+    model: nn.Module,
+    output,
+    batch: dict[str, torch.Tensor],
+    global_batch_size: int,
+    cp: context_parallel.CPGroup = context_parallel.NONE,
+) -> torch.Tensor:
     """This micro-batch's share of the step's loss: the model's own, with its micro-batch aux loss
-    replaced by the sum of its rows' aux losses / G (see the module docstring)."""
+    replaced by the sum of its rows' aux losses / G (see the module docstring); `batch`: the whole rows."""
     coef = aux_loss_coef(model)
     if not coef or getattr(output, "aux_loss", None) is None:
         return output.loss
     cross_entropy = output.loss - coef * output.aux_loss.to(output.loss.device)
-    aux = per_sample_aux(model, output.router_logits, real_tokens(batch))
-    return cross_entropy + coef * aux.sum().to(cross_entropy.device) / global_batch_size
+    logits, mask = output.router_logits, real_tokens(batch)
+    if cp.size > 1:  # this rank's part of each row: the rows' logits whole, padded to a multiple of C
+        rows = mask.shape[0]
+        logits = tuple(context_parallel.gather_tokens(layer, cp, rows) for layer in logits)
+        mask = F.pad(mask, (0, logits[0].shape[0] // rows - mask.shape[1]))
+    aux = per_sample_aux(model, logits, mask)
+    return cross_entropy + coef * aux.sum().to(cross_entropy.device) / (global_batch_size * cp.size)

@@ -258,6 +258,20 @@ class PlanResult:
     flops_per_token: float = 0.0
     notes: list[str] = field(default_factory=list)
     dp_shard: int | None = None  # HSDP's shard group, where it has rows
+    cp_advice: tuple[int, Row] | None = None  # nothing fits without offload: the smallest --cp that does
+    cp: int = 1  # the plan's context parallelism (the global batch is split over the GPUs / C)
+
+
+def cp_advice(shapes: Shapes, machine: Machine, block_size: int, lora: bool = False) -> tuple[int, Row] | None:
+    """The smallest context parallelism C (dividing the GPUs, the attention and KV heads and the block) at
+    which the FSDP2 engine, bf16 with activation checkpointing, fits a micro-batch of one sequence."""
+    for c in divisors(max(1, machine.num_gpus))[1:]:
+        if shapes.num_heads % c or shapes.num_kv_heads % c or block_size % c:
+            continue
+        row = row_for(shapes, machine, "fsdp2", "bf16", True, lora, 1, block_size, cp=c)
+        if row.fits:
+            return c, row
+    return None
 
 
 def divisors(n: int) -> list[int]:
@@ -279,12 +293,14 @@ def row_for(
     block_size: int,
     dp_shard: int | None = None,
     lean_loss: bool = True,
+    cp: int = 1,
 ) -> Row:
-    """One strategy's per-GPU bytes; `dp_shard`: HSDP's shard group (the ranks its state is divided by)."""
+    """One strategy's per-GPU bytes; `dp_shard`: HSDP's shard group (the ranks its state is divided by); `cp`:
+    the FSDP2 engine's context parallelism (a rank holds the activations of block_size / C tokens)."""
     world = max(1, machine.num_gpus)  # no GPU detected: the plan of one process
     shards = (dp_shard or world) if strategy == HSDP else world
     states, cpu = model_state_bytes(shapes, strategy, precision, shards)
-    acts = activation_bytes(shapes, micro_batch, block_size, precision, checkpointing, lean_loss)
+    acts = activation_bytes(shapes, micro_batch, block_size // cp, precision, checkpointing, lean_loss)
     per_gpu = {
         **states,
         "activations": acts,
@@ -294,12 +310,37 @@ def row_for(
     budget = machine.gpu_memory_bytes * SAFETY
     fits = bool(machine.gpu_memory_bytes) and sum(per_gpu.values()) <= budget
     how = hsdp_command(world, shards) if strategy == HSDP else ACCELERATE_CONFIG[strategy]
+    if cp > 1:
+        how = f"run_fsdp_standalone.py --cp {cp}" + " --bf16 true" * (precision == "bf16")
+        how += " --gradient_checkpointing true" * checkpointing
     return Row(strategy, precision, checkpointing, lora, micro_batch, per_gpu, cpu, fits, how)
 
 
 # Fastest first: no sharding, then sharding without and with offload (ZeRO-2 before 3: fewer gathers). HSDP
 # (when asked for) before FSDP2: only its gradient all-reduce crosses the replica groups (nodes).
 PREFERENCE = ("ddp", HSDP, "fsdp2", "zero2", "zero3", "zero2_offload", "fsdp2_offload", "zero3_offload")
+
+
+def _recommend(
+    result: PlanResult, strategies: tuple[str, ...], precisions: tuple[str, ...], lora: bool, share: int, cp: int
+) -> None:
+    """The fastest strategy that fits (bf16 first, without checkpointing first) at the largest micro-batch
+    dividing `share` (the sequences of a data-parallel rank), into `result`."""
+    shapes, machine, block_size, dp_shard = result.shapes, result.machine, result.block_size, result.dp_shard
+    for precision in precisions:
+        for ckpt in (False, True):
+            for strategy in (s for s in PREFERENCE if s in strategies):
+                fitting = [
+                    r
+                    for m in reversed(divisors(share))
+                    if (
+                        r := row_for(shapes, machine, strategy, precision, ckpt, lora, m, block_size, dp_shard, cp=cp)
+                    ).fits
+                ]
+                if fitting:
+                    result.recommended = fitting[0]
+                    result.gradient_accumulation_steps = share // fitting[0].micro_batch
+                    return
 
 
 def make_plan(
@@ -313,15 +354,18 @@ def make_plan(
     mfu: float = 0.4,
     flops_per_token: float = 0.0,
     dp_shard: int | None = None,
+    cp: int = 1,
 ) -> PlanResult:
     """Every strategy × precision × checkpointing at micro-batch 1, and the recommendation: the
     fastest strategy that fits (bf16 first, without checkpointing first) at the largest micro-batch
     dividing the per-GPU share of the global batch. `dp_shard` smaller than the GPUs adds HSDP's rows
-    (e.g. the GPUs of one node, replicated across nodes)."""
+    (e.g. the GPUs of one node, replicated across nodes). `cp` > 1: the FSDP2 engine's context parallelism
+    alone (its rows), each sequence over C GPUs: the global batch is split over the GPUs / C."""
     n = max(1, machine.num_gpus)
-    if global_batch_size % n:
+    dp = max(1, n // cp)
+    if global_batch_size % dp:
         raise ValueError(
-            f"--global_batch_size {global_batch_size} cannot be split over {n} GPUs: use a multiple of {n}"
+            f"--global_batch_size {global_batch_size} cannot be split over {dp} data-parallel ranks: use a multiple of {dp}"
         )
     if dp_shard is not None and (dp_shard < 1 or n % dp_shard):
         raise ValueError(
@@ -329,30 +373,21 @@ def make_plan(
             f"{', '.join(map(str, divisors(n)))} (e.g. the GPUs of one node)"
         )
     strategies = (*STRATEGIES, HSDP) if dp_shard is not None and dp_shard < n else STRATEGIES
+    strategies = strategies if cp == 1 else ("fsdp2",)
     result = PlanResult(
         shapes, machine, block_size, global_batch_size, mfu=mfu, flops_per_token=flops_per_token, dp_shard=dp_shard
     )
+    result.cp = cp
     for precision in precisions:
         for strategy in strategies:
             for ckpt in (False, True):
-                result.rows.append(row_for(shapes, machine, strategy, precision, ckpt, lora, 1, block_size, dp_shard))
-    share = global_batch_size // n
-    for precision in precisions:
-        for ckpt in (False, True):
-            for strategy in (s for s in PREFERENCE if s in strategies):
-                fitting = [
-                    r
-                    for m in reversed(divisors(share))
-                    if (r := row_for(shapes, machine, strategy, precision, ckpt, lora, m, block_size, dp_shard)).fits
-                ]
-                if fitting:
-                    result.recommended = fitting[0]
-                    result.gradient_accumulation_steps = share // fitting[0].micro_batch
-                    break
-            if result.recommended:
-                break
-        if result.recommended:
-            break
+                result.rows.append(
+                    row_for(shapes, machine, strategy, precision, ckpt, lora, 1, block_size, dp_shard, cp=cp)
+                )
+    _recommend(result, strategies, precisions, lora, global_batch_size // dp, cp)
+    rec = result.recommended
+    if cp == 1 and machine.gpu_memory_bytes and (rec is None or rec.strategy.endswith("offload")):
+        result.cp_advice = cp_advice(shapes, machine, block_size, lora)
     if flops_per_token and machine.peak_flops:
         rec = result.recommended
         recompute = 4 / 3 if rec is not None and rec.activation_checkpointing else 1.0  # one more forward

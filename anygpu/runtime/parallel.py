@@ -1,7 +1,9 @@
 """FSDP2 for the native engine: activation checkpointing → compile → `fully_shard` per
 decoder layer → root (torchtitan's order: each wrap sees the module the previous one built).
 Over a 1-D mesh of all ranks (FSDP2), or a 2-D (dp_replicate, dp_shard) mesh (HSDP: `fully_shard`
-shards over the second dimension and replicates over the first; see `anygpu.runtime.mesh`).
+shards over the second dimension and replicates over the first; see `anygpu.runtime.mesh`). Under context
+parallelism the shard dimension is dp_shard × cp flattened (torchtitan's `dp_shard_cp`): its C ranks are
+consecutive within it, so the same 1-D or 2-D mesh holds it.
 One fp32 process has nothing to shard: the model stays a plain module there (`needs_sharding`)."""
 
 from __future__ import annotations
@@ -26,15 +28,16 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def build_mesh(device: torch.device, shape: MeshShape):
-    """The DeviceMesh of `shape`: 1-D over all ranks without replication (plain FSDP2, as before HSDP existed),
-    else 2-D (dp_replicate, dp_shard) with consecutive ranks in a shard group (one node, by default)."""
+    """The DeviceMesh FSDP2 runs on: 1-D over all ranks without replication (plain FSDP2, as before HSDP
+    existed), else 2-D (dp_replicate, dp_shard) with consecutive ranks in a shard group (one node, by default);
+    the shard dimension is S·C (dp_shard × cp)."""
     if not shape.is_hsdp:
-        return init_device_mesh(device.type, (shape.dp_shard,), mesh_dim_names=DIM_NAMES[1:])
-    return init_device_mesh(device.type, (shape.dp_replicate, shape.dp_shard), mesh_dim_names=DIM_NAMES)
+        return init_device_mesh(device.type, (shape.shard_group,), mesh_dim_names=DIM_NAMES[1:])
+    return init_device_mesh(device.type, (shape.dp_replicate, shape.shard_group), mesh_dim_names=DIM_NAMES)
 
 
 def mesh_of(model: nn.Module) -> MeshShape | None:
-    """The mesh the model's parameters really live on (R × S), or None for a plain module."""
+    """The mesh the model's parameters really live on (R × the shard group S·C), or None for a plain module."""
     from torch.distributed.tensor import DTensor
 
     p = next(model.parameters(), None)
@@ -72,7 +75,7 @@ def shard_model(
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
     # With one rank per shard group, resharding frees nothing worth the re-gather in the backward.
-    reshard_after_forward = reshard_after_forward and mesh_shape.dp_shard > 1
+    reshard_after_forward = reshard_after_forward and mesh_shape.shard_group > 1
     for i, layer in enumerate(layers):
         # The last layer's parameters are gathered again at once by the backward: keep them.
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)

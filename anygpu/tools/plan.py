@@ -81,6 +81,14 @@ def _cluster_arguments(p: argparse.ArgumentParser) -> None:
         "engine's --dp_shard (default: the GPUs per node, --num_gpus / --num_nodes). Smaller than "
         "--num_gpus: hsdp rows, whose states are divided by it, not by --num_gpus.",
     )
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        help="The FSDP2 engine's context parallelism: each sequence split over C GPUs, so a GPU holds the "
+        "activations of --block_size / C tokens; the rows are then FSDP2's alone (default 1). With 1, a plan "
+        "where nothing fits without offload recommends the smallest C that does (docs/long-context.md).",
+    )
     p.add_argument("--gpu_memory_gb", type=float, help="Memory per GPU in GiB (default: detected).")
     p.add_argument("--gpu_name", help="GPU model for the peak FLOP/s of the step time, e.g. H100 (default: detected).")
 
@@ -139,6 +147,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     if args.dp_shard is not None and args.num_gpus is not None and args.num_gpus % args.dp_shard:
         divisors = ", ".join(str(d) for d in range(1, args.num_gpus + 1) if args.num_gpus % d == 0)
         return f"--dp_shard {args.dp_shard} does not divide --num_gpus {args.num_gpus}: use one of {divisors} (e.g. the GPUs of one node)"
+    if args.cp < 1 or (args.num_gpus is not None and args.num_gpus % args.cp) or args.block_size % args.cp:
+        return f"--cp {args.cp} must divide --num_gpus and --block_size {args.block_size}, e.g. 2"
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
         return f"--gpu_memory_gb {args.gpu_memory_gb} must be positive, e.g. 80"
     if not 0 < args.mfu <= 1:
@@ -226,6 +236,7 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
             mfu=args.mfu,
             flops_per_token=fpt,
             dp_shard=dp_shard,
+            cp=args.cp,
         )
         if args.per_device_train_batch_size != 1:
             result.rows = [
@@ -239,6 +250,7 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
                     args.per_device_train_batch_size,
                     args.block_size,
                     dp_shard,
+                    cp=args.cp,
                 )
                 for r in result.rows
             ]
@@ -276,10 +288,18 @@ def table(result: PlanResult, title: str) -> list[str]:
 
 def recommendation(result: PlanResult) -> list[str]:
     rec = result.recommended
-    n = max(1, result.machine.num_gpus)
+    n = max(1, result.machine.num_gpus) // result.cp  # the data-parallel ranks
     if rec is None:
         if not result.machine.gpu_memory_bytes:
             return ["recommendation: no GPU memory known (no GPU detected): pass --num_gpus and --gpu_memory_gb"]
+        if result.cp_advice is not None:
+            cp, row = result.cp_advice
+            return [
+                f"recommendation: one {result.block_size}-token sequence does not fit one GPU: split it with context "
+                f"parallelism, {row.accelerate_config} "
+                f"(fsdp2, peak ≈ {gib(row.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU; "
+                f"the global batch is then split over {n // cp} data-parallel ranks; docs/long-context.md)"
+            ]
         return [
             "recommendation: nothing fits, even with offload and checkpointing: more GPUs, a shorter "
             "--block_size, or LoRA"
@@ -294,6 +314,12 @@ def recommendation(result: PlanResult) -> list[str]:
         f"{result.gradient_accumulation_steps} accumulation step{'' if result.gradient_accumulation_steps == 1 else 's'} "
         f"(peak ≈ {gib(rec.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU)",
     ]
+    if result.cp_advice is not None:
+        cp, row = result.cp_advice
+        lines.append(
+            f"  or without offload, each sequence split over {cp} GPUs (context parallelism): {row.accelerate_config} "
+            f"(peak ≈ {gib(row.total)} GiB per GPU; docs/long-context.md)"
+        )
     if result.step_seconds is not None:
         lines.append(
             f"  estimated step time {result.step_seconds:.2f} s at MFU {result.mfu:.0%} "

@@ -2,6 +2,7 @@
 certify that they agree.
 
     anygpu verify --world_sizes 1,2,4 --engines fsdp,hf --resume_at 2 -- --model_name_or_path gpt2 ...
+    anygpu verify --world_sizes 1,4 --cp 2,4 -- ...    # also sequences split over 2 and 4 of the 4 ranks
 
 Every run is started as the vendor launcher would start it (one process per GPU, or CPU processes with
 gloo where there is no GPU or with --cpu), in its own folder <output_dir>/verify/<run>. The first run is
@@ -58,6 +59,7 @@ class Run:
     output_dir: str
     resumed_from: str | None = None  # a checkpoint of another run (--resume_at)
     save_at: int | None = None  # keep a checkpoint of this step for a resumed run
+    cp: int = 1  # the FSDP2 engine's --cp (context parallelism)
     seconds: float | None = None
     global_batch_size: int | None = None
     loss: dict[int, float] = field(default_factory=dict)
@@ -97,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world_sizes", default="1,2", help="Comma-separated process counts to compare (default 1,2).")
     p.add_argument("--engines", default="fsdp", help="Comma-separated engines: fsdp, hf or fsdp,hf (default fsdp).")
     p.add_argument(
+        "--cp",
+        default="",
+        help="Comma-separated context-parallel degrees C to compare too (FSDP2 engine): each is one more run at "
+        "the largest world size C divides, with --cp C (its sequences split over C ranks), e.g. 2,4.",
+    )
+    p.add_argument(
         "--resume_at",
         type=int,
         metavar="K",
@@ -133,6 +141,22 @@ def parse_list(flag: str, text: str, convert, valid: str) -> list:
     if not items:
         raise UsageError(f"{flag} {text!r}: give {valid}")
     return list(dict.fromkeys(items))
+
+
+def check_cps(opts: argparse.Namespace, sizes: list[int], engines: list[str]) -> list[int]:
+    """The --cp degrees to compare (each must divide one of the world sizes; FSDP2 engine only)."""
+    if not opts.cp.strip():
+        return []
+    cps = [c for c in parse_list("--cp", opts.cp, int, "context-parallel degrees such as 2,4") if c != 1]
+    if cps and "fsdp" not in engines:
+        raise UsageError(f"--cp {opts.cp}: context parallelism is the FSDP2 engine's: add --engines fsdp")
+    for c in cps:
+        if c < 1 or not any(w % c == 0 for w in sizes):
+            raise UsageError(
+                f"--cp {opts.cp}: {c} divides none of --world_sizes {opts.world_sizes}: give a C that divides "
+                f"one of them, e.g. {max(sizes)}"
+            )
+    return cps
 
 
 def check_options(opts: argparse.Namespace) -> tuple[list[int], list[str]]:
@@ -235,9 +259,16 @@ def job_overrides(out: Path, max_steps: int) -> list[str]:
     ]
 
 
-def plan_runs(root: Path, sizes: list[int], engines: list[str], resume_at: int | None) -> list[Run]:
-    """Every engine at every world size (the first is the reference), then each engine's resumed run."""
+def plan_runs(
+    root: Path, sizes: list[int], engines: list[str], resume_at: int | None, cps: list[int] = ()
+) -> list[Run]:
+    """Every engine at every world size (the first is the reference), the FSDP2 engine with each --cp C at the
+    largest world size C divides, then each engine's resumed run."""
     runs = [Run(f"{e}-w{w}", e, w, str(root / f"{e}-w{w}")) for e in engines for w in sizes]
+    for c in cps:
+        w = max((w for w in sizes if w % c == 0), default=None)
+        if w is not None:
+            runs.append(Run(f"fsdp-w{w}-cp{c}", "fsdp", w, str(root / f"fsdp-w{w}-cp{c}"), cp=c))
     if resume_at is not None:
         first, last = sizes[0], sizes[-1]
         for e in engines:
@@ -295,6 +326,8 @@ def launch(run: Run, job: list[str], max_steps: int, cpu: bool, vendor: str, pro
         args += ["--save_steps", str(run.save_at), "--save_total_limit", str(max_steps)]
     if run.resumed_from:
         args += ["--resume_from_checkpoint", run.resumed_from]
+    if run.cp > 1:
+        args += ["--cp", str(run.cp)]
     flags = [
         "--vendor",
         vendor,
@@ -529,6 +562,7 @@ def parse(argv: list[str]) -> Job:
     parser.error = refuse  # one line and exit 2, as for every other bad input
     opts = parser.parse_args(mine)
     sizes, engines = check_options(opts)
+    cps = check_cps(opts, sizes, engines)
     output_dir, precision = check_job(job, engines, sizes)
     root = Path(output_dir) / "verify"
     vendor = vendor_here()
@@ -536,7 +570,7 @@ def parse(argv: list[str]) -> Job:
     where = ""
     if not opts.compare_only:
         sizes, where = usable_sizes(sizes, opts.cpu, vendor, probe)
-    runs = plan_runs(root, sizes, engines, opts.resume_at)
+    runs = plan_runs(root, sizes, engines, opts.resume_at, cps)
     if len(runs) < 2:
         raise UsageError(
             f"--world_sizes {opts.world_sizes}: only world size {sizes[0]} can run here, which leaves "

@@ -39,6 +39,12 @@ def refuse_early(
                 "or the launchers' --engine fsdp); with the HF engine leave it out (its FSDP2 and ZeRO "
                 "configs shard over every process)."
             )
+    if train_args.cp > 1:
+        raise UsageError(
+            f"--cp {train_args.cp}: context parallelism is the FSDP2 engine's (run_fsdp_standalone.py, or the "
+            "launchers' --engine fsdp); accelerate's own (ParallelismConfig cp_size: its FSDP2 plugin, GPUs only, "
+            "sdpa) is not wired into the HF engine: use --cp 1 with the HF engine."
+        )
     on_cpu = hardware.vendor() == "cpu"
     startup.check_precision(train_args, "hf", on_gpu=not on_cpu)
     startup.check_attention(model_args.attn_implementation, train_args, "hf")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from anygpu.errors import UsageError
+from anygpu.runtime.mesh import MeshShape
 
 HF_STATE_FILE = "anygpu_state.json"  # the HF engine's, beside Trainer's own trainer_state.json
 
@@ -25,6 +26,7 @@ class RunState:
     total_steps: int
     dp_replicate: int | None = None  # native engine: the mesh (R × S) it was written on
     dp_shard: int | None = None
+    cp: int | None = None  # native engine: context parallelism's C (1: none)
     strategy: str | None = None  # HF engine: the strategy family (ddp, fsdp, deepspeed, …)
 
     def to_json(self) -> dict[str, Any]:
@@ -42,9 +44,9 @@ class RunState:
         return cls.from_json(json.loads(path.read_text())) if path.exists() else None
 
     @property
-    def mesh(self) -> tuple[int, int]:
-        """(R, S) it was written on; a checkpoint from before HSDP has none: it was 1 × W."""
-        return (self.dp_replicate or 1, self.dp_shard or self.world_size)
+    def mesh(self) -> MeshShape:
+        """The mesh (R × S × C) it was written on; a checkpoint from before HSDP has none: it was 1 × W × 1."""
+        return MeshShape(self.dp_replicate or 1, self.dp_shard or self.world_size, self.cp or 1)
 
     def check_resumable(self, checkpoint: Path, global_batch_size: int) -> None:
         """Refuse a resume that would change the data order (another --global_batch_size)."""

@@ -1,0 +1,267 @@
+"""Context parallelism (`--cp C`): each sequence split into C contiguous parts over the C ranks of a CP group,
+attention over the whole sequence by Ulysses' all-to-all over heads (DeepSpeed-Ulysses; TRL and axolotl do
+the same).
+
+The C ranks of a group read the same sequences (the loader's data rank is rank // C). Per micro-batch,
+`split` cuts each rank's part out of the full rows: input_ids and the global position_ids (so RoPE and
+the restarts of packed samples are the full sequence's), and the labels shifted *before* the cut
+(`shift_labels`, which transformers' loss and the lean loss take as they are): the last token of a part
+predicts the first of the next. It also builds, from the full rows, the attention mask the model would
+have built for them (transformers' own `create_causal_mask`: causal, packed samples, padding), and
+switches the model's attention to `anygpu_cp` for the forward and backward of the micro-batch. That
+function is registered in transformers' attention interface, so every family whose attention calls the
+interface goes through it:
+
+    q, k, v [b, H, T/C, d] --all-to-all--> [b, H/C, T, d] --the model's own kernel (sdpa, eager, flash)-->
+    out [b, T, H/C, d] --all-to-all--> [b, T/C, H, d]
+
+Head group j (q heads [j·H/C, (j+1)·H/C), KV heads [j·Hkv/C, …)) goes to rank j: with C dividing the KV
+heads, each q head keeps its own KV head (GQA). The all-to-all is an autograd function whose backward is
+the same exchange of the gradients, so each rank's backward of its part's loss reaches the q, k, v of the
+other ranks' tokens. The mask the model builds from its local T/C positions is not used (the registered
+name has no mask function, so transformers skips building one).
+
+A rank's activations are those of T/C tokens, except inside the attention kernel (the full T for H/C heads:
+sdpa's and flash's memory is linear in T, eager's is quadratic). The loss is unchanged: every part's token
+losses over the global batch's target count (each token counted once: the CP group shares one count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from anygpu.errors import UsageError
+
+ATTENTION = "anygpu_cp"
+IGNORE_INDEX = -100
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check(config, block_size: int, cp: int) -> None:
+    """Refuse what --cp C cannot split (before any process group): one line each."""
+    if cp == 1:
+        return
+    if block_size % cp:
+        raise UsageError(
+            f"--cp {cp} does not divide --block_size {block_size} (each sequence is cut into {cp} equal parts): "
+            f"use a --block_size that is a multiple of {cp}, e.g. {max(1, block_size // cp) * cp}."
+        )
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 0
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for name, n in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if n % cp:
+            raise UsageError(
+                f"--cp {cp} does not divide the model's {n} {name} (Ulysses attention gives each rank of the CP "
+                f"group a share of the heads; ring attention is not implemented): use --cp {_largest(heads, kv_heads, cp)}."
+            )
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention"} or (
+        getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    ):
+        raise UsageError(
+            f"--cp {cp}: {config.model_type} has sliding-window or other non-causal-mask layers, whose masks "
+            "this context parallelism does not build: use --cp 1."
+        )
+
+
+def _largest(heads: int, kv_heads: int, cp: int) -> int:
+    return max(d for d in range(1, cp + 1) if heads % d == 0 and kv_heads % d == 0)
+
+
+@dataclass(frozen=True)
+class CPGroup:
+    """This rank's CP group: `size` C consecutive ranks, this rank's `index` among them (the part it holds)."""
+
+    group: Any = None
+    size: int = 1
+    index: int = 0
+    compute_dtype: torch.dtype = torch.float32  # the forward's (the full-sequence mask's dtype)
+
+    @property
+    def part(self) -> tuple[int, int]:
+        return (self.size, self.index)
+
+
+NONE = CPGroup()
+
+
+def new_group(cp: int, compute_dtype: torch.dtype = torch.float32) -> CPGroup:
+    """The CP group of this rank: C consecutive ranks (every rank takes part in creating every group)."""
+    if cp == 1:
+        return NONE
+    group, _ = dist.new_subgroups(group_size=cp)
+    return CPGroup(group, cp, dist.get_rank(group), compute_dtype)
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all of equal chunks along dim 0 ([C, …] in, [C, …] out: chunk j goes to rank j, slot i of the
+    result came from rank i); the backward exchanges the gradients the same way (it is its own inverse)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)  # contiguous like x (empty_like keeps a transposed input's strides)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """[b, H, T/C, d] (this rank's tokens, every head) → [b, H/C, T, d] (every token, this rank's heads)."""
+    b, h, t, d = x.shape
+    chunks = x.reshape(b, cp, h // cp, t, d).transpose(0, 1)  # [C, b, H/C, t, d]: chunk j to rank j
+    got = _AllToAll.apply(chunks, group)  # [C, b, H/C, t, d]: slot i is rank i's tokens
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * t, d)
+
+
+def heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """The kernel's output [b, T, H/C, d] → [b, T/C, H, d] (this rank's tokens, every head)."""
+    b, T, hc, d = x.shape
+    chunks = x.reshape(b, cp, T // cp, hc, d).transpose(0, 1)  # [C, b, t, H/C, d]: token part j to rank j
+    got = _AllToAll.apply(chunks, group)  # slot i: head group i of my tokens
+    return got.permute(1, 2, 0, 3, 4).reshape(b, T // cp, cp * hc, d)
+
+
+@dataclass
+class _Split:
+    group: Any
+    cp: int
+    base: str  # the model's own attention implementation
+    mask: torch.Tensor | None  # the full rows' mask as the model would build it (None: sdpa's is_causal)
+    position_ids: torch.Tensor  # the full rows' positions [b, T]
+    calls: int = 0  # attention calls that went through the wrapper
+
+
+_ACTIVE: list[_Split] = []  # the split of the micro-batch whose forward/backward runs (one at a time)
+
+
+def _kernel(module: nn.Module, base: str):
+    """The model's own attention function for `base` (eager: its modeling module's eager_attention_forward)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if base == "eager":
+        return eager
+    return ALL_ATTENTION_FUNCTIONS.get_interface(base, eager)
+
+
+def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """Ulysses around the model's own kernel (registered as `anygpu_cp`; see the module docstring)."""
+    split = _ACTIVE[-1]
+    split.calls += 1
+    q, k, v = (seq_to_heads(x, split.group, split.cp) for x in (query, key, value))
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
+        kwargs.pop(name, None)  # the local rows' (flash's varlen path): rebuilt from the full rows below
+    kernel, mask = _kernel(module, split.base), split.mask
+    if "flash" in split.base and mask is None and q.shape[0] > 1:
+        # packed rows: flash attention confines attention to samples for one flattened row only
+        b, hc, T, d = q.shape
+        flat = [x.transpose(0, 1).reshape(1, x.shape[1], b * T, d) for x in (q, k, v)]
+        out, _ = kernel(module, *flat, None, position_ids=split.position_ids.reshape(1, -1), **kwargs)
+        out = out.reshape(b, T, hc, d)
+    else:
+        extra = {"position_ids": split.position_ids} if "flash" in split.base else {}
+        out, _ = kernel(module, q, k, v, mask, **extra, **kwargs)
+    return heads_to_seq(out, split.group, split.cp), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, attention)
+
+
+def _full_rows(batch: dict[str, torch.Tensor], cp: int) -> dict[str, torch.Tensor]:
+    """The micro-batch's rows padded to a multiple of C (padded rows' width is the micro-batch's longest),
+    with positions (0, 1, … where the collator gave none) and the labels shifted before any cut."""
+    ids = batch["input_ids"]
+    b, T = ids.shape
+    pad = -T % cp
+    rows = {"input_ids": F.pad(ids, (0, pad))}
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = torch.arange(T, device=ids.device).expand(b, T)
+    rows["position_ids"] = torch.cat([pos, pos[:, -1:] + 1 + torch.arange(pad, device=ids.device)], dim=1)
+    if batch.get("attention_mask") is not None:
+        rows["attention_mask"] = F.pad(batch["attention_mask"], (0, pad))
+    labels = F.pad(batch["labels"], (0, pad), value=IGNORE_INDEX)
+    rows["shift_labels"] = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]  # position t predicts token t+1
+    return rows
+
+
+def _full_mask(model: nn.Module, rows: dict[str, torch.Tensor], dtype: torch.dtype):
+    """The mask the model builds for the full rows with its own attention (causal, packed samples, padding)."""
+    from transformers.masking_utils import create_causal_mask
+
+    b, T = rows["input_ids"].shape
+    return create_causal_mask(
+        config=model.config,
+        inputs_embeds=torch.empty(b, T, 0, dtype=dtype, device=rows["input_ids"].device),
+        attention_mask=rows.get("attention_mask"),
+        past_key_values=None,
+        position_ids=rows["position_ids"],
+    )
+
+
+@contextlib.contextmanager
+def split(model: nn.Module, batch: dict[str, torch.Tensor], cp: CPGroup) -> Iterator[dict[str, torch.Tensor]]:
+    """Around one micro-batch's forward and backward: yields this rank's part of `batch` (model kwargs:
+    input_ids, position_ids, labels and shift_labels, already shifted) with the model's attention split."""
+    if cp.size == 1:
+        yield batch
+        return
+    _register()
+    rows, me = _full_rows(batch, cp.size), cp.index
+    config = model.config
+    base = config._attn_implementation
+    part = rows["input_ids"].shape[1] // cp.size
+    local = {
+        k: rows[k][:, me * part : (me + 1) * part].contiguous() for k in ("input_ids", "position_ids", "shift_labels")
+    }
+    local["labels"] = local["shift_labels"]  # the loss runs when labels are given; it reads shift_labels
+    mask = _full_mask(model, rows, cp.compute_dtype)
+    split = _Split(cp.group, cp.size, base, mask, rows["position_ids"])
+    _ACTIVE.append(split)
+    config._attn_implementation = ATTENTION
+    try:
+        yield local
+    finally:
+        config._attn_implementation = base
+        _ACTIVE.pop()
+    if split.calls == 0:  # each rank would attend within its own part only: never a silently different loss
+        raise RuntimeError(
+            f"--cp {cp.size}: {config.model_type}'s attention does not go through transformers' attention "
+            "interface, so its sequences cannot be split; use --cp 1."
+        )
+
+
+def gather_tokens(x: torch.Tensor, cp: CPGroup, rows: int) -> torch.Tensor:
+    """A per-token tensor of this rank's part of `rows` rows, [rows·T/C, E] → the full rows' [rows·T, E], every
+    rank the same (autograd: each part's gradient, summed over the CP group, goes back to its rank)."""
+    from torch.distributed.nn.functional import all_gather
+
+    parts = all_gather(x.reshape(rows, -1, x.shape[-1]).contiguous(), group=cp.group)
+    return torch.cat(parts, dim=1).reshape(-1, x.shape[-1])
+
+
+def active() -> bool:
+    """A micro-batch's sequences are split now (the flash-attention row flattening then leaves them alone)."""
+    return bool(_ACTIVE)

@@ -1,0 +1,257 @@
+"""Context parallelism (`--cp C`) in the FSDP2 engine: each sequence split over C ranks, Ulysses attention.
+
+Real gloo runs, three launches once per module: 4 ranks as dp_shard 2 × cp 2 (packed text, saving a
+checkpoint at step 2) and as dp_replicate 2 × cp 2 (HSDP; chat data with packing), 2 ranks as cp 2 (packed text; GPT-2 shapes with residual,
+embedding and attention dropout; Qwen2-MoE shapes with the router loss, on chat data) and the 4-rank
+checkpoint resumed as dp_shard 2 × cp 1, and 1 rank (the references, and the checkpoint resumed on one
+rank). The tiny preset is GQA (4 heads, 2 KV heads): each CP rank gets one KV head. Losses and grad norms
+against one rank ≤ 1e-5. The refusals and the plan need no processes (quick tier)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch.distributed as dist
+from conftest import TINY, fsdp_runs, records, torchrun
+from test_sft import sentence
+
+from anygpu.engines.fsdp import main as fsdp_main
+from anygpu.engines.hf.engine import main as hf_main
+from anygpu.runtime.mesh import MeshShape, resolve
+
+STEPS = ["--max_steps", "3", "--export_final", "false", "--max_eval_samples", "8"]
+CP = ["--dp_shard", "2", "--cp", "2"]
+GPT2 = {
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_embd": 32,
+    "n_head": 4,
+    "n_positions": 128,
+    "vocab_size": 400,
+    "resid_pdrop": 0.1,
+    "embd_pdrop": 0.1,
+    "attn_pdrop": 0.1,
+}
+MOE = {  # 4 experts, top 2, a shared expert, router loss 0.1
+    "model_type": "qwen2_moe",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 128,
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.1,
+    "vocab_size": 400,
+}
+
+
+def _chat(path) -> None:
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(120):
+            msgs = []
+            for _ in range(rng.randint(1, 3)):
+                msgs += [
+                    {"role": "user", "content": sentence(rng, 1, 12)},
+                    {"role": "assistant", "content": sentence(rng, 1, 20)},
+                ]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp")
+    chat = root / "chat.jsonl"
+    _chat(chat)
+    for name, config in (("gpt2", GPT2), ("moe", MOE)):
+        (root / f"{name}.json").write_text(json.dumps(config))
+    text = [*TINY, *STEPS]
+    small = [*TINY, *STEPS, "--vocab_size", "400", "--block_size", "128"]
+    chat_args = [*small, "--train_file", str(chat)]
+    gpt2_args = [*small, "--config_name", str(root / "gpt2.json")]
+    moe_args = [*chat_args, "--config_name", str(root / "moe.json")]
+    names = ("text1", "text4", "chat1", "chat4", "gpt2_1", "gpt2_2", "moe1", "moe2", "text2", "r2", "r1")
+    d = {name: root / name for name in names}
+    out = {}
+    out["text4"], out["chat4"] = fsdp_runs(
+        4,
+        [
+            [*text, *CP, "--save_steps", "2", "--output_dir", str(d["text4"])],
+            [*chat_args, "--dp_replicate", "2", "--cp", "2", "--output_dir", str(d["chat4"])],  # HSDP × CP
+        ],
+    )
+    for name in ("r2", "r1"):  # the run as it stood after step 2, resumed elsewhere
+        shutil.copytree(d["text4"] / "checkpoint-2", d[name] / "checkpoint-2")
+    resume = ["--resume_from_checkpoint", "latest"]
+    out["text2"], out["gpt2_2"], out["moe2"], out["r2"] = fsdp_runs(
+        2,
+        [
+            [*text, "--cp", "2", "--output_dir", str(d["text2"])],
+            [*gpt2_args, "--cp", "2", "--output_dir", str(d["gpt2_2"])],
+            [*moe_args, "--cp", "2", "--output_dir", str(d["moe2"])],
+            [*text, "--dp_shard", "2", *resume, "--output_dir", str(d["r2"])],
+        ],
+    )
+    out["text1"], out["chat1"], out["gpt2_1"], out["moe1"], out["r1"] = fsdp_runs(
+        1,
+        [
+            [*text, "--output_dir", str(d["text1"])],
+            [*chat_args, "--output_dir", str(d["chat1"])],
+            [*gpt2_args, "--output_dir", str(d["gpt2_1"])],
+            [*moe_args, "--output_dir", str(d["moe1"])],
+            [*text, *resume, "--output_dir", str(d["r1"])],
+        ],
+    )
+    return d, out
+
+
+def _curve(run_dir) -> dict[int, tuple[float, ...]]:
+    """step → (loss, grad norm) and, at the end, the evaluation's loss (also split over the CP group)."""
+    curve = {r["step"]: (r["loss"], r["grad_norm"]) for r in records(run_dir) if "loss" in r}
+    evals = [r for r in records(run_dir) if "eval_loss" in r]
+    return {**curve, "eval": (evals[-1]["eval_loss"],)} if evals else curve
+
+
+def _assert_same(a, b, steps=None) -> None:
+    ca, cb = _curve(a), _curve(b)
+    steps = steps or list(ca)
+    assert "eval" in steps or len(steps) == 1, ca  # whole runs: their final evaluations are compared too
+    assert steps and all(s in cb for s in steps), (ca, cb)
+    for s in steps:
+        for x, y in zip(ca[s], cb[s]):
+            assert abs(x - y) <= 1e-5 * abs(x), f"step {s}: {ca[s]} vs {cb[s]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "one, split", [("text1", "text4"), ("text1", "text2"), ("chat1", "chat4"), ("gpt2_1", "gpt2_2"), ("moe1", "moe2")]
+)
+def test_split_sequences_follow_the_one_rank_curve(runs, one, split):
+    """dp_shard 2 × cp 2, dp_replicate 2 × cp 2 (chat) and cp 2 against 1 rank: the same losses and grad norms
+    (and final evaluation), on packed text and packed chat
+    rows (their own position restarts), GPT-2 with its dropout keyed per position, MoE with its router loss."""
+    d, out = runs
+    _assert_same(d[one], d[split])
+    if split == "text4":
+        assert "mesh 1 × 2 × 2 (dp_replicate × dp_shard × cp): each sequence split into 2 parts" in out["text4"]
+        assert "global batch 8 = 4 per device × 2 devices × 1 accumulation step" in out["text4"]
+    if split == "chat4":
+        assert "mesh 2 × 1 × 2 (dp_replicate × dp_shard × cp): each sequence split into 2 parts" in out["chat4"]
+        assert "HSDP, state sharded over the 2 ranks (dp_shard × cp) of each of 2 replica groups" in out["chat4"]
+    if split == "gpt2_2":
+        assert "masks keyed by (seed, step, sample, call site)" in out["gpt2_2"]
+
+
+@pytest.mark.slow
+def test_a_cp_checkpoint_resumes_on_another_mesh(runs):
+    """checkpoint-2 of dp_shard 2 × cp 2 resumed as dp_shard 2 × cp 1 and on one rank: step 3 as uninterrupted."""
+    d, out = runs
+    state = json.loads((d["text4"] / "checkpoint-2" / "trainer_state.json").read_text())
+    assert (state["world_size"], state["dp_shard"], state["cp"]) == (4, 2, 2)
+    for name in ("r2", "r1"):
+        _assert_same(d["text4"], d[name], steps=[3])
+    assert "mesh was 1 × 2 × 2, now 1 × 2" in out["r2"]
+    assert "mesh was 1 × 2 × 2, now 1 × 1" in out["r1"]
+
+
+@pytest.mark.parametrize(
+    "replicate, shard, cp, world, per_node, expected",
+    [
+        (None, None, 2, 4, 4, (1, 2, 2)),  # one node: shard over the rest
+        (None, None, 2, 16, 8, (2, 4, 2)),  # two nodes of 8: CP within a node, replicas across nodes
+        (None, 2, 2, 4, 4, (1, 2, 2)),
+        (2, None, 2, 8, 8, (2, 2, 2)),
+        (None, None, 4, 4, 4, (1, 1, 4)),
+    ],
+)
+def test_the_mesh_with_context_parallelism(replicate, shard, cp, world, per_node, expected):
+    shape = resolve(replicate, shard, world, per_node, cp)
+    assert shape == MeshShape(*expected)
+    assert shape.world_size == world and shape.data_parallel == world // cp
+    assert [shape.data_rank(r) for r in range(cp)] == [0] * cp  # a CP group reads the same sequences
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["--cp", "3"], "--cp 3 does not divide the world size 4 (--dp_replicate × --dp_shard × --cp must equal it): "),
+        (
+            ["--cp", "2", "--dp_shard", "4"],
+            "--dp_shard 4 does not divide the world size 4 / --cp 2 (--dp_replicate × --dp_shard must equal it)",
+        ),
+        (["--cp", "4"], "--cp 4 does not divide the model's 2 key/value heads"),
+        (["--cp", "2", "--block_size", "65"], "--cp 2 does not divide --block_size 65"),
+        (["--cp", "0"], "--cp 0 must be a finite number ≥ 1"),
+    ],
+    ids=["world", "mesh", "kv-heads", "block", "zero"],
+)
+def test_a_split_that_does_not_fit_is_refused_before_any_process_group(extra, expected, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(SystemExit) as e:
+        fsdp_main([*TINY, *extra, "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and expected in err, err
+    assert not dist.is_initialized() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_the_hf_engine_names_the_engine_that_has_context_parallelism(capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        hf_main([*TINY, "--cp", "2", "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--cp 2: context parallelism is the FSDP2 engine's" in err
+
+
+def test_what_the_split_cannot_keep_is_refused_in_one_line():
+    """Sliding-window layers (their masks are not built here): refused, naming --cp."""
+    from transformers import AutoConfig
+
+    from anygpu.errors import UsageError
+    from anygpu.runtime import context_parallel
+
+    sliding = AutoConfig.for_model("mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
+    with pytest.raises(UsageError, match="^--cp 2: mistral has sliding-window"):
+        context_parallel.check(sliding, 64, 2)
+    context_parallel.check(AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2), 64, 2)
+
+
+def test_plan_counts_a_ranks_part_of_the_sequence_and_recommends_a_split():
+    """`anygpu plan`: activations of block_size / C tokens per GPU; at a block that fits only with offload
+    (Llama-3 8B, 128k tokens, 8 × 80 GB) the smallest C that fits without it is recommended."""
+    from anygpu.planning import memory_plan
+    from anygpu.tools import plan as plan_tool
+
+    shapes, _, _ = plan_tool.load_shapes(None, "llama-8b")
+    machine = memory_plan.Machine(8, 80 << 30)
+    acts = {
+        c: memory_plan.row_for(shapes, machine, "fsdp2", "bf16", True, False, 1, 131072, cp=c).per_gpu_bytes
+        for c in (1, 2)
+    }
+    assert acts[2]["activations"] * 2 == pytest.approx(acts[1]["activations"], rel=0.01)
+    assert acts[2]["parameters"] == acts[1]["parameters"]  # states are sharded over every GPU either way
+    unsplit = memory_plan.make_plan(shapes, machine, 131072, 8)
+    assert unsplit.recommended.strategy.endswith("offload") and unsplit.cp_advice[0] == 2
+    split = memory_plan.make_plan(shapes, machine, 131072, 8, cp=2)
+    assert split.recommended.strategy == "fsdp2" and split.gradient_accumulation_steps == 2  # G 8 over 4 ranks
+    assert (
+        split.recommended.accelerate_config == "run_fsdp_standalone.py --cp 2 --bf16 true --gradient_checkpointing true"
+    )
+
+
+@pytest.mark.slow
+def test_flash_attentions_varlen_path_under_a_split():
+    """Packed rows under flash attention (the CPU stand-in of test_flash_attention.py, with transformers' own
+    packed-row test): the Ulysses wrapper flattens the whole rows for it; loss and gradient norm as one process.
+    The real kernel on GPUs: benchmarks/gpu_matrix.sh's context-parallelism rows."""
+    proc = torchrun(2, "tests/scripts/cp_flash.py", [])
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("LOSSES"))
+    whole, split, split_norm, whole_norm = map(float, line.split()[1:])
+    assert split == pytest.approx(whole, rel=1e-6) and split_norm == pytest.approx(whole_norm, rel=1e-5), line
