@@ -94,6 +94,8 @@ def measured(lora_base, moe_config, tmp_path_factory):
             "--output_dir",
             str(tmp_path_factory.mktemp(f"lora-bf16-{nproc}")),
         ]
+        groups += [":::", "tiny:accumulation", *args, "--per_device_train_batch_size", "1"]
+        groups += ["--output_dir", str(tmp_path_factory.mktemp(f"accumulation{nproc}"))]
         if nproc == 2:
             groups += [
                 ":::",
@@ -127,6 +129,18 @@ def test_planned_model_states_equal_the_sharded_tensors(measured, preset, nproc)
         assert cpu == 0
         for key in STATES:
             assert abs(planned[key] - real[key]) <= 0.01 * real[key], (preset, nproc, rank, key, planned, real)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_planned_gradients_hold_with_gradient_accumulation(measured, nproc):
+    """8 / nproc accumulation steps: after every micro-batch's backward a rank holds the gradient bytes the plan
+    counts and no more (no accumulation buffer: FSDP2 reduce-scatters each micro-batch into the sharded gradient)."""
+    shapes, _, _ = plan_tool.load_shapes(None, "tiny")
+    for rank, real in enumerate(measured["tiny:accumulation", nproc]):
+        assert real["micro_batches"] == 8 // nproc
+        planned, _ = memory_plan.model_state_bytes(shapes, "fsdp2", "fp32", nproc, rank)
+        assert abs(planned["gradients"] - real["gradients_held"]) <= 0.01 * planned["gradients"], (rank, planned, real)
 
 
 @pytest.mark.slow

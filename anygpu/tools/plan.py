@@ -293,6 +293,8 @@ def recommendation(result: PlanResult) -> list[str]:
         f"  global batch {result.global_batch_size} = {rec.micro_batch} per device × {n} devices × "
         f"{result.gradient_accumulation_steps} accumulation step{'' if result.gradient_accumulation_steps == 1 else 's'} "
         f"(peak ≈ {gib(rec.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU)",
+        f"  host RAM on node 0: {gib(rec.host_bytes['loading'])} GiB to load the model, "
+        f"{gib(rec.host_bytes['exporting'])} GiB to export it (fp32; see docs/memory.md)",
     ]
     if result.step_seconds is not None:
         lines.append(
