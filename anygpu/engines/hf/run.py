@@ -178,7 +178,7 @@ class HFRun:
         plugin = self.targs.deepspeed_plugin
         how = construct.kind(self.plan, plugin, self.info.rank)  # no whole fp32 copy per rank where it shards
         model = construct.build(how, self.prep.config, self.model_args, args.seed, plugin)
-        construct.bound_zero3_live_parameters(plugin, model, self.info.world_size)
+        construct.size_zero3_buffers(plugin, model, self.info.world_size)
         model = lora.wrap(model, self.model_args)
         if lora.is_peft(model):
             lora.init_adapter(model, args.seed)  # the FSDP2 engine's adapter, not peft's draw from the global stream
