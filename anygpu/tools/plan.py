@@ -366,8 +366,8 @@ def render(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
         f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source}); block "
         f"{full.block_size}, global batch {full.global_batch_size}, micro-batch "
         f"{args.per_device_train_batch_size} in the tables",
-        "GiB per GPU; activ* = estimate (Korthikanti et al., real shapes); other = gathered layers / bf16 "
-        f"copies + {gib(memory_plan.RESERVED_BYTES)} GiB reserved; fits = total ≤ {memory_plan.SAFETY:.0%} "
+        "GiB per GPU; activ* = estimate (Korthikanti et al., real shapes); other = gathered units / bf16 "
+        f"copies / the lean loss's head gradient + {gib(memory_plan.RESERVED_BYTES)} GiB reserved; fits = total ≤ {memory_plan.SAFETY:.0%} "
         "of the GPU",
         *hsdp_lines(full),
         "",
