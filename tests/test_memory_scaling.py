@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow  # starts training processes
 def measured() -> dict:
     from conftest import env
 
-    return memory_scaling.measure(4, 2, launcher=[*WARM[:2], "accelerate", "launch"], env=env())
+    got = memory_scaling.measure(4, 2, launcher=[*WARM[:2], "accelerate", "launch"], env=env())
+    print("memory_scaling:", got)  # the figures, with -s
+    return got
 
 
 def test_native_engine_peak_per_rank_divides_by_the_ranks(measured):
