@@ -80,6 +80,10 @@ RUNS=(
 )
 
 LEAN_LOSS="timeout --kill-after 60 $TIME_LIMIT $PYTHON benchmarks/lean_loss.py --bf16 --hidden 2048 --layers 2 --tokens 8192 --rounds 5"
+# Gradient accumulation on the native engine: reduce-scatter every micro-batch (the engine) against deferring it to
+# the last one (the engine before; +1x the model's fp32 size per GPU), tokens/s as a ratio (docs/memory.md)
+ACCUMULATION="timeout --kill-after 60 $TIME_LIMIT $PYTHON -m torch.distributed.run --standalone --nproc-per-node ${NGPU/#0/1} \
+benchmarks/accumulation_speed.py --bf16 --config_name $PRESET --block_size $BLOCK --accumulation 4"
 
 slug() { echo "$1" | tr 'A-Z' 'a-z' | tr -c 'a-z0-9\n' '-' | sed 's/--*/-/g; s/-$//'; }
 
@@ -92,7 +96,9 @@ if [ "$NGPU" = "0" ] || [ "$DRY_RUN" = "1" ]; then
   done
   echo "  # the lean loss against the model's own, one GPU, bf16"
   echo "  $LEAN_LOSS"
-  echo "and writes $OUT/gpu_matrix.md and $OUT/lean_loss.md"
+  echo "  # gradient accumulation: reduce-scatter every micro-batch against deferred, every GPU, bf16"
+  echo "  $ACCUMULATION"
+  echo "and writes $OUT/gpu_matrix.md, $OUT/lean_loss.md and $OUT/accumulation.md"
   exit 0
 fi
 
@@ -116,3 +122,6 @@ done
 echo "== lean loss vs the model's own" >&2
 $LEAN_LOSS >"$OUT/lean_loss.md" 2>"$OUT/lean_loss.log" || echo "   failed: see $OUT/lean_loss.log" >&2
 cat "$OUT/lean_loss.md"
+echo "== gradient accumulation: reduce-scatter every micro-batch against deferred" >&2
+$ACCUMULATION >"$OUT/accumulation.md" 2>"$OUT/accumulation.log" || echo "   failed: see $OUT/accumulation.log" >&2
+cat "$OUT/accumulation.md"

@@ -68,7 +68,8 @@ def test_every_configuration_runs_through_the_vendor_launcher_under_a_time_limit
     environment presets, as a user's run gets them), and the launcher accepts each one (its --dry-run)."""
     proc = matrix(NGPU="2", DRY_RUN="1", VENDOR=vendor, TIME_LIMIT="77")
     assert proc.returncode == 0, proc.stderr
-    runs = {name: cmd for name, cmd in commands(proc.stdout).items() if "lean loss" not in name}
+    extra = ("lean loss", "gradient accumulation")  # the benchmarks after the training rows
+    runs = {name: cmd for name, cmd in commands(proc.stdout).items() if not name.startswith(("the lean loss", *extra))}
     assert len(runs) == 12, runs
     assert "--cp 2 --gradient_checkpointing true --attn_implementation flash_attention_2" in proc.stdout
     prefix = re.compile(
@@ -80,6 +81,11 @@ def test_every_configuration_runs_through_the_vendor_launcher_under_a_time_limit
         assert cmd.startswith("env TORCH_LOGS=recompiles ") == ("--torch_compile true" in cmd), cmd
         assert ("--engine hf --accelerate-config" in cmd) == name.startswith("HF engine"), cmd
     assert "timeout --kill-after 60 77 " in proc.stdout.split("# the lean loss")[1]
+    accumulation = commands(proc.stdout)[
+        "gradient accumulation: reduce-scatter every micro-batch against deferred, every GPU, bf16"
+    ]
+    assert accumulation.startswith("timeout --kill-after 60 77 ") and "--nproc-per-node 2" in accumulation
+    assert "benchmarks/accumulation_speed.py --bf16" in accumulation
     keyed = runs["native bf16 + torch.compile, GPT-2 124M with keyed dropout 0.1"]
     assert "--config_name benchmarks/gpt2_dropout.json" in keyed and "--torch_compile true" in keyed
     engines = {re.search(r"--engine (fsdp|hf( --accelerate-config \S+)?) --", c).group(1) for c in runs.values()}

@@ -64,3 +64,24 @@ def test_bf16_trains_close_to_fp32(config, fsdp_engine, tmp_path):
     got = losses(tmp_path)
     for s in got:
         assert abs(got[s] - fsdp_engine[s]) / fsdp_engine[s] < 2e-2
+
+
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs at least two GPUs: rank 0 builds, the others receive")
+def test_fsdp_ranks_but_rank_0_build_no_host_copy_of_the_model(tmp_path):
+    """accelerate's FSDP2 (fsdp_cpu_ram_efficient_loading): rank 0 builds the seeded 85M-parameter model on the host
+    and broadcasts it shard by shard; every other rank builds it on the meta device, so its host memory never
+    holds the model (the losses of that path equal the native engine's: test_strategy_in_effect_and_same_losses)."""
+    import sys
+
+    from conftest import ROOT, WARM, env
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import memory_scaling
+
+    args = memory_scaling.train_args(tmp_path, "hf-fsdp", NUM_GPUS, 2)
+    peaks = memory_scaling.launch(
+        NUM_GPUS, [("hf", "hf", args)], [*WARM[:2], "accelerate", "launch"], env(), config="fsdp"
+    )["hf"]
+    size = memory_scaling.model_bytes()
+    assert peaks[0] > size, peaks  # rank 0 held the whole fp32 model on the host
+    assert max(peaks[1:]) < peaks[0] - 0.75 * size, peaks

@@ -94,6 +94,8 @@ def measured(lora_base, moe_config, tmp_path_factory):
             "--output_dir",
             str(tmp_path_factory.mktemp(f"lora-bf16-{nproc}")),
         ]
+        groups += [":::", "tiny:accumulation", *args, "--per_device_train_batch_size", "1"]
+        groups += ["--output_dir", str(tmp_path_factory.mktemp(f"accumulation{nproc}"))]
         if nproc == 2:
             groups += [
                 ":::",
@@ -127,6 +129,18 @@ def test_planned_model_states_equal_the_sharded_tensors(measured, preset, nproc)
         assert cpu == 0
         for key in STATES:
             assert abs(planned[key] - real[key]) <= 0.01 * real[key], (preset, nproc, rank, key, planned, real)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_planned_gradients_hold_with_gradient_accumulation(measured, nproc):
+    """8 / nproc accumulation steps: after every micro-batch's backward a rank holds the gradient bytes the plan
+    counts and no more (no accumulation buffer: FSDP2 reduce-scatters each micro-batch into the sharded gradient)."""
+    shapes, _, _ = plan_tool.load_shapes(None, "tiny")
+    for rank, real in enumerate(measured["tiny:accumulation", nproc]):
+        assert real["micro_batches"] == 8 // nproc
+        planned, _ = memory_plan.model_state_bytes(shapes, "fsdp2", "fp32", nproc, rank)
+        assert abs(planned["gradients"] - real["gradients_held"]) <= 0.01 * planned["gradients"], (rank, planned, real)
 
 
 @pytest.mark.slow
@@ -291,3 +305,31 @@ def test_plan_for_a_named_gpu_is_compact(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # a tool that writes nothing creates no folder
     bad = run_plan("--config_name", "tiny", "--gpu", "h10")
     assert bad.returncode == 2 and "--gpu h10 is not in anygpu's table (did you mean h100?)" in bad.stderr
+
+
+def test_host_memory_to_load_follows_how_each_engine_builds_the_model(monkeypatch):
+    """Node 0's host RAM to load llama-8b on 8 GPUs (fp32): a whole model per process where every process builds it
+    (DDP, ZeRO-2), one where rank 0 alone builds it or reads the files (accelerate's FSDP2: the other ranks build it
+    on meta; ZeRO-3: partitioned as built), one tensor per process in the native engine; the export one model."""
+    from types import SimpleNamespace
+
+    from anygpu.engines.hf import construct
+    from anygpu.engines.hf import strategy as hf_strategy
+
+    shapes, _, _ = plan_tool.load_shapes(None, "llama-8b")
+    whole = 4 * shapes.num_params
+    host = {s: memory_plan.host_bytes(shapes, s, 8) for s in (*memory_plan.STRATEGIES, memory_plan.HSDP)}
+    assert host["ddp"]["loading"] == host["zero2"]["loading"] == 8 * whole
+    assert host["fsdp2"]["loading"] == host["zero3"]["loading"] == whole
+    assert host[memory_plan.HSDP]["loading"] == 8 * 4 * 128256 * 4096  # the embedding, in every process
+    assert all(h["exporting"] == whole for h in host.values())
+    # what the HF engine builds on each rank, as the plan counts it
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")  # the shipped FSDP configs' setting
+    fsdp = hf_strategy.Plan(hf_strategy.Request("fsdp", 8, fsdp_version=2), "fsdp", False, None)
+    assert [construct.kind(fsdp, None, r) for r in (0, 1, 7)] == [construct.FULL, construct.META, construct.META]
+    zero3 = hf_strategy.Plan(hf_strategy.Request("deepspeed", 8, zero_stage=3), "deepspeed", False, "gloo")
+    flag = lambda on: SimpleNamespace(is_zero3_init_enabled=lambda: on)  # noqa: E731
+    assert construct.kind(zero3, flag(True), 3) == construct.ZERO3
+    assert construct.kind(zero3, flag(False), 3) == construct.FULL  # zero3_init_flag: false: the old way
+    ddp = hf_strategy.Plan(hf_strategy.Request("ddp", 8), "ddp", False, "gloo")
+    assert construct.kind(ddp, None, 1) == construct.FULL

@@ -44,11 +44,27 @@ def assign(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full tensor into a parameter: plain, or this rank's shard of an FSDP2 DTensor."""
     from torch.distributed.tensor import DTensor
 
+    if hasattr(param, "ds_tensor"):  # DeepSpeed ZeRO-3 (zero.Init): this rank's slice of the flattened tensor
+        _assign_partition(param, full)
+        return
     full = full.to(param.device, param.dtype)
     if isinstance(param, DTensor):
         param.to_local().copy_(distribute_tensor_local(full, param))
     else:
         param.copy_(full)
+
+
+def _assign_partition(param, full: torch.Tensor) -> None:
+    """DeepSpeed's partitioning of a ZeRO-3 parameter: rank r of its group holds elements [r·p, (r+1)·p) of the
+    flattened tensor (p: the partition's size, the last one padded), as `zero.Init` cuts them."""
+    import torch.distributed as dist
+
+    part = param.ds_tensor
+    size = part.ds_numel
+    start = size * dist.get_rank(group=param.ds_process_group)
+    count = max(0, min(size, param.ds_numel - start))
+    if count:
+        part.data[:count].copy_(full.reshape(-1)[start : start + count].to(part.device, part.dtype))
 
 
 def distribute_tensor_local(full: torch.Tensor, param) -> torch.Tensor:

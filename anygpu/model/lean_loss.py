@@ -258,7 +258,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, *grad_params = ctx.saved_tensors
-        scale = lambda g: None if g is None else g * grad_total.to(g.dtype)  # noqa: E731
+        # In place: these gradients are ours alone (a copy would hold the head's gradient twice at the backward's start)
+        scale = lambda g: None if g is None else g.mul_(grad_total.to(g.dtype))  # noqa: E731
         return (scale(grad_hidden), None, None, None, None, None, None, *map(scale, grad_params))
 
 

@@ -174,7 +174,7 @@ def estimate_cost(
 ) -> Callable[[int], int]:
     """Per-device bytes the plan expects at micro-batch m (model states, activations, working copies)."""
     states = sum(memory_plan.model_state_bytes(shapes, strategy, precision, world)[0].values())
-    extra = memory_plan.transient_bytes(shapes, strategy, precision, world)
+    extra = memory_plan.transient_bytes(shapes, strategy, precision, world, lean_loss)
     return lambda m: (
         states + extra + memory_plan.activation_bytes(shapes, m, block_size, precision, checkpointing, lean_loss)
     )

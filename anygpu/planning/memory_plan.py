@@ -73,6 +73,8 @@ class Shapes:
     head_dim: int
     vocab_size: int
     layer_param_numel: int  # one decoder layer (the unit FSDP2 / ZeRO-3 gather)
+    embedding_numel: int = 0  # the input embedding's weight (an FSDP2 unit of its own unless tied)
+    head_numel: int = 0  # the output projection's weight (the lean loss's gradient accumulator is its size)
 
     @property
     def num_params(self) -> int:
@@ -125,7 +127,14 @@ def shapes_from_model(model, config, lora_r: int = 0, lora_targets: tuple[str, .
         head_dim,
         config.vocab_size,
         sum(p.numel() for p in layers[0].parameters()) if layers else 0,
+        *_embedding_and_head(model),
     )
+
+
+def _embedding_and_head(model) -> tuple[int, int]:
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    numel = lambda m: m.weight.numel() if getattr(m, "weight", None) is not None else 0  # noqa: E731
+    return numel(embedding), numel(head)
 
 
 def _fsdp_rows(shape: tuple[int, ...], world: int, rank: int) -> int:
@@ -152,6 +161,7 @@ class Row:
     fits: bool
     accelerate_config: str
     activations_are_estimates: bool = True
+    host_bytes: dict[str, int] = field(default_factory=dict)  # node 0's host RAM: loading, exporting (`host_bytes`)
 
     @property
     def total(self) -> int:
@@ -224,15 +234,29 @@ def activation_bytes(
     return tokens * (per_token + e * h + 4 * h + v * (e + 4 + 4))
 
 
-def transient_bytes(shapes: Shapes, strategy: str, precision: str, world: int) -> int:
-    """Unsharded working copies: gathered layers (FSDP2/ZeRO-3: this one and the prefetched next,
-    plus their unsharded gradients before the reduce-scatter), autocast's bf16 weights (DDP)."""
+def transient_bytes(shapes: Shapes, strategy: str, precision: str, world: int, lean_loss: bool = True) -> int:
+    """Unsharded working copies: gathered units (FSDP2/ZeRO-3: this one and the prefetched next, plus their
+    unsharded gradients before the reduce-scatter; the largest unit: a decoder layer, or at a large vocabulary the
+    embedding or the output projection, FSDP2 units of their own), autocast's bf16 weights (DDP); and the lean
+    loss's gradient of the output projection (`lean_head_bytes`).
+
+    No gradient accumulation buffer: under FSDP2 every micro-batch's gradients are reduce-scattered into the
+    sharded gradient at once (HSDP defers only the all-reduce across replica groups), DDP and one process sum
+    into the (counted) gradients, DeepSpeed reduces each micro-batch into its partitions."""
     e = 2 if precision == "bf16" else 4
+    lean = lean_head_bytes(shapes, precision) if lean_loss else 0
     if strategy.startswith(("fsdp2", "zero3", HSDP)) and (world > 1 or strategy.endswith("offload")):
-        return 2 * shapes.layer_param_numel * (e + e)
+        unit = max(shapes.layer_param_numel, shapes.embedding_numel, shapes.head_numel)
+        return 2 * unit * (e + e) + lean
     if strategy == "ddp" and precision == "bf16":
-        return shapes.num_params * 2  # autocast's bf16 copies of the weights (ZeRO-2 keeps bf16 weights itself)
-    return 0
+        return shapes.num_params * 2 + lean  # autocast's bf16 copies of the weights (ZeRO-2 keeps bf16 weights itself)
+    return lean
+
+
+def lean_head_bytes(shapes: Shapes, precision: str) -> int:
+    """The lean loss (`anygpu.model.lean_loss`) sums the output projection's weight gradient over its chunks in fp32
+    during the forward and keeps it (in the weight's dtype: a second copy under bf16) for the backward's start."""
+    return shapes.head_numel * (4 + (2 if precision == "bf16" else 0))
 
 
 @dataclass
@@ -304,7 +328,7 @@ def row_for(
     per_gpu = {
         **states,
         "activations": acts,
-        "transient": transient_bytes(shapes, strategy, precision, shards),
+        "transient": transient_bytes(shapes, strategy, precision, shards, lean_loss),
         "reserved": RESERVED_BYTES if machine.gpu_memory_bytes else 0,
     }
     budget = machine.gpu_memory_bytes * SAFETY
@@ -313,7 +337,26 @@ def row_for(
     if cp > 1:
         how = f"run_fsdp_standalone.py --cp {cp}" + " --bf16 true" * (precision == "bf16")
         how += " --gradient_checkpointing true" * checkpointing
-    return Row(strategy, precision, checkpointing, lora, micro_batch, per_gpu, cpu, fits, how)
+    host = host_bytes(shapes, strategy, dp_shard or world)
+    return Row(strategy, precision, checkpointing, lora, micro_batch, per_gpu, cpu, fits, how, host_bytes=host)
+
+
+def host_bytes(shapes: Shapes, strategy: str, gpus_per_node: int) -> dict[str, int]:
+    """Host RAM on node 0 (the busiest) beyond the strategy's own CPU state, in fp32 (4 bytes per parameter):
+    - loading (pretrained or initialised): DDP and ZeRO-1/2 build the whole model in every process; accelerate's
+      FSDP2 (`fsdp_cpu_ram_efficient_loading`) in rank 0 only, the others on the meta device; ZeRO-3 (`zero3_init_flag`)
+      partitions while building, rank 0 reading the files (the whole model, at worst); the native engine (its FSDP2
+      and HSDP rows) reads one tensor at a time in every process and keeps its shards;
+    - exporting: the whole model gathered on rank 0 (`anygpu.checkpoint.export`)."""
+    whole = 4 * shapes.num_params
+    largest = 4 * max((p.numel for p in shapes.params), default=0)
+    if strategy in ("ddp", "zero2", "zero2_offload"):
+        loading = gpus_per_node * whole
+    elif strategy == HSDP:
+        loading = gpus_per_node * largest
+    else:
+        loading = whole
+    return {"loading": loading, "exporting": whole}
 
 
 # Fastest first: no sharding, then sharding without and with offload (ZeRO-2 before 3: fewer gathers). HSDP

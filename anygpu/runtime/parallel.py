@@ -79,8 +79,25 @@ def shard_model(
     for i, layer in enumerate(layers):
         # The last layer's parameters are gathered again at once by the backward: keep them.
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
+    embedding, head = _own_units(model)
+    if embedding is not None:  # gathered for the forward's first step and the backward's last only
+        fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if head is not None:  # kept from the forward's end into the backward's start (the lean loss uses it there too)
+        fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def _own_units(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """The input embedding and the output projection as FSDP2 units of their own (torchtitan's and accelerate's
+    layout), unless tied (one parameter belongs to one unit, the root then). In the root they would stay gathered
+    through the whole forward and backward, with their full gradients until the backward's end: at a 128k
+    vocabulary the largest tensors of the model, on every rank."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    weight = lambda m: getattr(m, "weight", None) if isinstance(m, nn.Module) else None  # noqa: E731
+    if weight(embedding) is None or weight(head) is None or weight(embedding) is weight(head):
+        return None, None
+    return embedding, head
 
 
 def set_gradient_reduction(model: nn.Module, last_micro_batch: bool) -> None:

@@ -313,6 +313,8 @@ def recommendation(result: PlanResult) -> list[str]:
         f"  global batch {result.global_batch_size} = {rec.micro_batch} per device × {n} devices × "
         f"{result.gradient_accumulation_steps} accumulation step{'' if result.gradient_accumulation_steps == 1 else 's'} "
         f"(peak ≈ {gib(rec.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU)",
+        f"  host RAM on node 0: {gib(rec.host_bytes['loading'])} GiB to load the model, "
+        f"{gib(rec.host_bytes['exporting'])} GiB to export it (fp32; see docs/memory.md)",
     ]
     if result.cp_advice is not None:
         cp, row = result.cp_advice
@@ -390,8 +392,8 @@ def render(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
         f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source}); block "
         f"{full.block_size}, global batch {full.global_batch_size}, micro-batch "
         f"{args.per_device_train_batch_size} in the tables",
-        "GiB per GPU; activ* = estimate (Korthikanti et al., real shapes); other = gathered layers / bf16 "
-        f"copies + {gib(memory_plan.RESERVED_BYTES)} GiB reserved; fits = total ≤ {memory_plan.SAFETY:.0%} "
+        "GiB per GPU; activ* = estimate (Korthikanti et al., real shapes); other = gathered units / bf16 "
+        f"copies / the lean loss's head gradient + {gib(memory_plan.RESERVED_BYTES)} GiB reserved; fits = total ≤ {memory_plan.SAFETY:.0%} "
         "of the GPU",
         *hsdp_lines(full),
         "",

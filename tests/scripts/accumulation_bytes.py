@@ -35,6 +35,8 @@ def held_gradient_bytes(model: torch.nn.Module) -> int:
     total = sum(nbytes(p.grad) for p in model.parameters())
     for module in model.modules():
         group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        # HSDP: the reduce-scattered gradients summed until the all-reduce across replica groups (a shard's size)
+        total += nbytes(getattr(group, "_partial_reduce_output", None))
         for fsdp_param in group.fsdp_params if group is not None else ():
             total += nbytes(getattr(fsdp_param, "unsharded_accumulated_grad", None))
             unsharded = getattr(fsdp_param, "_unsharded_param", None)  # its .grad: kept for the reduction to come

@@ -27,9 +27,26 @@ from anygpu.train import optim
 from argv_groups import split_args  # noqa: E402
 
 
-def nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
     t = t.to_local() if isinstance(t, DTensor) else t
     return t.numel() * t.element_size()
+
+
+def held_gradient_bytes(model: torch.nn.Module) -> int:
+    """Gradients held after a micro-batch's backward: the sharded ones and whatever FSDP2 keeps unsharded for a
+    later reduction (an accumulation buffer)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    total = sum(nbytes(p.grad) for p in model.parameters())
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            total += nbytes(getattr(fsdp_param, "unsharded_accumulated_grad", None))
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            total += nbytes(unsharded.grad if unsharded is not None else None)
+    return total
 
 
 info = distributed.init_distributed()
@@ -43,11 +60,24 @@ for presets, *args in groups:
         prep = prepare(model_args, data_args, train_args, info)
         model = fsdp_engine.build_model(prep, model_args, train_args, info)
         opt = optim.build_optimizer(model, train_args, info.device)
-        fsdp_engine.train_step(model, prep, 0, info)
+        held: list[int] = []
+        backward = torch.Tensor.backward
+
+        def measured_backward(self, *a, _model=model, **kw):
+            backward(self, *a, **kw)
+            held.append(held_gradient_bytes(_model))
+
+        torch.Tensor.backward = measured_backward  # every micro-batch's backward (A of them)
+        try:
+            fsdp_engine.train_step(model, prep, 0, info)
+        finally:
+            torch.Tensor.backward = backward
         trainable = [p for p in model.parameters() if p.requires_grad]
         mine = {
             "parameters": sum(nbytes(p) for p in model.parameters()),
             "gradients": sum(nbytes(p.grad) for p in trainable if p.grad is not None),
+            "gradients_held": max(held),  # the most after any micro-batch's backward
+            "micro_batches": len(held),
         }
         opt.step()  # creates the (sharded) AdamW state; the 0-dim step counters are not state memory
         mine["optimizer"] = sum(

@@ -18,11 +18,11 @@ from anygpu.checkpoint import resume_guard
 from anygpu.config.args import TrainArguments, resolved_dict
 from anygpu.config.batch import BatchPlan
 from anygpu.data.prepare import prepare
+from anygpu.engines.hf import construct
 from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.engines.hf.trainer import (
     AnygpuTrainer,
     TrunkCallback,
-    plain_model_construction,
     zero3_state_dict,
 )
 from anygpu.engines.trunk import finish, startup
@@ -182,8 +182,10 @@ class HFRun:
     def _build_model(self) -> torch.nn.Module:
         """The model as the FSDP2 engine builds it (seeded initialisation, adapter, keyed dropout, lean loss)."""
         args = self.args
-        with plain_model_construction(self.targs.deepspeed_plugin):
-            model = modeling.build_full_model(self.prep.config, self.model_args, args.seed)
+        plugin = self.targs.deepspeed_plugin
+        how = construct.kind(self.plan, plugin, self.info.rank)  # no whole fp32 copy per rank where it shards
+        model = construct.build(how, self.prep.config, self.model_args, args.seed, plugin)
+        construct.size_zero3_buffers(plugin, model, self.info.world_size)
         model = lora.wrap(model, self.model_args)
         if lora.is_peft(model):
             lora.init_adapter(model, args.seed)  # the FSDP2 engine's adapter, not peft's draw from the global stream

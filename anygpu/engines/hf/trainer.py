@@ -16,7 +16,6 @@ What the loop computes, per optimizer step k and rank r (G = m·W·A as in `anyg
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
@@ -364,26 +363,6 @@ class TrunkCallback(TrainerCallback):
 
 
 # ---------------------------------------------------------------------- model building and export
-@contextlib.contextmanager
-def plain_model_construction(deepspeed_plugin: Any) -> Iterator[None]:
-    """Build the model as an ordinary module even under ZeRO-3.
-
-    accelerate registers its DeepSpeed config with transformers, and with ZeRO-3 `from_config` then
-    partitions the model while it is built (zero.Init), before our seeded initialisation could fill
-    it. Unregister it for the build; DeepSpeed partitions the finished model when training starts.
-    """
-    if deepspeed_plugin is None:
-        yield
-        return
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        deepspeed_plugin.set_deepspeed_weakref()
-
-
 def zero3_state_dict(
     model: torch.nn.Module, is_main: bool, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor] | None:
