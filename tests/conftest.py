@@ -293,9 +293,33 @@ def assert_close(a: dict[int, float], b: dict[int, float], rel: float, steps=Non
     assert worst <= rel, "losses differ: " + ", ".join(f"{s}: {a[s]:.7f} vs {b[s]:.7f}" for s in steps)
 
 
+# The files that take longest (`pytest --durations=0` on 2 cores, summed per file), longest first: handed out
+# first, so neither worker starts one of them near the end while the other idles.
+LONGEST_FILES = (
+    "test_memory_scaling.py",
+    "test_faults.py",
+    "test_verify.py",
+    "test_launch.py",
+    "test_model_families.py",
+    "test_wheel.py",
+    "test_hf_deepspeed.py",
+    "test_sft.py",
+    "test_demo.py",
+    "test_bench.py",
+    "test_fsdp_engine.py",
+    "test_context_parallel.py",
+)
+
+
+def file_order(path: Path, slow_files: set[Path]) -> tuple[bool, int]:
+    """The longest files first, then the other files that start training processes, the quick ones last."""
+    longest = LONGEST_FILES.index(path.name) if path.name in LONGEST_FILES else len(LONGEST_FILES)
+    return path not in slow_files, longest
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Files that start training processes first, the quick ones last: xdist hands out whole files
-    (--dist loadfile) in this order, so the last minute of the run is quick files filling both workers
-    rather than one long file keeping one worker busy while the other idles."""
+    """Files in `file_order`: xdist hands out whole files (--dist loadfile, --no-loadscope-reorder) in this
+    order, so the last minute of the run is quick files filling both workers rather than one long file
+    keeping one worker busy while the other idles."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: file and test order kept within each group
+    items.sort(key=lambda item: file_order(item.path, slow_files))  # stable: test order kept within a file
