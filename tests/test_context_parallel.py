@@ -14,11 +14,10 @@ import random
 import shutil
 
 import pytest
-import torch.distributed as dist
 from conftest import TINY, fsdp_runs, records, torchrun
+from test_hsdp import assert_refused_on_four_ranks
 from test_sft import sentence
 
-from anygpu.engines.fsdp import main as fsdp_main
 from anygpu.engines.hf.engine import main as hf_main
 from anygpu.runtime.mesh import MeshShape, resolve
 
@@ -194,13 +193,7 @@ def test_the_mesh_with_context_parallelism(replicate, shard, cp, world, per_node
     ids=["world", "mesh", "kv-heads", "block", "zero"],
 )
 def test_a_split_that_does_not_fit_is_refused_before_any_process_group(extra, expected, capsys, tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    with pytest.raises(SystemExit) as e:
-        fsdp_main([*TINY, *extra, "--output_dir", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and expected in err, err
-    assert not dist.is_initialized() and not (tmp_path / "metrics.jsonl").exists()
+    assert_refused_on_four_ranks(extra, expected, capsys, tmp_path, monkeypatch)
 
 
 def test_the_hf_engine_names_the_engine_that_has_context_parallelism(capsys, tmp_path):

@@ -54,6 +54,12 @@ def test_the_mesh_given_derived_or_by_default(replicate, shard, world, per_node,
     ids=["indivisible", "product", "zero"],
 )
 def test_a_mesh_that_does_not_fit_is_refused_before_any_process_group(extra, expected, capsys, tmp_path, monkeypatch):
+    assert_refused_on_four_ranks(extra, expected, capsys, tmp_path, monkeypatch)
+
+
+def assert_refused_on_four_ranks(extra: list[str], expected: str, capsys, tmp_path, monkeypatch) -> None:
+    """The FSDP2 engine as one of 4 torchrun ranks refuses `extra` in one line saying `expected`, exit 2, before
+    any process group or output."""
     monkeypatch.setenv("WORLD_SIZE", "4")  # what torchrun --nproc-per-node 4 sets
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(SystemExit) as e:

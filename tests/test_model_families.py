@@ -9,16 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import TINY, hf_runs, losses, python, torchrun
 from hub_sources import MOE, build, tensors
+from hub_sources import SMALL as HUB_SMALL
 
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
+SMALL = {**HUB_SMALL, "vocab_size": 128}
 # Tiny shapes of each family; dropout as each family ships it (GPT-2 0.1 everywhere, OPT 0.1).
 FAMILIES = {
     "llama": dict(model_type="llama", **SMALL),
