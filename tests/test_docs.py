@@ -39,6 +39,7 @@ FOREIGN_OPTIONS = {
     "--cpus-per-task",
     "--gpus-per-node",
     "--durations",
+    "--no-loadscope-reorder",
     "--index-url",
 }
 

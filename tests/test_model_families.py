@@ -52,10 +52,10 @@ FAMILIES = {
 for _data in FAMILIES.values():  # special tokens inside the tiny vocabulary (training refits them to its tokenizer)
     _data.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 ARGS = [*TINY, "--max_steps", "3", "--max_eval_samples", "2", "--save_total_limit", "1"]
-# the Hub sources the engines train: the MoE families (Mixtral's stored in bf16 over several files). gpt-oss is left
-# out: its attention needs --attn_implementation eager, which the one launch's shared arguments would impose on
-# every family; tests/test_hub_checkpoints.py loads and exports it, and the bf16 Llama, in one process.
-TRAINED = [name for name in MOE if name != "gpt_oss"]
+# the Hub sources the engines train: the MoE families (Mixtral's stored in bf16 over several files; gpt-oss, which has
+# no sdpa kernel, on the eager attention the default becomes for it); tests/test_hub_checkpoints.py loads and exports
+# them, and the bf16 Llama, in one process.
+TRAINED = list(MOE)
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,7 @@ def test_hub_checkpoint_exports_in_its_own_layout(runs, name):
     assert {v.dtype for v in final.values()} == {v.dtype for v in source.values()}
     _, info = AutoModelForCausalLM.from_pretrained(final_dir, output_loading_info=True)
     assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
-    if name in MOE:
+    if name != "gpt_oss":  # gpt-oss stores its experts fused on the Hub; the others one tensor per expert
         assert any(".experts.0." in key for key in final)
 
 
@@ -268,3 +268,23 @@ def test_hf_engine_exports_the_same_layout(runs, hf_pretrained):
     )
     assert sorted(hf) == sorted(ours) == sorted(tensors(_SOURCES["mixtral"]))
     assert {v.dtype for v in hf.values()} == {v.dtype for v in ours.values()} == {torch.bfloat16}
+
+
+def test_the_default_attention_fits_a_family_without_sdpa(tmp_path):
+    """gpt-oss has no sdpa kernel: the default sdpa becomes eager (as transformers' own default); a family with sdpa
+    keeps it, and a kernel asked for by name is kept."""
+    from transformers import AutoConfig
+
+    from anygpu.config.args import ModelArguments
+    from anygpu.model import modeling
+
+    for model_type, asked, expected in [
+        ("gpt_oss", "sdpa", "eager"),
+        ("llama", "sdpa", "sdpa"),
+        ("llama", "eager", "eager"),
+    ]:
+        folder = tmp_path / model_type
+        AutoConfig.for_model(model_type).save_pretrained(folder)
+        args = ModelArguments(config_name=str(folder), attn_implementation=asked)
+        modeling.resolve_config(args)
+        assert args.attn_implementation == expected, (model_type, asked)

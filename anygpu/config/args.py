@@ -76,7 +76,7 @@ class ModelArguments:
         default="sdpa",
         metadata={
             "resume": FREE,
-            "help": "Attention kernel: sdpa, eager, or flash_attention_2/3 (needs its flash-attn package, a GPU and --bf16).",
+            "help": "Attention kernel: sdpa (eager for a family without sdpa, e.g. gpt-oss), eager, or flash_attention_2/3 (needs its flash-attn package, a GPU and --bf16).",
         },
     )
     trust_remote_code: bool = field(

@@ -29,7 +29,14 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_config(args: ModelArguments) -> PretrainedConfig:
-    """The model's config: from --config_name (preset, file or folder), else the pretrained model's."""
+    """The model's config: from --config_name (preset, file or folder), else the pretrained model's; the
+    attention kernel fitted to it (`fit_attention`)."""
+    config = _config_of(args)
+    fit_attention(config, args)
+    return config
+
+
+def _config_of(args: ModelArguments) -> PretrainedConfig:
     name = args.config_name or (None if args.model_name_or_path else "default")
     if name is None:
         return AutoConfig.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
@@ -48,6 +55,18 @@ def resolve_config(args: ModelArguments) -> PretrainedConfig:
     if model_type is None:
         raise UsageError(f"--config_name {path}: config has no 'model_type' (e.g. \"llama\").")
     return AutoConfig.for_model(model_type, **data)
+
+
+def fit_attention(config: PretrainedConfig, args: ModelArguments) -> None:
+    """--attn_implementation sdpa (the default) for a family that has no sdpa kernel (gpt-oss: its attention
+    sinks) becomes eager, as transformers' own default would choose, said once; any other choice stays."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if args.attn_implementation != "sdpa" or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return
+    if not getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True):
+        logger.warning("%s has no sdpa attention: --attn_implementation eager", config.model_type)
+        args.attn_implementation = "eager"
 
 
 def max_positions(config: PretrainedConfig) -> int | None:
