@@ -4,8 +4,9 @@ Real gloo runs, three launches once per module: 4 ranks as dp_shard 2 × cp 2 (p
 checkpoint at step 2) and as dp_replicate 2 × cp 2 (HSDP; chat data with packing), 2 ranks as cp 2 (packed text; GPT-2 shapes with residual,
 embedding and attention dropout; Qwen2-MoE shapes with the router loss, on chat data) and the 4-rank
 checkpoint resumed as dp_shard 2 × cp 1, and 1 rank (the references, and the checkpoint resumed on one
-rank). The tiny preset is GQA (4 heads, 2 KV heads): each CP rank gets one KV head. Losses and grad norms
-against one rank ≤ 1e-5. The refusals and the plan need no processes (quick tier)."""
+rank). The tiny preset is GQA (4 heads, 2 KV heads): each CP rank gets one KV head under cp 2; under cp 4 (4 ranks,
+packed text and packed chat) its 2 KV heads cannot be split, so each rank's queries attend to the gathered keys and
+values. Losses and grad norms against one rank ≤ 1e-5. The refusals and the plan need no processes (quick tier)."""
 
 from __future__ import annotations
 
@@ -77,14 +78,30 @@ def runs(tmp_path_factory):
     chat_args = [*small, "--train_file", str(chat)]
     gpt2_args = [*small, "--config_name", str(root / "gpt2.json")]
     moe_args = [*chat_args, "--config_name", str(root / "moe.json")]
-    names = ("text1", "text4", "chat1", "chat4", "gpt2_1", "gpt2_2", "moe1", "moe2", "text2", "r2", "r1")
+    names = (
+        "text1",
+        "text4",
+        "chat1",
+        "chat4",
+        "gpt2_1",
+        "gpt2_2",
+        "moe1",
+        "moe2",
+        "text2",
+        "r2",
+        "r1",
+        "kv4",
+        "kvchat4",
+    )
     d = {name: root / name for name in names}
     out = {}
-    out["text4"], out["chat4"] = fsdp_runs(
+    out["text4"], out["chat4"], out["kv4"], out["kvchat4"] = fsdp_runs(
         4,
         [
             [*text, *CP, "--save_steps", "2", "--output_dir", str(d["text4"])],
             [*chat_args, "--dp_replicate", "2", "--cp", "2", "--output_dir", str(d["chat4"])],  # HSDP × CP
+            [*text, "--cp", "4", "--output_dir", str(d["kv4"])],  # 2 KV heads over 4 ranks: gathered
+            [*chat_args, "--cp", "4", "--output_dir", str(d["kvchat4"])],
         ],
     )
     for name in ("r2", "r1"):  # the run as it stood after step 2, resumed elsewhere
@@ -131,7 +148,16 @@ def _assert_same(a, b, steps=None) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "one, split", [("text1", "text4"), ("text1", "text2"), ("chat1", "chat4"), ("gpt2_1", "gpt2_2"), ("moe1", "moe2")]
+    "one, split",
+    [
+        ("text1", "text4"),
+        ("text1", "text2"),
+        ("chat1", "chat4"),
+        ("gpt2_1", "gpt2_2"),
+        ("moe1", "moe2"),
+        ("text1", "kv4"),
+        ("chat1", "kvchat4"),
+    ],
 )
 def test_split_sequences_follow_the_one_rank_curve(runs, one, split):
     """dp_shard 2 × cp 2, dp_replicate 2 × cp 2 (chat) and cp 2 against 1 rank: the same losses and grad norms
@@ -186,11 +212,10 @@ def test_the_mesh_with_context_parallelism(replicate, shard, cp, world, per_node
             ["--cp", "2", "--dp_shard", "4"],
             "--dp_shard 4 does not divide the world size 4 / --cp 2 (--dp_replicate × --dp_shard must equal it)",
         ),
-        (["--cp", "4"], "--cp 4 does not divide the model's 2 key/value heads"),
         (["--cp", "2", "--block_size", "65"], "--cp 2 does not divide --block_size 65"),
         (["--cp", "0"], "--cp 0 must be a finite number ≥ 1"),
     ],
-    ids=["world", "mesh", "kv-heads", "block", "zero"],
+    ids=["world", "mesh", "block", "zero"],
 )
 def test_a_split_that_does_not_fit_is_refused_before_any_process_group(extra, expected, capsys, tmp_path, monkeypatch):
     assert_refused_on_four_ranks(extra, expected, capsys, tmp_path, monkeypatch)
@@ -213,7 +238,11 @@ def test_what_the_split_cannot_keep_is_refused_in_one_line():
     sliding = AutoConfig.for_model("mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
     with pytest.raises(UsageError, match="^--cp 2: mistral has sliding-window"):
         context_parallel.check(sliding, 64, 2)
-    context_parallel.check(AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2), 64, 2)
+    gqa = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2)
+    context_parallel.check(gqa, 64, 2)
+    context_parallel.check(gqa, 64, 4)  # 2 KV heads over 4 ranks: the keys and values are gathered
+    with pytest.raises(UsageError, match="^--cp 4 does not divide the model's 4 attention and 2 key/value heads.*"):
+        context_parallel.check(gqa, 64, 4, "flash_attention_2")  # its causal mask cannot take the gathered keys
 
 
 def test_plan_counts_a_ranks_part_of_the_sequence_and_recommends_a_split():

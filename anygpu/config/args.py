@@ -408,8 +408,9 @@ class TrainArguments:
             "consecutive ranks (Ulysses: an all-to-all over attention heads around the model's own attention "
             "kernel), so a rank holds the activations of block_size / C tokens. The mesh becomes --dp_replicate "
             "× --dp_shard × --cp = world size; the global batch is split over the data-parallel ranks (world "
-            "size / C). C must divide the world size, --block_size and the model's attention and key/value "
-            "heads. The losses do not depend on C (docs/long-context.md).",
+            "size / C). C must divide the world size and --block_size; where it does not divide the model's "
+            "attention or key/value heads, each rank's queries attend to the whole sequence's keys and values, "
+            "gathered. The losses do not depend on C (docs/long-context.md).",
         },
     )
     logging_steps: int = field(

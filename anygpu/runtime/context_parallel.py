@@ -16,7 +16,8 @@ interface goes through it:
     out [b, T, H/C, d] --all-to-all--> [b, T/C, H, d]
 
 Head group j (q heads [j·H/C, (j+1)·H/C), KV heads [j·Hkv/C, …)) goes to rank j: with C dividing the KV
-heads, each q head keeps its own KV head (GQA). The all-to-all is an autograd function whose backward is
+heads, each q head keeps its own KV head (GQA). Where C does not divide the heads, each rank's queries (every
+head) attend to the keys and values of the whole sequence, all-gathered (`_gathered_attention`). The all-to-all is an autograd function whose backward is
 the same exchange of the gradients, so each rank's backward of its part's loss reaches the q, k, v of the
 other ranks' tokens. The mask the model builds from its local T/C positions is not used (the registered
 name has no mask function, so transformers skips building one).
@@ -48,7 +49,7 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def check(config, block_size: int, cp: int) -> None:
+def check(config, block_size: int, cp: int, attention: str = "sdpa") -> None:
     """Refuse what --cp C cannot split (before any process group): one line each."""
     if cp == 1:
         return
@@ -57,14 +58,13 @@ def check(config, block_size: int, cp: int) -> None:
             f"--cp {cp} does not divide --block_size {block_size} (each sequence is cut into {cp} equal parts): "
             f"use a --block_size that is a multiple of {cp}, e.g. {max(1, block_size // cp) * cp}."
         )
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 0
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for name, n in (("attention heads", heads), ("key/value heads", kv_heads)):
-        if n % cp:
-            raise UsageError(
-                f"--cp {cp} does not divide the model's {n} {name} (Ulysses attention gives each rank of the CP "
-                f"group a share of the heads; ring attention is not implemented): use --cp {_largest(heads, kv_heads, cp)}."
-            )
+    heads, kv_heads = head_counts(config)
+    if not splits_heads(config, cp) and "flash" in attention:
+        raise UsageError(
+            f"--cp {cp} does not divide the model's {heads} attention and {kv_heads} key/value heads, so each rank "
+            f"gathers the whole sequence's keys and values, which --attn_implementation {attention} cannot take "
+            f"with its causal mask: use --attn_implementation sdpa, or --cp {_largest(heads, kv_heads, cp)}."
+        )
     layer_types = set(getattr(config, "layer_types", None) or ())
     if layer_types - {"full_attention"} or (
         getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
@@ -73,6 +73,18 @@ def check(config, block_size: int, cp: int) -> None:
             f"--cp {cp}: {config.model_type} has sliding-window or other non-causal-mask layers, whose masks "
             "this context parallelism does not build: use --cp 1."
         )
+
+
+def head_counts(config) -> tuple[int, int]:
+    """(attention heads, key/value heads) of the model's config."""
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 0
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def splits_heads(config, cp: int) -> bool:
+    """Whether C divides the attention and key/value heads (Ulysses); else each rank gathers the keys and values."""
+    heads, kv_heads = head_counts(config)
+    return heads % cp == 0 and kv_heads % cp == 0
 
 
 def _largest(heads: int, kv_heads: int, cp: int) -> int:
@@ -124,6 +136,24 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
+class _GatherSequence(torch.autograd.Function):
+    """[b, h, T/C, d] of every rank of the group → [b, h, T, d] in rank order; the backward sums the gradients of
+    the whole sequence over the group (every rank's queries used every rank's keys) and keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, cp: int, index: int) -> torch.Tensor:
+        ctx.group, ctx.cp, ctx.index = group, cp, index
+        parts = [torch.empty_like(x) for _ in range(cp)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.cp, dim=2)[ctx.index].contiguous(), None, None, None
+
+
 def seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     """[b, H, T/C, d] (this rank's tokens, every head) → [b, H/C, T, d] (every token, this rank's heads)."""
     b, h, t, d = x.shape
@@ -148,6 +178,8 @@ class _Split:
     mask: torch.Tensor | None  # the full rows' mask as the model would build it (None: sdpa's is_causal)
     position_ids: torch.Tensor  # the full rows' positions [b, T]
     calls: int = 0  # attention calls that went through the wrapper
+    index: int = 0  # this rank's part of the rows
+    heads_split: bool = True  # Ulysses; else this rank's queries attend to the gathered keys and values
 
 
 _ACTIVE: list[_Split] = []  # the split of the micro-batch whose forward/backward runs (one at a time)
@@ -167,6 +199,8 @@ def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     """Ulysses around the model's own kernel (registered as `anygpu_cp`; see the module docstring)."""
     split = _ACTIVE[-1]
     split.calls += 1
+    if not split.heads_split:
+        return _gathered_attention(module, split, query, key, value, **kwargs)
     q, k, v = (seq_to_heads(x, split.group, split.cp) for x in (query, key, value))
     for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
         kwargs.pop(name, None)  # the local rows' (flash's varlen path): rebuilt from the full rows below
@@ -181,6 +215,32 @@ def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
         extra = {"position_ids": split.position_ids} if "flash" in split.base else {}
         out, _ = kernel(module, q, k, v, mask, **extra, **kwargs)
     return heads_to_seq(out, split.group, split.cp), None
+
+
+def _gathered_attention(module: nn.Module, split: _Split, query, key, value, **kwargs):
+    """Heads that C does not divide: this rank's T/C queries (every head) against the whole sequence's keys and
+    values, gathered over the group (all-gather context parallelism, as in Llama 3's long-context training), under
+    the full rows' mask cut to this rank's query rows (causal by global position where the model builds none)."""
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
+        kwargs.pop(name, None)
+    k, v = (_GatherSequence.apply(x, split.group, split.cp, split.index) for x in (key, value))
+    part = query.shape[2]
+    rows = slice(split.index * part, (split.index + 1) * part)
+    mask = split.mask[..., rows, :] if split.mask is not None else _causal_rows(rows, k.shape[2], query, split.base)
+    out, _ = _kernel(module, split.base)(module, query, k, v, mask, **kwargs)
+    return out, None
+
+
+def _causal_rows(rows: slice, length: int, query: torch.Tensor, base: str) -> torch.Tensor:
+    """[1, 1, rows, length]: query row i (global position rows.start + i) sees keys 0 … its position; boolean for
+    sdpa, additive (0 or the dtype's minimum) for the eager kernel."""
+    keys = torch.arange(length, device=query.device)
+    allowed = (keys[None, :] <= keys[rows, None])[None, None]
+    if base != "eager":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(
+        ~allowed, torch.finfo(query.dtype).min
+    )
 
 
 def _register() -> None:
@@ -238,7 +298,9 @@ def split(model: nn.Module, batch: dict[str, torch.Tensor], cp: CPGroup) -> Iter
     }
     local["labels"] = local["shift_labels"]  # the loss runs when labels are given; it reads shift_labels
     mask = _full_mask(model, rows, cp.compute_dtype)
-    split = _Split(cp.group, cp.size, base, mask, rows["position_ids"])
+    split = _Split(
+        cp.group, cp.size, base, mask, rows["position_ids"], index=me, heads_split=splits_heads(config, cp.size)
+    )
     _ACTIVE.append(split)
     config._attn_implementation = ATTENTION
     try:
