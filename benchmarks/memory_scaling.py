@@ -69,7 +69,9 @@ def train_args(out: Path, name: str, global_batch: int, steps: int) -> list[str]
     ]
 
 
-def runs(ranks: int, out: Path, steps: int, native_steps: int | None = None) -> list[tuple[str, str, list[str]]]:
+def runs(
+    ranks: int, out: Path, steps: int, native_steps: int | None = None, accumulation: bool = True
+) -> list[tuple[str, str, list[str]]]:
     """(label, engine, arguments) of one launch; on several ranks also 4 accumulation steps, before the 1-step run (what
     one training leaves behind in the process can only lower the next one's figure: the one subtracted)."""
     tag = f"w{ranks}"
@@ -77,7 +79,7 @@ def runs(ranks: int, out: Path, steps: int, native_steps: int | None = None) -> 
     # first, unmeasured: a tiny run of each engine pays what a process allocates once (imports, data, DeepSpeed ops)
     warm = lambda name: ["--config_name", "tiny", *train_args(out, f"warm-{name}-{tag}", ranks, 1)[2:]]  # noqa: E731
     native = [("fsdp", "fsdp", train_args(out, f"fsdp-{tag}", ranks, native_steps))]
-    if ranks > 1:
+    if ranks > 1 and accumulation:
         native.insert(0, ("fsdp_acc4", "fsdp", train_args(out, f"fsdp-acc4-{tag}", 4 * ranks, native_steps)))
     hf = [("warm_hf", "hf", warm("hf")), ("hf", "hf", train_args(out, f"hf-{tag}", ranks, steps))]
     return [("warm_fsdp", "fsdp", warm("fsdp")), *native, *hf]  # the native engine's first (see RANK_SCRIPT)
@@ -123,13 +125,19 @@ def measure(
     launcher: list[str] | None = None,
     env: dict | None = None,
     native_steps: int | None = None,
+    accumulation: bool = True,
 ) -> dict:
     """The figures; `native_steps`: the native engine's runs' optimizer steps, if not `steps` (its peak is reached in
-    the first step, where AdamW makes its states: the test takes 1, the 4 gloo ranks' longest part halved)."""
+    the first step, where AdamW makes its states: the test takes 1, the 4 gloo ranks' longest part halved);
+    `accumulation`: also the 4-accumulation-step run (the test leaves it to tests/test_fsdp_engine.py's count of the
+    gradient bytes a rank holds after each micro-batch, exact and a fraction of its time)."""
     with tempfile.TemporaryDirectory(prefix="anygpu-memory-") as tmp, ThreadPoolExecutor(1) as pool:
         # both launches at once (a process's peak is its own): the 1-rank one leaves a core idle otherwise
-        single = pool.submit(launch, 1, runs(1, Path(tmp), steps, native_steps), launcher, env)
-        many = {k: max(v) for k, v in launch(ranks, runs(ranks, Path(tmp), steps, native_steps), launcher, env).items()}
+        single = pool.submit(launch, 1, runs(1, Path(tmp), steps, native_steps, accumulation), launcher, env)
+        many = {
+            k: max(v)
+            for k, v in launch(ranks, runs(ranks, Path(tmp), steps, native_steps, accumulation), launcher, env).items()
+        }
         one = {k: max(v) for k, v in single.result().items()}
     size = model_bytes()
     return {
@@ -139,7 +147,7 @@ def measure(
         f"{ranks}_ranks": many,
         "fsdp_ratio": many["fsdp"] / one["fsdp"],
         "hf_zero3_ratio": many["hf"] / one["hf"],
-        "accumulation_extra_per_model": (many["fsdp_acc4"] - many["fsdp"]) / size,
+        "accumulation_extra_per_model": (many["fsdp_acc4"] - many["fsdp"]) / size if accumulation else None,
     }
 
 
