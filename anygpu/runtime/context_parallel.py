@@ -42,11 +42,9 @@ from torch import nn
 from anygpu.errors import UsageError
 
 ATTENTION = "anygpu_cp"
+# what the model computed from this rank's rows alone (flash's varlen path): rebuilt from the full rows, or unused
+LOCAL_ROW_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids")
 IGNORE_INDEX = -100
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 def check(config, block_size: int, cp: int, attention: str = "sdpa") -> None:
@@ -202,7 +200,7 @@ def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     if not split.heads_split:
         return _gathered_attention(module, split, query, key, value, **kwargs)
     q, k, v = (seq_to_heads(x, split.group, split.cp) for x in (query, key, value))
-    for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
+    for name in LOCAL_ROW_KWARGS:
         kwargs.pop(name, None)  # the local rows' (flash's varlen path): rebuilt from the full rows below
     kernel, mask = _kernel(module, split.base), split.mask
     if "flash" in split.base and mask is None and q.shape[0] > 1:
@@ -221,7 +219,7 @@ def _gathered_attention(module: nn.Module, split: _Split, query, key, value, **k
     """Heads that C does not divide: this rank's T/C queries (every head) against the whole sequence's keys and
     values, gathered over the group (all-gather context parallelism, as in Llama 3's long-context training), under
     the full rows' mask cut to this rank's query rows (causal by global position where the model builds none)."""
-    for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
+    for name in LOCAL_ROW_KWARGS:
         kwargs.pop(name, None)
     k, v = (_GatherSequence.apply(x, split.group, split.cp, split.index) for x in (key, value))
     part = query.shape[2]
