@@ -188,11 +188,27 @@ class Zygote:
             pid = json.loads(cls.proc.stdout.readline())["pid"]
             ready, _, _ = select.select([cls.proc.stdout], [], [], timeout)
             if not ready:
-                os.killpg(pid, signal.SIGKILL)
+                cls._kill_with_stacks(pid)
                 cls.proc.stdout.readline()
-                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out.read_text(), err.read_text())
+                pytest.fail(
+                    f"{' '.join(argv)} still running after {timeout:.0f} s (every process's Python stack below, "
+                    f"from SIGABRT):\n--- stdout\n{out.read_text()[-4000:]}\n--- stderr\n{err.read_text()[-12000:]}"
+                )
             code = json.loads(cls.proc.stdout.readline())["code"]
             return subprocess.CompletedProcess([sys.executable, *argv], code, out.read_text(), err.read_text())
+
+    @staticmethod
+    def _kill_with_stacks(pid: int) -> None:
+        """SIGABRT to the child and everything under it (the zygote enabled faulthandler, which every fork
+        inherits: each prints its threads' Python stacks), then SIGKILL to whatever is left."""
+        tree = [pid, *descendants(pid)]
+        for signum in (signal.SIGABRT, signal.SIGKILL):
+            for p in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signum)
+            time.sleep(2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 # torchrun / accelerate launch with ranks forked from a launcher that has imported the engines (~4 s of CPU

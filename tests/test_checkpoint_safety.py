@@ -192,6 +192,18 @@ def test_tensorboard_events_past_the_resumed_step_are_dropped(tmp_path):
     ]
 
 
+# ---------------------------------------------------------------------- nothing left behind
+def test_a_one_process_run_leaves_nothing_in_the_temp_folder(tmp_path):
+    """Plain `python script.py` makes a one-rank group whose store is a file in the temp folder: hundreds of
+    runs on a shared machine must not leave hundreds of folders there."""
+    code = "from anygpu.runtime import distributed; print(distributed.init_distributed().world_size)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "1", proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 # ---------------------------------------------------------------------- a full disk
 def test_a_full_disk_while_saving_is_a_clear_error_and_the_previous_checkpoint_stays(tmp_path, monkeypatch):
     import torch

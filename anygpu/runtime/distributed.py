@@ -3,8 +3,10 @@ decides ranks, devices and backends (models and data know nothing of distributio
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -78,11 +80,18 @@ def init_distributed(timeout_s: int = 1800) -> DistInfo:
                 backend_for(device), timeout=timeout, device_id=device if device.type == "cuda" else None
             )
         else:  # plain `python script.py`: a one-rank group, so FSDP2 and DCP work the same
-            store = os.path.join(tempfile.mkdtemp(prefix="anygpu-pg-"), "store")
             dist.init_process_group(
-                backend_for(device), init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout
+                backend_for(device), init_method=f"file://{_one_rank_store()}", rank=0, world_size=1, timeout=timeout
             )
     return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device, owns)
+
+
+def _one_rank_store() -> str:
+    """A file for a one-rank group's store, in a folder removed when the process exits (the store is used
+    until then: torch reopens the file on every operation)."""
+    folder = tempfile.mkdtemp(prefix="anygpu-pg-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return os.path.join(folder, "store")
 
 
 def world_size_from_env() -> int:

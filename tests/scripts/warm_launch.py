@@ -13,6 +13,7 @@ The ranks are real processes talking gloo; only `exec` is skipped. Tests of the 
 """
 
 import atexit
+import faulthandler
 import os
 import runpy
 import signal
@@ -21,6 +22,7 @@ import traceback
 
 import anygpu
 
+faulthandler.enable(all_threads=True)  # its forked ranks inherit it: stacks on SIGABRT from a timed-out test
 anygpu.set_offline_defaults()
 anygpu.quiet_library_warnings()
 

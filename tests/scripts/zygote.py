@@ -12,9 +12,12 @@ Protocol: one JSON request per line on stdin ({"argv", "env", "cwd", "stdout", "
 `{"pid": N}` when the child starts and `{"code": C}` when it ends, on the stdout this process started with.
 """
 
+import faulthandler
 import json
 import os
 import sys
+
+faulthandler.enable(all_threads=True)  # a fork stuck past its test's timeout prints its stacks on SIGABRT (conftest)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from warm_launch import as_a_fresh_interpreter, finish, run_script  # noqa: E402  (imports the engines)
