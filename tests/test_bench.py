@@ -4,21 +4,17 @@ command), a table of tokens/s, per process and scaling efficiency, and the PNG p
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, env
+from conftest import python
 
 
 @pytest.mark.slow
 def test_bench_one_and_two_processes(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run(
+    proc = python(  # the runs forked from a process that has imported the engines (tests/scripts/warm_tool.py)
+        "tests/scripts/warm_tool.py",
         [
-            sys.executable,
-            "-m",
-            "anygpu.tools.cli",
             "bench",
             "--engine",
             "fsdp",
@@ -33,10 +29,7 @@ def test_bench_one_and_two_processes(tmp_path):
             "--output_dir",
             str(out),
         ],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
+        check=False,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,7 +15,20 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, HIDE_GPUS, ROOT, TINY, assert_close, descendants, env, losses, outputs, python, torchrun
+from conftest import (
+    BIN,
+    HIDE_GPUS,
+    ROOT,
+    TINY,
+    WARM,
+    assert_close,
+    descendants,
+    env,
+    losses,
+    outputs,
+    python,
+    torchrun,
+)
 
 pytestmark = pytest.mark.slow
 SCRIPT = "run_fsdp_standalone.py"
@@ -66,7 +79,9 @@ def wait_until(condition, timeout: float = 240, what: str = "") -> None:
 
 
 def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
-    return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
+    """torchrun's agent with ranks forked from it (tests/scripts/warm_launch.py: what these tests hold is the engine's
+    behaviour under signals; the launchers' own, with the real commands, in the --max-restarts test and test_launch)."""
+    return [*WARM, "torchrun", "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
 
 
 @pytest.fixture(scope="module")
@@ -365,7 +380,8 @@ def test_hf_engine_sigterm_during_an_evaluation_resumes_exactly(tmp_path):
     python(hf, [*args, "--output_dir", str(tmp_path / "ref")])
     out = tmp_path / "run"
     cmd = [
-        str(BIN / "accelerate"),
+        *WARM,
+        "accelerate",
         "launch",
         "--config_file",
         "accelerate_configs/ddp.yaml",

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, env
+from conftest import ROOT, python
 
 from anygpu.errors import UsageError
 
@@ -34,14 +33,8 @@ TOLERANCE = "1e-5"
 
 
 def verify(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "anygpu.tools.cli", "verify", *args],
-        cwd=ROOT,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    """`anygpu verify ARGS`, its runs forked from a process that has imported the engines (tests/scripts/warm_tool.py)."""
+    return python("tests/scripts/warm_tool.py", ["verify", *args], check=False, timeout=900)
 
 
 @pytest.fixture(scope="session")

@@ -94,9 +94,9 @@ def _forking_config(args):
     return config, run_module_rank if module else run_rank, cmd_args
 
 
-if __name__ == "__main__":
+def launch(command: str, rest: list[str]) -> None:
+    """`torchrun REST` or `accelerate REST` (e.g. `launch ...`) in this process, its ranks forked from it."""
     distrib_run.config_from_args = _forking_config  # torchrun's and accelerate's path alike
-    command, rest = sys.argv[1], sys.argv[2:]
     if command == "torchrun":
         sys.argv = ["torchrun", *rest]
         distrib_run.main()
@@ -107,3 +107,7 @@ if __name__ == "__main__":
         main()
     else:
         sys.exit(f"warm_launch.py: unknown launcher {command!r} (valid: torchrun, accelerate)")
+
+
+if __name__ == "__main__":
+    launch(sys.argv[1], sys.argv[2:])
