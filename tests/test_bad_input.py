@@ -66,6 +66,10 @@ def test_unknown_option_and_bad_choice(capsys, tmp_path):
     assert "--export_dtype 'bf16' is unknown: use one of auto, float32, bfloat16, float16." in err
     err = refuse([*TINY, "--save_max_shard_size", "5 gigs", "--output_dir", str(tmp_path)], capsys)
     assert "--save_max_shard_size '5 gigs' is not a size: use digits and a unit, e.g. 5GB or 500MB." in err
+    err = refuse([*TINY, "--save_strategy", "epoch", "--output_dir", str(tmp_path)], capsys)
+    assert "--save_strategy 'epoch' is unknown: use one of steps, no." in err
+    err = refuse([*TINY, "--save_strategy", "no", "--save_steps", "5", "--output_dir", str(tmp_path)], capsys)
+    assert "--save_steps 5 with --save_strategy no: no checkpoint is written; leave --save_steps out" in err
 
 
 def test_world_size_that_cannot_split_the_global_batch(capsys, tmp_path, monkeypatch):

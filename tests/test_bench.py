@@ -50,6 +50,7 @@ def test_bench_one_and_two_processes(tmp_path):
         recs = [json.loads(ln) for ln in (out / f"nproc{n}" / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in recs if "loss" in r]
         assert len(steps) == 3 and {(r["global_batch_size"], r["world_size"]) for r in steps} == {(8, n)}
+        assert not list((out / f"nproc{n}").glob("checkpoint-*"))  # a measurement writes no checkpoint
 
 
 def test_bad_counts_are_refused():

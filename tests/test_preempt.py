@@ -128,3 +128,20 @@ def test_save_on_preempt_false_exits_at_the_first_signal(tmp_path):
     proc, _ = run("long-step", tmp_path, "false")
     assert proc.returncode == 75 and "--save_on_preempt false" in proc.stderr
     assert_lock_released(tmp_path)
+
+
+def test_save_strategy_no_writes_no_checkpoint_at_the_end_or_on_a_signal():
+    """--save_strategy no (a benchmark, a throwaway run): the schedule saves at no step, its last included, and
+    a signal exits at once (75) saying why, as --save_on_preempt false does."""
+    from anygpu.config.args import TrainArguments
+    from anygpu.engines.trunk.schedule import Schedule
+    from anygpu.reliability.preempt import Preemption
+
+    args = TrainArguments(save_strategy="no", report_to=[], max_steps=10)
+    assert not any(Schedule.of(args, 0, 10).should_save(s) for s in range(1, 11))
+    assert Schedule.of(TrainArguments(report_to=[], max_steps=10), 0, 10).should_save(10)  # the default saves
+    preemption = Preemption.of(args)
+    try:
+        assert not preemption.save_on_preempt and preemption.why_not == "--save_strategy no"
+    finally:
+        preemption.close()

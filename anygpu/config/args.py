@@ -519,6 +519,15 @@ class TrainArguments:
             "<output_dir>/abandoned/ (without it such a resume is refused).",
         },
     )
+    save_strategy: str = field(
+        default="steps",
+        metadata={
+            "resume": FREE,
+            "help": "steps: checkpoint every --save_steps, at the end and on SIGTERM. no: no checkpoint at all, "
+            "for a benchmark or a throwaway run (a 70B run's end-of-run checkpoint is ~1 TB of model and optimizer "
+            "state; nothing to resume; the final export still follows --export_final; SIGTERM exits at once, 75).",
+        },
+    )
     save_on_preempt: bool = field(
         default=True,
         metadata={
@@ -586,6 +595,7 @@ class TrainArguments:
         if self.max_memory_per_device_gb is not None and self.max_memory_per_device_gb <= 0:
             raise UsageError(f"--max_memory_per_device_gb {self.max_memory_per_device_gb} must be positive, e.g. 40.")
         _check_choice("export_dtype", self.export_dtype, EXPORT_DTYPES)
+        self._check_save_strategy()
         check_shard_size(self.save_max_shard_size)
         split_commas(self)
         if (
@@ -595,6 +605,16 @@ class TrainArguments:
             and self.gradient_accumulation_steps is None
         ):
             self.global_batch_size = DEFAULT_GLOBAL_BATCH_SIZE
+
+    def _check_save_strategy(self) -> None:
+        _check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
+        if self.save_strategy == "no":
+            for name in ("save_steps", "save_every_minutes"):
+                if getattr(self, name):
+                    raise UsageError(
+                        f"--{name} {getattr(self, name)} with --save_strategy no: no checkpoint is written; "
+                        f"leave --{name} out, or use --save_strategy steps."
+                    )
 
 
 @dataclass
@@ -620,6 +640,7 @@ def split_commas(obj: Any) -> None:
 
 
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SAVE_STRATEGIES = ("steps", "no")  # Hugging Face's names; its "epoch" and "best" have no meaning here
 
 
 def check_shard_size(value: str) -> None:
@@ -735,6 +756,7 @@ FIELD_GROUP = {
             "overwrite_output_dir",
             "allow_changed_args",
             "allow_rewind",
+            "save_strategy",
             "save_on_preempt",
             "async_save",
             "export_final",

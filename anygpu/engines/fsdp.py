@@ -252,7 +252,7 @@ class FSDPTrainer:
     def _start(self) -> None:
         """Where training starts: signal handlers, the checkpoint writer, the resumed state loaded, the banner."""
         args, info = self.args, self.info
-        self.preemption = Preemption(args.save_on_preempt)
+        self.preemption = Preemption.of(args)
         self.preemption.watch(self.model)
         self.async_saver = self._async_saver()
         self.save_clock.saved()

@@ -10,7 +10,7 @@ finish its step, save a checkpoint together and exit with `errors.EXIT_PREEMPTED
   (local work: a CPU-offloaded step can take long, and it has no collective to hang in), a save or an
   export in progress holds the watchdog off, so a healthy job in a long step, an evaluation, a save or
   the export always reaches its checkpoint.
-- `--save_on_preempt false`: the first signal exits at once (75).
+- `--save_on_preempt false` (or `--save_strategy no`): the first signal exits at once (75).
 """
 
 from __future__ import annotations
@@ -33,8 +33,16 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class Preemption:
     """Installed once per run; `requested` is the name of the first signal seen (None before)."""
 
-    def __init__(self, save_on_preempt: bool = True) -> None:
+    @classmethod
+    def of(cls, train_args) -> Preemption:
+        """As the run's arguments say: --save_strategy no saves nothing on a signal either."""
+        if train_args.save_strategy == "no":
+            return cls(False, "--save_strategy no")
+        return cls(train_args.save_on_preempt)
+
+    def __init__(self, save_on_preempt: bool = True, why_not: str = "--save_on_preempt false") -> None:
         self.save_on_preempt = save_on_preempt
+        self.why_not = why_not  # said when a signal exits at once
         self.requested: str | None = None
         self.grace_s = float(os.environ.get("ANYGPU_SIGTERM_GRACE_S", "20"))
         self.progress = progress.Progress()  # what the watchdog reads; saves and exports hold it off
@@ -82,9 +90,7 @@ class Preemption:
     def _handler(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if not self.save_on_preempt:
-            _say(
-                f"{name}: --save_on_preempt false: exiting at once (exit {EXIT_NO_CHECKPOINT}); the last checkpoint is kept"
-            )
+            _say(f"{name}: {self.why_not}: exiting at once (exit {EXIT_NO_CHECKPOINT}); the last checkpoint is kept")
             _exit_now()
         if self.requested is not None:
             if signum == signal.SIGTERM:

@@ -118,7 +118,7 @@ class HFRun:
             peak,
             resumed=self.resume is not None,
         )
-        self.preemption = Preemption(train_args.save_on_preempt)
+        self.preemption = Preemption.of(train_args)
         self.preemption.watch(self.model)
         self.callback = TrunkCallback(
             self.schedule,

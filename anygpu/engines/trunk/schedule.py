@@ -22,6 +22,7 @@ class Schedule:
     save_steps: int | None = None
     eval_on_start: bool = False
     export_final: bool = True
+    saves: bool = True  # --save_strategy steps; no: no checkpoint at all
 
     @classmethod
     def of(cls, train_args, start_step: int, total_steps: int) -> Schedule:
@@ -36,6 +37,7 @@ class Schedule:
             train_args.save_steps,
             train_args.eval_on_start,
             train_args.export_final,
+            train_args.save_strategy != "no",
         )
 
     def steps(self) -> range:
@@ -60,8 +62,8 @@ class Schedule:
         return bool(self.eval_steps and step % self.eval_steps == 0) or step == self.total_steps
 
     def should_save(self, step: int) -> bool:
-        """Every --save_steps, and the run's last step (a stopped run resumes from it)."""
-        return bool(self.save_steps and step % self.save_steps == 0) or step == self.end_step
+        """Every --save_steps, and the run's last step (a stopped run resumes from it); never with --save_strategy no."""
+        return self.saves and (bool(self.save_steps and step % self.save_steps == 0) or step == self.end_step)
 
     def is_last(self, step: int) -> bool:
         return step >= self.end_step
