@@ -1,7 +1,7 @@
 """Memory that divides by the number of ranks, measured: benchmarks/memory_scaling.py's two launches (1 and 4
 ranks of `accelerate launch` with the ZeRO-3 config, ranks forked from a warm launcher), an 85M-parameter model
 whose training state dominates, 2 optimizer steps each (the native engine's runs 1: its peak is reached in the first
-step, where AdamW makes its states; the benchmark's 2 steps measured 0.35 where this test reads ~0.29, docs/memory.md).
+step, where AdamW makes its states; the benchmark's 2 steps measured 0.34 where this test reads ~0.26, docs/memory.md).
 Peak resident set per rank above its baseline. That 4 accumulation steps hold no more gradient than 1 is counted
 exactly, in bytes after each micro-batch, by tests/test_fsdp_engine.py (the benchmark measures its peak: +0.01x)."""
 
