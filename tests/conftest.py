@@ -151,6 +151,7 @@ class Zygote:
         "ANYGPU_TEST_",
         "ANYGPU_LEAN_LOSS_CHUNK_TOKENS",
         "ANYGPU_SIGTERM_GRACE_S",
+        "ANYGPU_OOM_AGREE_S",
         "RESUME",
         "MLFLOW_TRACKING_URI",
     )

@@ -75,6 +75,13 @@ TOO_BIG = 1 << 62  # the cost of a candidate that ran out of memory
 OOM_AGREE_S = 20.0
 
 
+def oom_agree_s() -> float:
+    """OOM_AGREE_S, or ANYGPU_OOM_AGREE_S where set (a device shared with other jobs may want longer)."""
+    import os
+
+    return float(os.environ.get("ANYGPU_OOM_AGREE_S", OOM_AGREE_S))
+
+
 class AloneOutOfMemory(Exception):
     """This rank ran out of memory inside a sharded probe and the others did not: they wait in its collectives."""
 
@@ -86,12 +93,12 @@ class AloneOutOfMemory(Exception):
 def out_of_memory_everywhere(m: int) -> None:
     """After an out-of-memory inside the probe of `m` (the model's collectives half run): return when every rank
     hit it at `m` (too big, agreed: the probe goes on), else raise AloneOutOfMemory. No collective: the job's
-    key-value store, waited on for OOM_AGREE_S at most."""
+    key-value store, waited on for oom_agree_s() at most."""
     import torch.distributed as dist
 
     from anygpu.runtime import distributed
 
-    if not distributed.same_on_every_rank("auto_batch_oom", str(m), OOM_AGREE_S):
+    if not distributed.same_on_every_rank("auto_batch_oom", str(m), oom_agree_s()):
         raise AloneOutOfMemory(dist.get_rank(), m)
 
 
@@ -112,7 +119,7 @@ def stop_alone(error: AloneOutOfMemory, per_rank: int) -> None:
     )
     print(
         f"error: --per_device_train_batch_size auto: rank {error.rank} ran out of memory inside the sharded probe of "
-        f"micro-batch {m} and the other ranks did not within {OOM_AGREE_S:.0f} s (they wait in the probe's "
+        f"micro-batch {m} and the other ranks did not within {oom_agree_s():g} s (they wait in the probe's "
         f"collectives; the device may be shared with another process): {advice}. Stopping the job.",
         file=sys.stderr,
         flush=True,

@@ -47,11 +47,15 @@ def as_a_fresh_interpreter(script: str, argv, module: bool = False) -> None:
 
 def run_script(script: str, module: bool = False) -> int:
     """SCRIPT (or MODULE) as `__main__`; its exit code as the interpreter would make it."""
+    if module:
+        return exit_code(lambda: runpy.run_module(script, run_name="__main__", alter_sys=True))
+    return exit_code(lambda: runpy.run_path(script, run_name="__main__"))
+
+
+def exit_code(call) -> int:
+    """Run call(); its exit code as the interpreter would make it (SystemExit's code, 1 for an exception)."""
     try:
-        if module:
-            runpy.run_module(script, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(script, run_name="__main__")
+        call()
     except SystemExit as e:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from warm_launch import as_a_fresh_interpreter, finish, launch, run_script  # noqa: E402  (imports the engines)
+from warm_launch import as_a_fresh_interpreter, exit_code, finish, launch, run_script  # noqa: E402  (imports the engines)
 
 _real_run = subprocess.run
 LAUNCHERS = {
@@ -36,29 +36,13 @@ def _in_child(cmd: list[str], env: dict, out_fd: int, err_fd: int) -> None:
     launcher = LAUNCHERS.get(tuple(cmd[1:3]))
     if launcher:
         as_a_fresh_interpreter(cmd[2], [], module=True)
-        code = run_script_call(lambda: launch(launcher[0], [*launcher[1:], *cmd[3:]]))
+        code = exit_code(lambda: launch(launcher[0], [*launcher[1:], *cmd[3:]]))
     else:
         module = cmd[1] == "-m"
         script, *argv = cmd[2:] if module else cmd[1:]
         as_a_fresh_interpreter(script, argv, module)
         code = run_script(script, module)
     finish(code)
-
-
-def run_script_call(call) -> int:
-    """call()'s exit code as the interpreter would make it (SystemExit's code, 1 for an exception)."""
-    import traceback
-
-    try:
-        call()
-    except SystemExit as e:
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-        return e.code if isinstance(e.code, int) else int(e.code is not None)
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    return 0
 
 
 def forked_run(cmd, *args, **kwargs):
