@@ -35,6 +35,27 @@ def test_what_the_launcher_asked_for():
     assert requested({"WORLD_SIZE": "1", "LOCAL_RANK": "0"}, num_gpus=4) == Request("single", 1)
 
 
+def test_a_deepspeed_config_file_says_its_own_zero_stage(tmp_path):
+    """An accelerate config with `deepspeed_config_file` (a ds_config_zero3.json, as TRL's and axolotl's users have):
+    accelerate passes the file and no stage, so the stage is the file's. Taken as ZeRO-2, a ZeRO-3 job kept the lean
+    loss on (it calls lm_head outside the hooks that gather its partitioned weight) and built the whole model on
+    every rank."""
+    ds = {"WORLD_SIZE": "2", "LOCAL_RANK": "0", "ACCELERATE_USE_DEEPSPEED": "true"}
+    got = {}
+    for stage in (3, 1):
+        config = tmp_path / f"ds_zero{stage}.json"
+        config.write_text(json.dumps({"zero_optimization": {"stage": stage}, "train_batch_size": "auto"}))
+        got[stage] = requested({**ds, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(config)}, num_gpus=0)
+        assert got[stage] == Request("deepspeed", 2, zero_stage=stage)
+    assert hf_strategy.lean_loss_off_reason(plan(got[3], on_cpu=False, allow_fallback=False)) is not None
+    no_stage = tmp_path / "ds_default.json"
+    no_stage.write_text(json.dumps({"train_batch_size": "auto"}))  # DeepSpeed's default: stage 0
+    assert requested({**ds, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(no_stage)}, num_gpus=0).zero_stage == 0
+    # the accelerate config's own zero_stage, where it sets one, is what accelerate uses
+    both = {**ds, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(no_stage), "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}
+    assert requested(both, num_gpus=0).zero_stage == 2
+
+
 def test_fsdp_on_cpu_is_refused_with_what_runs_instead():
     req = Request("fsdp", 2, fsdp_version=2)
     with pytest.raises(ValueError) as err:

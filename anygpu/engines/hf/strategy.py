@@ -56,8 +56,7 @@ def requested(env: Mapping[str, str] | None = None, num_gpus: int | None = None)
     env = os.environ if env is None else env
     world = int(env.get("WORLD_SIZE", "1"))
     if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
-        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
-        return Request("deepspeed", world, zero_stage=int(stage) if stage.isdigit() else None)
+        return Request("deepspeed", world, zero_stage=_zero_stage(env))
     if _flag(env, "ACCELERATE_USE_FSDP"):
         version = env.get("FSDP_VERSION", "1")
         return Request("fsdp", world, fsdp_version=int(version) if version.isdigit() else None)
@@ -72,6 +71,20 @@ def requested(env: Mapping[str, str] | None = None, num_gpus: int | None = None)
     if "LOCAL_RANK" not in env and num_gpus > 1:
         return Request("dataparallel", 1)
     return Request("single", world)
+
+
+def _zero_stage(env: Mapping[str, str]) -> int | None:
+    """The ZeRO stage accelerate runs: its config's `zero_stage`, else the `deepspeed_config_file`'s (accelerate then
+    passes the file alone; a missing stage is DeepSpeed's default, 0), else 2; None where neither is a number."""
+    stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+    path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if stage is None and path:
+        try:
+            stage = str(json.loads(Path(path).read_text()).get("zero_optimization", {}).get("stage", 0))
+        except (OSError, ValueError, AttributeError):
+            return None  # accelerate reads the same file next and says what is wrong with it
+    stage = "2" if stage is None else stage
+    return int(stage) if stage.isdigit() else None
 
 
 @dataclass(frozen=True)
