@@ -20,7 +20,7 @@ HF_STATE_FILE = "anygpu_state.json"  # the HF engine's, beside Trainer's own tra
 class RunState:
     global_step: int  # optimizer steps done (1-based: the checkpoint's step)
     global_batch_size: int
-    world_size: int  # data-parallel devices it was written on
+    world_size: int  # processes it was written on (W = R·S·C; the data-parallel degree is W / C)
     seed: int
     num_train_samples: int
     total_steps: int
