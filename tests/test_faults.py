@@ -78,9 +78,12 @@ def wait_until(condition, timeout: float = 240, what: str = "") -> None:
         time.sleep(0.2)
 
 
-def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
-    """torchrun's agent with ranks forked from it (tests/scripts/warm_launch.py: what these tests hold is the engine's
-    behaviour under signals; the launchers' own, with the real commands, in the --max-restarts test and test_launch)."""
+def torchrun_cmd(nproc: int, args: list[str], warm: bool = True) -> list[str]:
+    """torchrun; warm: its agent forks the ranks (tests/scripts/warm_launch.py), for what the engine does with a
+    signal its rank sends itself. A signal to the launcher's process group needs the real one: its workers are in
+    sessions of their own, and the agent forwards the signal; forked ranks would get it from the group too."""
+    if not warm:
+        return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
     return [*WARM, "torchrun", "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
 
 
@@ -160,7 +163,7 @@ def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(referen
 
     resumed = [*args, "--resume_from_checkpoint", "latest"]
     before = (tmp_path / "args.json").stat().st_mtime_ns
-    proc = start(torchrun_cmd(2, resumed))
+    proc = start(torchrun_cmd(2, resumed, warm=False))  # SIGTERM to its process group below
     # seeded, so a failure replays: ANYGPU_TEST_SEED picks another step (6-9) on purpose
     stop_after = random.Random(int(os.environ.get("ANYGPU_TEST_SEED", "0"))).randint(6, 9)
     # args.json is rewritten once the resume has cut metrics.jsonl back to step 5
