@@ -15,20 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
-    BIN,
-    HIDE_GPUS,
-    ROOT,
-    TINY,
-    WARM,
-    assert_close,
-    descendants,
-    env,
-    losses,
-    outputs,
-    python,
-    torchrun,
-)
+from conftest import BIN, HIDE_GPUS, ROOT, TINY, assert_close, descendants, env, losses, outputs, python, torchrun
 
 pytestmark = pytest.mark.slow
 SCRIPT = "run_fsdp_standalone.py"
@@ -78,13 +65,8 @@ def wait_until(condition, timeout: float = 240, what: str = "") -> None:
         time.sleep(0.2)
 
 
-def torchrun_cmd(nproc: int, args: list[str], warm: bool = True) -> list[str]:
-    """torchrun; warm: its agent forks the ranks (tests/scripts/warm_launch.py), for what the engine does with a
-    signal its rank sends itself. A signal to the launcher's process group needs the real one: its workers are in
-    sessions of their own, and the agent forwards the signal; forked ranks would get it from the group too."""
-    if not warm:
-        return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
-    return [*WARM, "torchrun", "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
+def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
+    return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +145,7 @@ def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(referen
 
     resumed = [*args, "--resume_from_checkpoint", "latest"]
     before = (tmp_path / "args.json").stat().st_mtime_ns
-    proc = start(torchrun_cmd(2, resumed, warm=False))  # SIGTERM to its process group below
+    proc = start(torchrun_cmd(2, resumed))
     # seeded, so a failure replays: ANYGPU_TEST_SEED picks another step (6-9) on purpose
     stop_after = random.Random(int(os.environ.get("ANYGPU_TEST_SEED", "0"))).randint(6, 9)
     # args.json is rewritten once the resume has cut metrics.jsonl back to step 5
@@ -383,8 +365,7 @@ def test_hf_engine_sigterm_during_an_evaluation_resumes_exactly(tmp_path):
     python(hf, [*args, "--output_dir", str(tmp_path / "ref")])
     out = tmp_path / "run"
     cmd = [
-        *WARM,
-        "accelerate",
+        str(BIN / "accelerate"),
         "launch",
         "--config_file",
         "accelerate_configs/ddp.yaml",
