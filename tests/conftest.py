@@ -98,6 +98,15 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def abort_with_stacks(pids: list[int]) -> None:
+    """SIGABRT to each (those with faulthandler on print every thread's Python stack), then SIGKILL to what is left."""
+    for signum in (signal.SIGABRT, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        time.sleep(2)
+
+
 def outputs(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     """What each process printed (stdout, stderr folded in), read from all of them at once: one left unread
     while another is waited on could fill its pipe and block, and with it a job they run together.
@@ -109,12 +118,7 @@ def outputs(procs: list[subprocess.Popen], timeout: float) -> list[str]:
         concurrent.futures.wait(futures, timeout=timeout + 5)
         if all(f.done() and f.exception() is None for f in futures):
             return [f.result()[0] for f in futures]
-        tree = [pid for p in procs for pid in descendants(p.pid)]
-        for signum in (signal.SIGABRT, signal.SIGKILL):
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-            time.sleep(2)
+        abort_with_stacks([pid for p in procs for pid in descendants(p.pid)])
         for p in procs:
             p.kill()
     logs = [p.communicate()[0] for p in procs]
@@ -189,7 +193,9 @@ class Zygote:
             pid = json.loads(cls.proc.stdout.readline())["pid"]
             ready, _, _ = select.select([cls.proc.stdout], [], [], timeout)
             if not ready:
-                cls._kill_with_stacks(pid)
+                abort_with_stacks([pid, *descendants(pid)])  # the zygote enabled faulthandler: every fork has it
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
                 cls.proc.stdout.readline()
                 pytest.fail(
                     f"{' '.join(argv)} still running after {timeout:.0f} s (every process's Python stack below, "
@@ -197,19 +203,6 @@ class Zygote:
                 )
             code = json.loads(cls.proc.stdout.readline())["code"]
             return subprocess.CompletedProcess([sys.executable, *argv], code, out.read_text(), err.read_text())
-
-    @staticmethod
-    def _kill_with_stacks(pid: int) -> None:
-        """SIGABRT to the child and everything under it (the zygote enabled faulthandler, which every fork
-        inherits: each prints its threads' Python stacks), then SIGKILL to whatever is left."""
-        tree = [pid, *descendants(pid)]
-        for signum in (signal.SIGABRT, signal.SIGKILL):
-            for p in tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signum)
-            time.sleep(2)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
 
 
 # torchrun / accelerate launch with ranks forked from a launcher that has imported the engines (~4 s of CPU

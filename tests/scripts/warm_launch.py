@@ -45,6 +45,15 @@ def as_a_fresh_interpreter(script: str, argv, module: bool = False) -> None:
     sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
 
 
+def run_argv(argv: list[str]) -> int:
+    """`python ARGV` (SCRIPT ARGS or -m MODULE ARGS) in this process, as a fresh interpreter would run it; its exit
+    code."""
+    module = argv[0] == "-m"
+    script, *args = argv[1:] if module else argv
+    as_a_fresh_interpreter(script, args, module)
+    return run_script(script, module)
+
+
 def run_script(script: str, module: bool = False) -> int:
     """SCRIPT (or MODULE) as `__main__`; its exit code as the interpreter would make it."""
     if module:

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from warm_launch import as_a_fresh_interpreter, exit_code, finish, launch, run_script  # noqa: E402  (imports the engines)
+from warm_launch import as_a_fresh_interpreter, exit_code, finish, launch, run_argv  # noqa: E402  (imports the engines)
 
 _real_run = subprocess.run
 LAUNCHERS = {
@@ -38,10 +38,7 @@ def _in_child(cmd: list[str], env: dict, out_fd: int, err_fd: int) -> None:
         as_a_fresh_interpreter(cmd[2], [], module=True)
         code = exit_code(lambda: launch(launcher[0], [*launcher[1:], *cmd[3:]]))
     else:
-        module = cmd[1] == "-m"
-        script, *argv = cmd[2:] if module else cmd[1:]
-        as_a_fresh_interpreter(script, argv, module)
-        code = run_script(script, module)
+        code = run_argv(cmd[1:])
     finish(code)
 
 

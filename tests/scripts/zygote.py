@@ -20,7 +20,7 @@ import sys
 faulthandler.enable(all_threads=True)  # a fork stuck past its test's timeout prints its stacks on SIGABRT (conftest)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from warm_launch import as_a_fresh_interpreter, finish, run_script  # noqa: E402  (imports the engines)
+from warm_launch import finish, run_argv  # noqa: E402  (imports the engines)
 
 
 def child(request: dict) -> None:
@@ -34,12 +34,7 @@ def child(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    script, *argv = request["argv"]
-    module = script == "-m"  # ["-m", MODULE, ARGS...]: `python -m MODULE ARGS`
-    if module:
-        script, *argv = argv
-    as_a_fresh_interpreter(script, argv, module)
-    finish(run_script(script, module))
+    finish(run_argv(request["argv"]))  # ["-m", MODULE, ARGS...]: `python -m MODULE ARGS`
 
 
 def serve() -> None:
