@@ -1,0 +1,164 @@
+"""One unit of preparation: a part of a raw-text file, tokenised into two token streams (its training and its
+validation documents, each followed by EOS), written to the cache under a key of its own.
+
+The key covers the file's identity (path, size, mtime), the part, the tokenizer and the reading options: an
+edited file is prepared again and every other unit is found done. A unit's `.json` is written last, after its
+token files are complete and renamed into place, so its presence means the unit is done: an interrupted
+preparation resumes at the units without one. The streams do not depend on the block size: blocks are cut
+when the data is read (`token_rows`).
+
+    <cache>/prepared/<tokenizer>/units/<key>.json             what the unit holds (tokens, documents, skipped rows)
+    <cache>/prepared/<tokenizer>/units/<key>.train.bin        token ids (uint16, or uint32 past 65,536 tokens)
+    <cache>/prepared/<tokenizer>/units/<key>.validation.bin
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from anygpu.data.files import PART_BYTES, DataFile
+from anygpu.data.readers import Reading, ReadStats, documents
+from anygpu.runtime import faults
+
+PREP_VERSION = "1"
+SPLITS = ("train", "validation")
+SHARE_SCALE = 10_000  # a document goes to validation when a hash of its text, mod this, is below the share
+BATCH_DOCUMENTS, BATCH_BYTES = 1000, 4 << 20  # documents tokenised per call
+STALE_TEMP_S = 3600  # a temporary file untouched this long was left by a killed preparer
+_prepared_here = [0]  # units this process has prepared (the fault injection counts them)
+
+
+@dataclass(frozen=True)
+class Unit:
+    source: str  # the source's name
+    file: DataFile
+    part: int
+    reading: Reading
+    validation_share: int  # of SHARE_SCALE: 0 none, SHARE_SCALE every document (a validation file)
+
+    @property
+    def input_bytes(self) -> int:
+        """The file bytes this unit reads (for progress and the disk estimate)."""
+        if self.file.num_parts == 1:
+            return self.file.size
+        return max(0, min(PART_BYTES, self.file.size - self.part * PART_BYTES))
+
+    def key(self, tokenizer_id: str) -> str:
+        parts = [PREP_VERSION, tokenizer_id, self.file.identity(), self.part, PART_BYTES, self.validation_share]
+        r = self.reading
+        parts += [r.text_column, r.sample_by, r.skip_bad_rows]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+
+
+def units_folder(cache_dir: str, tokenizer_id: str) -> Path:
+    return Path(cache_dir) / "prepared" / tokenizer_id[:16] / "units"
+
+
+def token_dtype(tokenizer) -> np.dtype:
+    """The smallest unsigned type that holds every token id: half the disk of int32 for vocabularies ≤ 65,536."""
+    return np.dtype(np.uint16) if len(tokenizer) <= 1 << 16 else np.dtype(np.uint32)
+
+
+def is_done(folder: Path, key: str) -> bool:
+    return (folder / f"{key}.json").exists()
+
+
+def read_meta(folder: Path, key: str) -> dict[str, Any]:
+    return json.loads((folder / f"{key}.json").read_text())
+
+
+def to_validation(text: str, share: int) -> bool:
+    """Whether a document is held out: a hash of its text (not its place), so a duplicate goes the same way."""
+    if share <= 0 or share >= SHARE_SCALE:
+        return share >= SHARE_SCALE
+    digest = hashlib.blake2b(text.encode("utf-8", errors="replace"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SHARE_SCALE < share
+
+
+def _batches(unit: Unit, stats: ReadStats):
+    """The unit's documents in batches of about BATCH_DOCUMENTS or BATCH_BYTES."""
+    batch, size = [], 0
+    for text in documents(unit.reading, unit.file, unit.part, stats):
+        batch.append(text)
+        size += len(text)
+        if len(batch) >= BATCH_DOCUMENTS or size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _write_streams(unit: Unit, tokenizer, dtype: np.dtype, outs: dict, stats: ReadStats) -> dict[str, int]:
+    """Tokenise the unit's documents into the open files `outs` (split → file); the tokens written per split."""
+    eos, counts = tokenizer.eos_token_id, dict.fromkeys(SPLITS, 0)
+    for batch in _batches(unit, stats):
+        ids = tokenizer(batch, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        held = [to_validation(t, unit.validation_share) for t in batch]
+        for split, want in zip(SPLITS, (False, True)):
+            chosen = [x for x, h in zip(ids, held) if h == want]
+            if chosen:
+                flat = np.fromiter(itertools.chain.from_iterable((*x, eos) for x in chosen), dtype=dtype)
+                outs[split].write(flat.tobytes())
+                counts[split] += len(flat)
+    return counts
+
+
+def prepare_unit(unit: Unit, tokenizer, folder: Path, key: str, dtype: np.dtype) -> dict[str, Any]:
+    """Tokenise one unit into `folder` (atomically: its files are renamed into place, its .json last)."""
+    start, stats = time.perf_counter(), ReadStats()
+    folder.mkdir(parents=True, exist_ok=True)
+    temps = {split: tempfile.mkstemp(dir=folder, prefix=f".{key}.{split}.", suffix=".tmp")[1] for split in SPLITS}
+    try:
+        with open(temps["train"], "wb") as train, open(temps["validation"], "wb") as validation:
+            counts = _write_streams(unit, tokenizer, dtype, {"train": train, "validation": validation}, stats)
+        _prepared_here[0] += 1
+        faults.at("prepare_unit", _prepared_here[0])
+        for split in SPLITS:
+            os.replace(temps[split], folder / f"{key}.{split}.bin")
+        meta = {
+            "version": PREP_VERSION,
+            "source": unit.source,
+            "file": unit.file.path,
+            "part": unit.part,
+            "input_bytes": unit.input_bytes,
+            "dtype": dtype.name,
+            "tokens": counts,
+            **asdict(stats),
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+        _write_json(folder / f"{key}.json", meta)
+        return meta
+    finally:
+        for path in temps.values():
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def remove_stale_temps(folder: Path, older_than_s: float = STALE_TEMP_S) -> int:
+    """Temporary files a killed preparer left (untouched for an hour: a live one writes all the time)."""
+    removed, now = 0, time.time()
+    for path in folder.glob(".*.tmp") if folder.is_dir() else []:
+        try:
+            if now - path.stat().st_mtime > older_than_s:
+                path.unlink()
+                removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
