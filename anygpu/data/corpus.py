@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 from anygpu.config.args import DataArguments
 from anygpu.config.mixture import parse_mixture
+from anygpu.data import checks
 from anygpu.data import files as files_lib
 from anygpu.data.files import DataFile
 from anygpu.data.formats import TEXT, detect_format
@@ -115,12 +117,26 @@ def plan_corpus(args: DataArguments) -> CorpusPlan | None:
     return CorpusPlan((src,), False, share)
 
 
+def _first_readable(src: Source) -> DataFile:
+    """The source's first file that passes the cheap checks (empty, binary, not parquet); with --skip_bad_rows
+    the bad ones before it are passed over (and counted when prepared)."""
+    for f in src.files:
+        try:
+            if f.compression is None:
+                checks.check_file(Path(f.path), f.builder, src.reading.option)
+            return f
+        except UsageError:
+            if not src.reading.skip_bad_rows or f is src.files[-1]:
+                raise
+    return src.files[0]
+
+
 def _check_text(src: Source, raw_text_only: bool) -> bool:
     """Whether the source is raw text (its first file's columns); a mixture's source must be, and must have its
     text column."""
-    first = src.files[0]
-    columns = first_columns(first, src.reading.text_column)
+    first = _first_readable(src)
     where = f"{src.reading.option} {files_lib.display(first.path)}"
+    columns = first_columns(first, src.reading.text_column)
     fmt = detect_format(columns, src.reading.text_column, where) if columns else TEXT
     if fmt != TEXT and raw_text_only:
         raise UsageError(

@@ -29,6 +29,7 @@ class DataFile:
     mtime_ns: int
     builder: str  # text, json, csv, parquet
     compression: str | None  # gzip, zstd, bz2 or None
+    part_bytes: int = PART_BYTES  # the byte range of each part (fixed; smaller in tests)
 
     @property
     def splittable(self) -> bool:
@@ -39,11 +40,17 @@ class DataFile:
 
     @property
     def num_parts(self) -> int:
-        return max(1, -(-self.size // PART_BYTES)) if self.splittable else 1
+        return max(1, -(-self.size // self.part_bytes)) if self.splittable else 1
+
+    def part_range(self, part: int) -> tuple[int, float]:
+        """[start, end) of the bytes where part `part`'s documents start (the whole file when it is not split)."""
+        if not self.splittable:
+            return 0, float("inf")
+        return part * self.part_bytes, (part + 1) * self.part_bytes
 
     def identity(self) -> list:
         """What says the file changed (path, size, mtime): an edited file is prepared again, the others are not."""
-        return [self.path, self.size, self.mtime_ns]
+        return [self.path, self.size, self.mtime_ns, self.part_bytes]
 
 
 def kind(path: str) -> tuple[str, str | None] | None:
@@ -58,10 +65,10 @@ def kind(path: str) -> tuple[str, str | None] | None:
     return builder, compression
 
 
-def _data_file(path: str) -> DataFile:
+def data_file(path: str, part_bytes: int = PART_BYTES) -> DataFile:
     builder, compression = kind(path)  # type: ignore[misc]  # callers pass known kinds only
     st = os.stat(path)
-    return DataFile(os.path.abspath(path), st.st_size, st.st_mtime_ns, builder, compression)
+    return DataFile(os.path.abspath(path), st.st_size, st.st_mtime_ns, builder, compression, part_bytes)
 
 
 def _walk(folder: str) -> list[str]:
@@ -80,7 +87,7 @@ def expand(pattern: str, option: str) -> list[DataFile]:
     elif os.path.isfile(pattern):
         if kind(pattern) is None:
             raise UsageError(f"{option} {pattern}: unknown format; use one of {SUFFIXES} (gzip/zstd compressed too).")
-        return [_data_file(pattern)]
+        return [data_file(pattern)]
     else:
         matches = sorted(glob.glob(pattern, recursive=True))
         candidates, given = [p for m in matches for p in (_walk(m) if os.path.isdir(m) else [m])], "glob"
@@ -90,7 +97,7 @@ def expand(pattern: str, option: str) -> list[DataFile]:
             f"{option} {pattern}: the {given} holds no text file it can read ({len(candidates)} other file(s)); give "
             f".txt, .jsonl, .json, .csv or .parquet files (.gz/.zst compressed too)."
         )
-    return [_data_file(p) for p in files]
+    return [data_file(p) for p in files]
 
 
 def total_bytes(files: list[DataFile]) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 from anygpu.data import checks
-from anygpu.data.files import PART_BYTES, DataFile, display
+from anygpu.data.files import DataFile, display
 from anygpu.errors import UsageError
 
 ARROW_TYPES = {int: "int64", float: "double", bool: "bool", list: "list", dict: "struct"}
@@ -84,11 +84,18 @@ class _NativeRaw(io.RawIOBase):
 
 
 def open_binary(f: DataFile) -> BinaryIO:
+    """The file's bytes, decompressed as they are read (gzip and bz2 by the standard library, zstd by pyarrow)."""
     if f.compression is None:
         return open(f.path, "rb")
+    if f.compression in ("gzip", "bz2"):
+        import bz2
+        import gzip
+
+        return (gzip if f.compression == "gzip" else bz2).open(f.path, "rb")
     import pyarrow as pa
 
-    return io.BufferedReader(_NativeRaw(pa.input_stream(f.path, compression=f.compression)), 1 << 20)
+    # small reads: what precedes a corrupt block still comes through (--skip_bad_rows keeps it)
+    return io.BufferedReader(_NativeRaw(pa.input_stream(f.path, compression=f.compression)), 1 << 16)
 
 
 def line_number(f: DataFile, offset: int) -> int:
@@ -140,8 +147,7 @@ def _line_before_is_blank(fh: BinaryIO, at: int) -> bool:
 
 def lines(fh: BinaryIO, f: DataFile, part: int) -> Iterator[tuple[int, bytes]]:
     """(offset, line) of the lines of part `part` that start in its byte range (all of them, unsplit files)."""
-    start = part * PART_BYTES if f.splittable else 0
-    end = (part + 1) * PART_BYTES if f.splittable else float("inf")
+    start, end = f.part_range(part)
     offset = _first_line_start(fh, start) if f.compression is None else 0
     for line in fh:
         if offset >= end:
@@ -185,8 +191,7 @@ def txt_documents(reading: Reading, f: DataFile, part: int, stats: ReadStats) ->
 
 def _paragraphs(reading: Reading, fh: BinaryIO, f: DataFile, part: int, stats: ReadStats) -> Iterator[str]:
     """Blank-line separated paragraphs that start in the part (a paragraph may run on past its end)."""
-    start = part * PART_BYTES if f.splittable else 0
-    end = (part + 1) * PART_BYTES if f.splittable else float("inf")
+    start, end = f.part_range(part)
     first, prev_blank = 0, True
     if f.compression is None:  # a compressed file is one part, read from its start
         first = _first_line_start(fh, start)
@@ -320,7 +325,8 @@ def row_groups(pf, f: DataFile, part: int) -> list[int]:
     for i in range(meta.num_row_groups):
         col = meta.row_group(i).column(0)
         start = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
-        if part * PART_BYTES <= start < (part + 1) * PART_BYTES or not f.splittable:
+        low, high = f.part_range(part)
+        if low <= start < high:
             found.append(i)
     return found
 

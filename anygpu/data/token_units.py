@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from anygpu.data.files import PART_BYTES, DataFile
+from anygpu.data.files import DataFile
 from anygpu.data.readers import Reading, ReadStats, documents
 from anygpu.runtime import faults
 
@@ -51,10 +51,11 @@ class Unit:
         """The file bytes this unit reads (for progress and the disk estimate)."""
         if self.file.num_parts == 1:
             return self.file.size
-        return max(0, min(PART_BYTES, self.file.size - self.part * PART_BYTES))
+        start, end = self.file.part_range(self.part)
+        return int(max(0, min(end, self.file.size) - start))
 
     def key(self, tokenizer_id: str) -> str:
-        parts = [PREP_VERSION, tokenizer_id, self.file.identity(), self.part, PART_BYTES, self.validation_share]
+        parts = [PREP_VERSION, tokenizer_id, self.file.identity(), self.part, self.validation_share]
         r = self.reading
         parts += [r.text_column, r.sample_by, r.skip_bad_rows]
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
