@@ -85,9 +85,9 @@ def describe(rows: CorpusRows, prepared: PreparedUnits, plan: CorpusPlan) -> lis
     lines = []
     for s in plan.sources:
         stats = prepared.stats(s.name)
-        share = f"weight {s.weight:g}, " if plan.mixture else ""
+        label = f"{s.name}: weight {s.weight:g}," if plan.mixture else "--train_file:"
         lines.append(
-            f"  {s.name}: {share}{len(s.files)} file(s), {stats.documents} documents, {len(rows.train[s.name])} "
+            f"  {label} {len(s.files)} file(s), {stats.documents} documents, {len(rows.train[s.name])} "
             f"train / {len(rows.validation[s.name])} eval blocks"
             + (" (eval carved from its training blocks)" if s.name in rows.carved else "")
             + (f", {stats.null_rows} null rows skipped" if stats.null_rows else "")
@@ -99,6 +99,6 @@ def describe(rows: CorpusRows, prepared: PreparedUnits, plan: CorpusPlan) -> lis
         )
     lines.append(
         f"  prepared data: {prepared.disk_bytes / 1e9:.3f} GB on disk ({prepared.dtype.name} tokens) in "
-        f"{prepared.folder.parent}"
+        f"{prepared.folder.parent}: {prepared.summary}"
     )
     return lines

@@ -51,6 +51,7 @@ class PreparedUnits:
     dtype: np.dtype
     prepared_now: list[int]  # the units prepared now by the job's ranks (the others were found done)
     seconds: float
+    summary: str = ""  # what this start did: prepared some (how much, how fast), or found all done
 
     def files(self, i: int, split: str) -> Path:
         return self.folder / f"{self.keys[i]}.{split}.bin"
@@ -233,21 +234,20 @@ def prepare_units(plan: CorpusPlan, tokenizer, cache_dir: str, workers: int) -> 
             progress.stop.set()
     metas = [read_meta(folder, k) for k in keys]
     prepared = PreparedUnits(units, keys, metas, folder, dtype, sorted(missing), time.monotonic() - start)
+    prepared.summary = summary(prepared, plan, world, workers)
     if rank == 0:
-        logger.info(summary(prepared, plan, world, workers))
+        logger.info("prepared data: %s, in %s", prepared.summary, folder.parent)
     return prepared
 
 
 def summary(prepared: PreparedUnits, plan: CorpusPlan, world: int, workers: int) -> str:
-    """The log line of a preparation: what was done and how fast, or that it was all found done."""
-    where = prepared.folder.parent
+    """What this start did to the data: prepared some of it (how much, how fast), or found it all done."""
     if not prepared.prepared_now:
-        return f"prepared data: all {plan.num_files} files found done in {where} ({prepared.seconds:.1f} s to check)"
+        return f"all {plan.num_files} files found done ({prepared.seconds:.1f} s to check)"
     new_bytes = sum(prepared.units[i].input_bytes for i in prepared.prepared_now)
     found = len(prepared.units) - len(prepared.prepared_now)
     return (
-        f"prepared data: {len(prepared.prepared_now)} file part(s), {new_bytes / 1e9:.3f} GB, tokenised in "
-        f"{prepared.seconds:.1f} s by {world} rank(s) × {max(1, workers)} process(es) "
-        f"({new_bytes / 1e6 / max(prepared.seconds, 1e-9):.1f} MB/s) into {where}"
+        f"{len(prepared.prepared_now)} file part(s), {new_bytes / 1e9:.3f} GB, tokenised in {prepared.seconds:.1f} s "
+        f"by {world} rank(s) × {max(1, workers)} process(es) ({new_bytes / 1e6 / max(prepared.seconds, 1e-9):.1f} MB/s)"
         + (f"; {found} found done" if found else "")
     )
