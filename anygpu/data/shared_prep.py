@@ -27,7 +27,7 @@ import numpy as np
 from anygpu.data import token_units
 from anygpu.data.corpus import CorpusPlan
 from anygpu.data.readers import ReadStats, documents
-from anygpu.data.token_units import Unit, is_done, prepare_unit, read_meta, units_folder
+from anygpu.data.token_units import Encoder, Unit, is_done, prepare_unit, read_meta, units_folder
 from anygpu.data.tokenizer import tokenizer_key
 from anygpu.errors import UsageError
 from anygpu.runtime import distributed
@@ -35,7 +35,7 @@ from anygpu.runtime import distributed
 logger = logging.getLogger("anygpu")
 
 PROGRESS_EVERY_S = 30.0
-SAMPLE_BYTES = 1 << 20  # text tokenised to estimate the tokens per byte of each source
+SAMPLE_BYTES = 64 << 10  # text tokenised to estimate the tokens per byte of each source
 EXPANSION = 4.0  # text bytes per file byte assumed for compressed and parquet files (the estimate's only guess)
 DISK_MARGIN = 1.1
 
@@ -79,30 +79,19 @@ def assign(sizes: list[int], world: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
-_WORKER_TOKENIZER: list = []
-
-
-def _init_worker(tokenizer) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per process
-    _WORKER_TOKENIZER[:] = [tokenizer]
-
-
-def _work(unit: Unit, folder: Path, key: str, dtype: np.dtype) -> dict[str, Any]:
-    return prepare_unit(unit, _WORKER_TOKENIZER[0], folder, key, dtype)
-
-
-def run_units(todo: list[int], units: list[Unit], keys: list[str], folder: Path, tokenizer, workers: int) -> None:
+def run_units(
+    todo: list[int], units: list[Unit], keys: list[str], folder: Path, encoder: Encoder, workers: int
+) -> None:
     """Prepare units `todo` here: inline, or in `workers` processes (spawned: a rank may hold a GPU context)."""
-    dtype = token_units.token_dtype(tokenizer)
     if workers <= 1 or len(todo) <= 1:
         for i in todo:
-            prepare_unit(units[i], tokenizer, folder, keys[i], dtype)
+            prepare_unit(units[i], encoder, folder, keys[i])
         return
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(
-        min(workers, len(todo)), mp_context=context, initializer=_init_worker, initargs=(tokenizer,)
+        min(workers, len(todo)), mp_context=context, initializer=token_units.init_worker, initargs=(encoder,)
     ) as pool:
-        futures = [pool.submit(_work, units[i], folder, keys[i], dtype) for i in todo]
+        futures = [pool.submit(token_units.work, units[i], folder, keys[i]) for i in todo]
         for future in concurrent.futures.as_completed(futures):
             future.result()  # the first failure (a bad file) is raised here; the pool cancels the rest
 
@@ -148,22 +137,29 @@ def describe_seconds(seconds: float) -> str:
     return f"about {minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"about {minutes} min"
 
 
-def estimate_bytes(units: list[Unit], tokenizer, dtype: np.dtype) -> int:
-    """Disk the token files of `units` will take: tokens per text byte measured on each source's first text,
-    file bytes as text bytes (times EXPANSION for compressed and parquet files)."""
-    per_source: dict[str, float] = {}
+def sample_texts(units: list[Unit], limit: int = SAMPLE_BYTES) -> dict[str, list[str]]:
+    """The first documents of each source's first unit among `units`, up to `limit` bytes each."""
+    found: dict[str, list[str]] = {}
     for u in units:
-        if u.source not in per_source:
-            texts, size = [], 0
+        if u.source not in found:
+            found[u.source], size = [], 0
             for text in documents(u.reading, u.file, u.part, ReadStats()):
-                texts.append(text)
+                found[u.source].append(text)
                 size += len(text.encode("utf-8", errors="replace"))
-                if size >= SAMPLE_BYTES:
+                if size >= limit:
                     break
-            tokens = sum(len(x) + 1 for x in tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else 0
-            per_source[u.source] = tokens / max(size, 1)
+    return found
+
+
+def estimate_bytes(units: list[Unit], samples: dict[str, list[str]], encoder: Encoder) -> int:
+    """Disk the token files of `units` will take: tokens per text byte measured on each source's sample, file
+    bytes as text bytes (times EXPANSION for compressed and parquet files)."""
+    per_byte = {}
+    for source, texts in samples.items():
+        size = sum(len(t.encode("utf-8", errors="replace")) for t in texts)
+        per_byte[source] = sum(len(x) + 1 for x in encoder(texts)) / max(size, 1) if texts else 1.0
     expanded = lambda u: EXPANSION if u.file.compression or u.file.builder == "parquet" else 1.0  # noqa: E731
-    return int(sum(u.input_bytes * expanded(u) * per_source[u.source] for u in units) * dtype.itemsize)
+    return int(sum(u.input_bytes * expanded(u) * per_byte[u.source] for u in units) * encoder.dtype.itemsize)
 
 
 def check_room(folder: Path, needed: int, cache_dir: str, num_units: int) -> None:
@@ -211,11 +207,14 @@ def prepare_units(plan: CorpusPlan, tokenizer, cache_dir: str, workers: int) -> 
     keys = [u.key(tok_id) for u in units]
     missing = {i for i, k in enumerate(keys) if not is_done(folder, k)}
     rank, world, local_rank, local_world = _job()
+    encoder: list[Encoder] = []
 
-    def room() -> None:
+    def room() -> None:  # also: how to tokenise (the sample tells whether the tokenizer's backend alone will do)
         if missing:
-            needed = estimate_bytes([units[i] for i in sorted(missing)], tokenizer, dtype)
-            check_room(folder, needed, cache_dir, len(missing))
+            samples = sample_texts([units[i] for i in sorted(missing)])
+            encoder.append(Encoder(tokenizer, [t for texts in samples.values() for t in texts[:64]]))
+            check_room(folder, estimate_bytes([units[i] for i in sorted(missing)], samples, encoder[0]), cache_dir,
+                       len(missing))  # fmt: skip
 
     _agreed(room, "checking the cache's disk")
     progress = Progress(units, keys, folder) if rank == 0 and missing else None
@@ -224,11 +223,15 @@ def prepare_units(plan: CorpusPlan, tokenizer, cache_dir: str, workers: int) -> 
         progress.start()
     try:
         share = [i for i in assign([u.input_bytes for u in units], world)[rank] if i in missing]
-        _agreed(lambda: run_units(share, units, keys, folder, tokenizer, workers), "preparing the data")
+        _agreed(lambda: run_units(share, units, keys, folder, encoder[0] if encoder else None, workers),
+                "preparing the data")  # fmt: skip
         # a cache that is not shared between nodes: what the other nodes wrote is missing here
         still = [i for i, k in enumerate(keys) if not is_done(folder, k)]
         mine = [still[j] for j in assign([units[i].input_bytes for i in still], local_world)[local_rank]]
-        _agreed(lambda: run_units(mine, units, keys, folder, tokenizer, workers), "preparing the data on this node")
+        if mine and not encoder:  # found missing only now (another node's share, on a disk of this node's own)
+            encoder.append(Encoder(tokenizer, []))
+        _agreed(lambda: run_units(mine, units, keys, folder, encoder[0] if encoder else None, workers),
+                "preparing the data on this node")  # fmt: skip
     finally:
         if progress is not None:
             progress.stop.set()

@@ -70,6 +70,38 @@ def token_dtype(tokenizer) -> np.dtype:
     return np.dtype(np.uint16) if len(tokenizer) <= 1 << 16 else np.dtype(np.uint32)
 
 
+PROBES = ["plain words", " a leading space", "Ünïcödé ñ 中文 🙂", "tabs\tand\nnew lines\n\n", "<|endoftext|> in text"]
+
+
+class Encoder:
+    """Token ids of texts without special tokens, as `tokenizer(texts, add_special_tokens=False)` gives them: its
+    `tokenizers` backend alone where it gives the same ids on `sample` (faster, and a worker process then loads
+    no transformers), else the tokenizer itself. Picklable: what worker processes receive."""
+
+    def __init__(self, tokenizer, sample: list[str]) -> None:
+        self.eos, self.dtype = tokenizer.eos_token_id, token_dtype(tokenizer)
+        self.backend, self.tokenizer = None, tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            from tokenizers import Tokenizer
+
+            own = Tokenizer.from_str(backend.to_str())
+            own.no_truncation()
+            own.no_padding()
+            texts = [*PROBES, *sample]
+            if self._backend_ids(own, texts) == tokenizer(texts, add_special_tokens=False)["input_ids"]:
+                self.backend, self.tokenizer = own, None
+
+    @staticmethod
+    def _backend_ids(backend, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+
+    def __call__(self, texts: list[str]) -> list[list[int]]:
+        if self.backend is not None:
+            return self._backend_ids(self.backend, texts)
+        return self.tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+
 def is_done(folder: Path, key: str) -> bool:
     return (folder / f"{key}.json").exists()
 
@@ -99,11 +131,11 @@ def _batches(unit: Unit, stats: ReadStats):
         yield batch
 
 
-def _write_streams(unit: Unit, tokenizer, dtype: np.dtype, outs: dict, stats: ReadStats) -> dict[str, int]:
+def _write_streams(unit: Unit, encoder: Encoder, outs: dict, stats: ReadStats) -> dict[str, int]:
     """Tokenise the unit's documents into the open files `outs` (split → file); the tokens written per split."""
-    eos, counts = tokenizer.eos_token_id, dict.fromkeys(SPLITS, 0)
+    eos, dtype, counts = encoder.eos, encoder.dtype, dict.fromkeys(SPLITS, 0)
     for batch in _batches(unit, stats):
-        ids = tokenizer(batch, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        ids = encoder(batch)
         held = [to_validation(t, unit.validation_share) for t in batch]
         for split, want in zip(SPLITS, (False, True)):
             chosen = [x for x, h in zip(ids, held) if h == want]
@@ -114,14 +146,14 @@ def _write_streams(unit: Unit, tokenizer, dtype: np.dtype, outs: dict, stats: Re
     return counts
 
 
-def prepare_unit(unit: Unit, tokenizer, folder: Path, key: str, dtype: np.dtype) -> dict[str, Any]:
+def prepare_unit(unit: Unit, encoder: Encoder, folder: Path, key: str) -> dict[str, Any]:
     """Tokenise one unit into `folder` (atomically: its files are renamed into place, its .json last)."""
     start, stats = time.perf_counter(), ReadStats()
     folder.mkdir(parents=True, exist_ok=True)
     temps = {split: tempfile.mkstemp(dir=folder, prefix=f".{key}.{split}.", suffix=".tmp")[1] for split in SPLITS}
     try:
         with open(temps["train"], "wb") as train, open(temps["validation"], "wb") as validation:
-            counts = _write_streams(unit, tokenizer, dtype, {"train": train, "validation": validation}, stats)
+            counts = _write_streams(unit, encoder, {"train": train, "validation": validation}, stats)
         _prepared_here[0] += 1
         faults.at("prepare_unit", _prepared_here[0])
         for split in SPLITS:
@@ -132,7 +164,7 @@ def prepare_unit(unit: Unit, tokenizer, folder: Path, key: str, dtype: np.dtype)
             "file": unit.file.path,
             "part": unit.part,
             "input_bytes": unit.input_bytes,
-            "dtype": dtype.name,
+            "dtype": encoder.dtype.name,
             "tokens": counts,
             **asdict(stats),
             "seconds": round(time.perf_counter() - start, 3),
@@ -163,3 +195,16 @@ def remove_stale_temps(folder: Path, older_than_s: float = STALE_TEMP_S) -> int:
         except FileNotFoundError:
             pass
     return removed
+
+
+_WORKER_ENCODER: list[Encoder] = []
+
+
+def init_worker(encoder: Encoder) -> None:
+    """A worker process of a rank's preparation (spawned: this module imports no torch nor transformers)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per process
+    _WORKER_ENCODER[:] = [encoder]
+
+
+def work(unit: Unit, folder: Path, key: str) -> dict[str, Any]:
+    return prepare_unit(unit, _WORKER_ENCODER[0], folder, key)
