@@ -303,3 +303,46 @@ def test_a_mixture_draws_exact_shares_and_each_source_whole_epochs():
 def test_the_feistel_permutation_is_a_permutation():
     for n in (1, 2, 3, 5, 64, 100, 4097):
         assert sorted(permute(np.arange(n), n, 7).tolist()) == list(range(n))
+
+
+def test_files_as_editors_and_exporters_write_them_read_as_their_documents(tmp_path):
+    """A UTF-8 byte-order mark, CRLF line ends, a CSV cell over two lines, a JSON array, dictionary-encoded parquet
+    strings, and a link from a subfolder back up to the folder (followed once)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\r\n{"text": "second"}\r\n')
+    (tmp_path / "b.txt").write_bytes(b"\xef\xbb\xbfline one\r\nline two\r\n")
+    (tmp_path / "c.csv").write_bytes(b'\xef\xbb\xbftext,id\r\n"two\nlines",1\r\nplain,2\r\n')
+    (tmp_path / "d.json").write_bytes(b'\xef\xbb\xbf[{"text": "item one"}, {"text": "item two"}]')
+    pq.write_table(pa.table({"text": pa.array(["x y", "z"]).dictionary_encode()}), tmp_path / "e.parquet")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "up").symlink_to(tmp_path)
+    reading = Reading("--train_file", "text", "auto", False)
+    found = {os.path.basename(f.path): list(readers.documents(reading, f, 0, ReadStats()))
+             for f in files.expand(str(tmp_path), "--train_file")}  # fmt: skip
+    assert found == {
+        "a.jsonl": ["first", "second"],
+        "b.txt": ["line one", "line two"],
+        "c.csv": ["two\nlines", "plain"],
+        "d.json": ["item one", "item two"],
+        "e.parquet": ["x y", "z"],
+    }
+
+
+def test_a_validation_file_is_the_validation_set_and_no_training_document_is_held_out(tmp_path, tokenizer):
+    from anygpu.data import corpus_rows
+
+    write_corpus(tmp_path / "c")
+    (tmp_path / "val.txt").write_text("\n".join(f"omega omega {i}" for i in range(400)))
+    args = data_args("--train_file", str(tmp_path / "c" / "part*.jsonl"), "--validation_file",
+                     str(tmp_path / "val.txt"), "--data_cache_dir", str(tmp_path / "cache"))  # fmt: skip
+    plan = corpus.plan_corpus(args)
+    done = shared_prep.prepare_units(plan, tokenizer, args.data_cache_dir, workers=1)
+    rows = corpus_rows.source_rows(done, plan, 16, 5.0)
+    train, validation = rows.train[corpus.SINGLE], rows.validation[corpus.SINGLE]
+    assert sum(m["tokens"]["validation"] for m in done.metas[:4]) == 0  # the training files hold nothing out
+    eos = tokenizer.eos_token
+    texts = [tokenizer.decode(r).replace(eos, " ") for r in validation[list(range(len(validation)))]["input_ids"]]
+    assert len(validation) > 10 and all(set(t) <= set("omega 0123456789\n") for t in texts)  # blocks cut words
+    assert len(train) * 16 == sum(m["tokens"]["train"] for m in done.metas) // 16 * 16

@@ -72,8 +72,14 @@ def data_file(path: str, part_bytes: int = PART_BYTES) -> DataFile:
 
 
 def _walk(folder: str) -> list[str]:
-    found = []
+    """Every file under `folder`, links to folders followed once each (a link back up does not loop)."""
+    found, seen = [], set()
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         found += [os.path.join(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
     return found

@@ -22,6 +22,7 @@ from anygpu.errors import UsageError
 
 ARROW_TYPES = {int: "int64", float: "double", bool: "bool", list: "list", dict: "struct"}
 SNIFF_BYTES = 16 << 20  # --txt_sample_by auto looks for a blank line this far into each file
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark some editors write first: not part of the text
 
 
 @dataclass
@@ -152,7 +153,7 @@ def lines(fh: BinaryIO, f: DataFile, part: int) -> Iterator[tuple[int, bytes]]:
     for line in fh:
         if offset >= end:
             return
-        yield offset, line
+        yield offset, line.removeprefix(BOM) if offset == 0 else line
         offset += len(line)
 
 
@@ -175,7 +176,7 @@ def txt_documents(reading: Reading, f: DataFile, part: int, stats: ReadStats) ->
     mode = resolve_sample_by(f, reading.sample_by)
     with open_binary(f) as fh:
         if mode == "document":
-            raw = fh.read()
+            raw = fh.read().removeprefix(BOM)
             text = _decoded(reading, stats, f, 0, raw)
             if text is not None and text.strip():
                 yield text
@@ -198,7 +199,8 @@ def _paragraphs(reading: Reading, fh: BinaryIO, f: DataFile, part: int, stats: R
         prev_blank = _line_before_is_blank(fh, first)
         fh.seek(first)
     offset, current, begun = first, [], None
-    for raw in fh:
+    for line in fh:
+        raw = line.removeprefix(BOM) if offset == 0 else line
         blank = not raw.strip()
         if not blank and prev_blank and not current:
             if offset >= end:
@@ -211,7 +213,7 @@ def _paragraphs(reading: Reading, fh: BinaryIO, f: DataFile, part: int, stats: R
             if text is not None:
                 yield text.rstrip("\r\n")
             current, begun = [], None
-        prev_blank, offset = blank, offset + len(raw)
+        prev_blank, offset = blank, offset + len(line)
     if current:
         text = _decoded(reading, stats, f, begun, b"".join(current))
         if text is not None:
@@ -242,14 +244,14 @@ def _value(reading: Reading, stats: ReadStats, f: DataFile, where: int | str, ro
 
 def _is_json_array(f: DataFile) -> bool:
     with open_binary(f) as fh:
-        return fh.read(4096).lstrip().startswith(b"[")
+        return fh.read(4096).removeprefix(BOM).lstrip().startswith(b"[")
 
 
 def json_documents(reading: Reading, f: DataFile, part: int, stats: ReadStats) -> Iterator[str]:
     if _is_json_array(f):  # read whole, by part 0 alone
         if part == 0:
             with open_binary(f) as fh:
-                rows = json.load(fh)
+                rows = json.loads(fh.read().removeprefix(BOM))
             for i, row in enumerate(rows):
                 if (text := _value(reading, stats, f, f"item {i}", row)) is not None:
                     yield text
@@ -270,7 +272,7 @@ def json_documents(reading: Reading, f: DataFile, part: int, stats: ReadStats) -
 def csv_documents(reading: Reading, f: DataFile, stats: ReadStats) -> Iterator[str]:
     csv.field_size_limit(sys.maxsize)
     with open_binary(f) as fh:
-        rows = csv.reader(io.TextIOWrapper(fh, encoding="utf-8", newline=""))
+        rows = csv.reader(io.TextIOWrapper(fh, encoding="utf-8-sig", newline=""))
         try:
             header = next(rows, [])
             column = _column_index(reading, f, header)
@@ -304,7 +306,7 @@ def parquet_documents(reading: Reading, f: DataFile, part: int, stats: ReadStats
     if reading.text_column not in pf.schema_arrow.names:
         raise UsageError(missing_column(reading, f, pf.schema_arrow.names))
     kind = pf.schema_arrow.field(reading.text_column).type
-    if str(kind) not in ("string", "large_string", "string_view"):
+    if not _is_text(kind):
         reading.bad(
             stats,
             f,
@@ -317,6 +319,15 @@ def parquet_documents(reading: Reading, f: DataFile, part: int, stats: ReadStats
         column = batch.column(0)
         stats.null_rows += column.null_count
         yield from (t for t in column.to_pylist() if t is not None and t.strip())
+
+
+def _is_text(kind) -> bool:
+    """An Arrow string type, dictionary-encoded or not."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"
 
 
 def row_groups(pf, f: DataFile, part: int) -> list[int]:
@@ -373,8 +384,8 @@ def first_columns(f: DataFile, text_column: str) -> list[str]:
         return pq.ParquetFile(f.path).schema_arrow.names
     with open_binary(f) as fh:
         if f.builder == "csv":
-            return next(csv.reader(io.TextIOWrapper(fh, encoding="utf-8", errors="replace", newline="")), [])
-        head = fh.read(1 << 20).decode("utf-8", errors="replace").lstrip()
+            return next(csv.reader(io.TextIOWrapper(fh, encoding="utf-8-sig", errors="replace", newline="")), [])
+        head = fh.read(1 << 20).removeprefix(BOM).decode("utf-8", errors="replace").lstrip()
     try:
         row, _ = json.JSONDecoder().raw_decode(head[1:].lstrip() if head.startswith("[") else head)
     except json.JSONDecodeError:
