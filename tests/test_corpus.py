@@ -210,6 +210,19 @@ def test_an_interrupted_preparation_resumes_where_it_stopped(tmp_path, tokenizer
     assert bin_files(folder) == bin_files(whole.folder)
 
 
+def test_worker_processes_write_the_bytes_one_process_writes_and_a_start_after_reads_one_index(tmp_path, tokenizer):
+    write_corpus(tmp_path / "c")
+    _, one = prepared(tmp_path, tokenizer, cache="one")
+    args = data_args("--train_file", str(tmp_path / "c"), "--data_cache_dir", str(tmp_path / "two"))
+    two = shared_prep.prepare_units(corpus.plan_corpus(args), tokenizer, args.data_cache_dir, workers=2)  # spawned
+    assert bin_files(two.folder) == bin_files(one.folder) and len(bin_files(one.folder)) == 14
+    assert len(list((two.folder.parent / "corpora").glob("*.json"))) == 1
+    for meta in two.folder.glob("*.json"):
+        meta.unlink()  # a start after preparation reads the corpus's index, not the parts' files
+    again = shared_prep.prepare_units(corpus.plan_corpus(args), tokenizer, args.data_cache_dir, workers=2)
+    assert again.prepared_now == [] and again.metas == two.metas and "found done" in again.summary
+
+
 def test_an_edited_file_is_prepared_again_alone(tmp_path, tokenizer):
     write_corpus(tmp_path / "c")
     plan, first = prepared(tmp_path, tokenizer)

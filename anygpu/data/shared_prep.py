@@ -205,8 +205,12 @@ def prepare_units(plan: CorpusPlan, tokenizer, cache_dir: str, workers: int) -> 
     start, tok_id = time.monotonic(), tokenizer_key(tokenizer)
     units, folder, dtype = plan.units(), units_folder(cache_dir, tok_id), token_units.token_dtype(tokenizer)
     keys = [u.key(tok_id) for u in units]
-    missing = {i for i, k in enumerate(keys) if not is_done(folder, k)}
     rank, world, local_rank, local_world = _job()
+    if (metas := token_units.read_index(folder, keys)) is not None:  # all done before: one read, whatever the parts
+        prepared = PreparedUnits(units, keys, metas, folder, dtype, [], time.monotonic() - start)
+        prepared.summary = summary(prepared, plan, world, workers)
+        return prepared
+    missing = {i for i, k in enumerate(keys) if not is_done(folder, k)}
     encoder: list[Encoder] = []
 
     def room() -> None:  # also: how to tokenise (the sample tells whether the tokenizer's backend alone will do)
@@ -236,6 +240,8 @@ def prepare_units(plan: CorpusPlan, tokenizer, cache_dir: str, workers: int) -> 
         if progress is not None:
             progress.stop.set()
     metas = [read_meta(folder, k) for k in keys]
+    if local_rank == 0:  # the next start reads this one file (each node: its cache may be its own)
+        token_units.write_index(folder, keys, metas)
     prepared = PreparedUnits(units, keys, metas, folder, dtype, sorted(missing), time.monotonic() - start)
     prepared.summary = summary(prepared, plan, world, workers)
     if rank == 0:

@@ -10,6 +10,7 @@ when the data is read (`token_rows`).
     <cache>/prepared/<tokenizer>/units/<key>.json             what the unit holds (tokens, documents, skipped rows)
     <cache>/prepared/<tokenizer>/units/<key>.train.bin        token ids (uint16, or uint32 past 65,536 tokens)
     <cache>/prepared/<tokenizer>/units/<key>.validation.bin
+    <cache>/prepared/<tokenizer>/corpora/<key of its units>.json   every unit of a corpus, once all are done
 """
 
 from __future__ import annotations
@@ -108,6 +109,27 @@ def is_done(folder: Path, key: str) -> bool:
 
 def read_meta(folder: Path, key: str) -> dict[str, Any]:
     return json.loads((folder / f"{key}.json").read_text())
+
+
+def _index_path(folder: Path, keys: list[str]) -> Path:
+    digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:24]
+    return folder.parent / "corpora" / f"{digest}.json"
+
+
+def write_index(folder: Path, keys: list[str], metas: list[dict[str, Any]]) -> None:
+    """Every unit of a corpus done, in one file: a start after preparation reads it instead of one file per part."""
+    path = _index_path(folder, keys)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_json(path, {"keys": keys, "metas": metas})
+
+
+def read_index(folder: Path, keys: list[str]) -> list[dict[str, Any]] | None:
+    """The metas of units `keys` from their corpus's index, when it was written (all of them done), else None."""
+    path = _index_path(folder, keys)
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return data["metas"] if data.get("keys") == keys else None
 
 
 def to_validation(text: str, share: int) -> bool:
