@@ -56,29 +56,18 @@ def source_of(text: str) -> str:
     return "web"
 
 
-def args(root: Path, out: str, cache: str, *extra: str) -> list[str]:
+def run_args(root: Path, out: str, cache: str, *extra: str) -> list[str]:
     at = TINY.index("--max_corpus_mb")
-    base = TINY[:at] + TINY[at + 2 :]  # the mixture is the data
+    base = TINY[:at] + TINY[at + 2 :]  # the data is given
     return [
         *base,
-        "--dataset_mixture",
-        str(root / "mixture.json"),
-        "--block_size",
-        "32",
-        "--global_batch_size",
-        str(G),
-        "--vocab_size",
-        "400",
-        "--max_steps",
-        str(STEPS),
-        "--eval_steps",
-        "6",
-        "--output_dir",
-        str(root / out),
-        "--data_cache_dir",
-        str(root / cache),
-        *extra,
+        *("--block_size", "32", "--global_batch_size", str(G), "--vocab_size", "400", "--max_steps", str(STEPS)),
+        *("--eval_steps", "6", "--output_dir", str(root / out), "--data_cache_dir", str(root / cache), *extra),
     ]
+
+
+def args(root: Path, out: str, cache: str, *extra: str) -> list[str]:
+    return [*run_args(root, out, cache, *extra), "--dataset_mixture", str(root / "mixture.json")]
 
 
 def outputs(proc) -> str:
@@ -156,3 +145,26 @@ def test_the_hf_engine_trains_the_mixture_as_the_native_one(runs):
     assert_close(losses(root / "r1"), losses(root / "hf"), rel=1e-4)
     keys = lambda run: {k for r in records(root / run) for k in r if "/" in k}  # noqa: E731
     assert keys("hf") == keys("r1") == {f"{p}/{n}" for p in ("samples", "eval_loss") for n in WEIGHTS}
+
+
+def test_a_bad_row_in_another_ranks_share_is_refused_once_by_the_job(tmp_path):
+    """The corrupt file is the smaller one: the assignment (largest first) gives it to rank 1, which finds the
+    row; every rank refuses with its line, which rank 0 alone prints."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text(
+        "".join(json.dumps({"text": "alpha beta " * 30}) + "\n" for _ in range(200))
+    )
+    (tmp_path / "data" / "b.jsonl").write_text(json.dumps({"text": "gamma delta"}) + "\n" + '{"text": broken\n')
+    tok = tmp_path / "tokenizer"
+    from anygpu.data.tokenizer import train_bpe
+
+    train_bpe(["alpha beta gamma delta"] * 20, 300).save_pretrained(str(tok))
+    proc = torchrun(
+        2,
+        "run_fsdp_standalone.py",
+        [*run_args(tmp_path, "out", "cache"), "--train_file", str(tmp_path / "data"), "--tokenizer_name", str(tok)],
+        check=False,
+    )  # fmt: skip
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert "b.jsonl line 2: not JSON" in errors[0] and "--skip_bad_rows true" in errors[0]

@@ -125,13 +125,16 @@ def local_main_first(info: DistInfo) -> Iterator[None]:
     key = f"{_next_key(store, 'local_main_done')}/{info.rank - info.local_rank}"
     if not info.is_local_main:
         wait_for_key(store, key, "local rank 0 of this node to prepare the tokenizer and the packed data")
-        if store.get(key) != b"ok":
+        outcome = store.get(key).decode()
+        if outcome.startswith("refused:"):  # bad input local rank 0 found: every rank refuses it alike
+            raise UsageError(outcome.removeprefix("refused:"))
+        if outcome != "ok":
             raise RuntimeError("local rank 0 of this node failed while preparing the data (see its error above)")
     try:
         yield
-    except BaseException:
+    except BaseException as e:
         if info.is_local_main:
-            store.set(key, "failed")
+            store.set(key, f"refused:{e}" if isinstance(e, UsageError) else "failed")
         raise
     if info.is_local_main:
         store.set(key, "ok")
