@@ -19,7 +19,7 @@
 # lease-N.jsonl: the rows; lease-N.log: every command's output; part 2 also gpu-tests.log), never a checkpoint, and on
 # a GPU skips what would not fit its time budget (BUDGET seconds, default 285; part 2 keeps LATE_RESERVE, default 60,
 # of it from the GPU tests for its last rows).
-# Knobs: OUT (default outputs/lease), PYTHON (default .venv/bin/python where there is one, else python3: the
+# Knobs: JOBS (rows at once in the rehearsal, default 2; one on a GPU), OUT (default outputs/lease), PYTHON (default .venv/bin/python where there is one, else python3: the
 # device image's), BUDGET, LATE_RESERVE, ROW_LIMIT (seconds per row, default 150), SITE (default
 # /tmp/anygpu-lease-site), LEASE_WORK (default /tmp/anygpu-lease), LEASE_VENV (default ~/.cache/anygpu/lease-venv),
 # PYTHON312 (the rehearsal venv's interpreter; default: python3.12 or pyenv's).
@@ -80,27 +80,42 @@ rows_of() {
   bench plan --part "$1" --lines
 }
 
+run_row() {  # id, name, layers, result file: one row in a process of its own, its record (or why not) in the file
+  local id=$1 name=$2 layers=$3 result=$4 status=0 why
+  timeout --kill-after 10 "$ROW_LIMIT" "$PYTHON" benchmarks/lease_bench.py row "$id" >"$result.out" 2>&1 || status=$?
+  if grep -q '^LEASE_ROW ' "$result.out"; then
+    grep '^LEASE_ROW ' "$result.out" | cut -d' ' -f2- >"$result"
+  else
+    why=$([ "$status" = 124 ] || [ "$status" = 137 ] && echo "timed out after $ROW_LIMIT s" || echo "failed (exit $status)")
+    say "$id: $why (see the log)"
+    echo "{\"kind\": \"row\", \"name\": \"$name\", \"layers\": $layers, \"status\": \"$why\"}" >"$result"
+  fi
+}
+
 run_rows() {  # part, phase (main: before the GPU tests; late: after them), jsonl, log
-  local part=$1 phase=$2 rows=$3 log=$4
+  # On the GPU one row at a time (they are timed); the rehearsal runs JOBS at once (default 2: this machine's cores),
+  # but the first alone (it fills the data cache the others read).
+  local part=$1 phase=$2 rows=$3 log=$4 i=0 jobs=${JOBS:-2} done_dir="$LEASE_WORK/rows-$1-$2"
+  [ "$GPU" = 1 ] && jobs=1
+  rm -rf "$done_dir" && mkdir -p "$done_dir"
   while IFS='|' read -r id name layers seconds when; do
     [ "$when" = "$phase" ] || continue
+    i=$((i + 1))
     if [ "$GPU" = 1 ] && [ $((SECONDS - START + seconds)) -gt "$BUDGET" ]; then
       say "skipped $id: past the part's budget of $BUDGET s"
-      echo "{\"kind\": \"row\", \"name\": \"$name\", \"layers\": $layers, \"status\": \"skipped (time budget)\"}" >>"$rows"
+      echo "{\"kind\": \"row\", \"name\": \"$name\", \"layers\": $layers, \"status\": \"skipped (time budget)\"}" >"$done_dir/$i"
       continue
     fi
     say "row $id"
-    status=0
-    timeout --kill-after 10 "$ROW_LIMIT" "$PYTHON" benchmarks/lease_bench.py row "$id" >"$LEASE_WORK/row.out" 2>&1 || status=$?
-    cat "$LEASE_WORK/row.out" >>"$log"
-    if grep -q '^LEASE_ROW ' "$LEASE_WORK/row.out"; then
-      grep '^LEASE_ROW ' "$LEASE_WORK/row.out" | cut -d' ' -f2- >>"$rows"
-    else
-      why=$([ "$status" = 124 ] || [ "$status" = 137 ] && echo "timed out after $ROW_LIMIT s" || echo "failed (exit $status)")
-      say "$id: $why (see $log)"
-      echo "{\"kind\": \"row\", \"name\": \"$name\", \"layers\": $layers, \"status\": \"$why\"}" >>"$rows"
-    fi
+    run_row "$id" "$name" "$layers" "$done_dir/$i" &
+    if [ "$i" = 1 ] || [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; then wait -n || true; fi
+    [ "$i" = 1 ] && wait
   done < <(rows_of "$part")
+  wait
+  for k in $(seq 1 "$i"); do  # in the plan's order
+    cat "$done_dir/$k" >>"$rows"
+    if [ -f "$done_dir/$k.out" ]; then cat "$done_dir/$k.out" >>"$log"; fi
+  done
 }
 
 part() {

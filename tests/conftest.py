@@ -318,6 +318,7 @@ LONGEST_FILES = (
     "test_bench.py",
     "test_fsdp_engine.py",
     "test_context_parallel.py",
+    "test_mixture_runs.py",
 )
 
 

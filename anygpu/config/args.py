@@ -21,6 +21,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from anygpu.config import locate
+from anygpu.config.mixture import as_argument, parse_mixture
 from anygpu.config.ranges import check_ranges
 from anygpu.errors import UsageError, exit_refused
 from anygpu.launch import suggest
@@ -158,11 +159,29 @@ class DataArguments:
         default=None,
         metadata={
             "resume": "corpus",
-            "help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file (or a glob).",
+            "help": "Training text: a .txt, .json/.jsonl, .csv or .parquet file (.gz/.zst compressed too), a folder "
+            "of them or a glob; thousands of files are fine.",
         },
     )
     validation_file: str | None = field(
         default=None, metadata={"resume": "corpus", "help": "Validation text, same formats as --train_file."}
+    )
+    dataset_mixture: str | None = field(
+        default=None,
+        metadata={
+            "resume": "corpus",
+            "help": "Several raw-text sources mixed by weight (shares of the samples drawn), TRL's shape: "
+            "{datasets: [{name, path, weight, text_column?, validation_path?}, ...]}, in the run config or as a "
+            "YAML/JSON file or text. See docs/data.md.",
+        },
+    )
+    skip_bad_rows: bool = field(
+        default=False,
+        metadata={
+            "resume": "corpus",
+            "help": "Raw-text files: drop unreadable rows (corrupt JSON, non-text values, invalid UTF-8) and empty "
+            "files, and count them, instead of refusing the run at the first one.",
+        },
     )
     text_column: str = field(
         default="text",
@@ -204,8 +223,8 @@ class DataArguments:
         default=None,
         metadata={
             "resume": FREE,
-            "help": "Processes for tokenising. Default: one per core of the node (at most 64, fewer for a corpus "
-            "under 4 MB per process).",
+            "help": "Processes for tokenising, per node (split among the node's ranks, each preparing its share of "
+            "the files). Default: one per core of the node (at most 64, fewer for a corpus under 4 MB per process).",
         },
     )
     data_cache_dir: str | None = field(
@@ -264,6 +283,7 @@ class DataArguments:
             raise UsageError(
                 f"--dataset_name {self.dataset_name} and --train_file {self.train_file} both name the data: give one."
             )
+        self._check_mixture()
         for name in ("train_file", "validation_file"):
             path = getattr(self, name)
             if path and not _glob_matches(path):
@@ -282,6 +302,17 @@ class DataArguments:
             self.data_cache_dir = os.environ.get("ANYGPU_CACHE", str(Path.home() / ".cache" / "anygpu"))
         _check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
         _check_choice("txt_sample_by", self.txt_sample_by, TXT_SAMPLE_BY)
+
+    def _check_mixture(self) -> None:
+        if not self.dataset_mixture:
+            return
+        other = self.train_file or self.dataset_name or self.validation_file
+        if other:
+            raise UsageError(
+                f"--dataset_mixture and {other} both name the data: give the sources in the mixture alone (each "
+                "may have a validation_path)."
+            )
+        parse_mixture(self.dataset_mixture, self.text_column)
 
 
 @dataclass
@@ -736,6 +767,9 @@ def _file_to_argv(path: str) -> list[str]:
     argv: list[str] = []
     for key, value in data.items():
         if value is None:
+            continue
+        if key == "dataset_mixture" and isinstance(value, (dict, list)):  # nested: one word, parsed by the field
+            argv += [f"--{key}", as_argument(value)]
             continue
         items = value if isinstance(value, (list, tuple)) else [value]
         if any(isinstance(v, (dict, list, tuple)) for v in items):

@@ -64,9 +64,13 @@ def first_utf8_error(path: Path) -> str | None:
     return None
 
 
-def load_checked(pattern: str, builder: str, option: str, load: Callable[[], T]) -> T:
-    """`load()` the files of `pattern` after the cheap checks; a failure to parse them is a one-line refusal."""
-    paths = files_of(pattern)
+def load_checked(
+    pattern: str | list[str], builder: str, option: str, load: Callable[[], T], given: str | None = None
+) -> T:
+    """`load()` the files of `pattern` (a glob, or the files themselves) after the cheap checks; a failure to parse
+    them is a one-line refusal (`given`: what the user wrote, for it)."""
+    paths = [Path(p) for p in pattern] if isinstance(pattern, list) else files_of(pattern)
+    pattern = given or (pattern if isinstance(pattern, str) else str(paths[0]))
     for path in paths:
         check_file(path, builder, option)
     try:

@@ -162,8 +162,8 @@ class Collator:
         return self.collate(dataset[indices])
 
     def collate(self, columns: dict[str, list]) -> dict[str, torch.Tensor]:
-        if "labels" not in columns:
-            ids = torch.tensor(columns["input_ids"], dtype=torch.long)
+        if "labels" not in columns:  # full blocks: lists of ids, or rows of memory-mapped token files
+            ids = torch.as_tensor(np.asarray(columns["input_ids"], dtype=np.int64))
             return {"input_ids": ids, "labels": ids.clone()}
         lengths = [len(x) for x in columns["input_ids"]]
         width = max(lengths)

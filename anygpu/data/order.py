@@ -23,6 +23,15 @@ def eval_subset(num_rows: int, max_samples: int | None) -> list[int]:
     return sorted(torch.randperm(num_rows, generator=g)[:max_samples].tolist())
 
 
+def check_enough_samples(num_samples: int, global_batch_size: int) -> None:
+    """At least one global batch of training samples."""
+    if num_samples < global_batch_size:
+        raise UsageError(
+            f"the training set has {num_samples} packed samples, fewer than --global_batch_size "
+            f"{global_batch_size}: lower --global_batch_size (≤ {num_samples}) or --block_size, or add data."
+        )
+
+
 @dataclass(frozen=True)
 class GlobalOrder:
     """One seeded permutation of the packed samples per epoch; global batch k is
@@ -35,11 +44,7 @@ class GlobalOrder:
     _cached: list = field(default_factory=list, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.steps_per_epoch < 1:
-            raise UsageError(
-                f"the training set has {self.num_samples} packed samples, fewer than --global_batch_size "
-                f"{self.global_batch_size}: lower --global_batch_size (≤ {self.num_samples}) or --block_size, or add data."
-            )
+        check_enough_samples(self.num_samples, self.global_batch_size)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -63,9 +68,14 @@ class GlobalOrder:
 
     def micro_batches(self, step: int, plan: BatchPlan, rank: int) -> list[list[int]]:
         """Rank `rank`'s share of global batch `step`, cut into its accumulation micro-batches."""
-        share = self.global_batch(step)[rank * plan.sequences_per_rank : (rank + 1) * plan.sequences_per_rank]
-        m = plan.per_device_train_batch_size
-        return [share[j * m : (j + 1) * m] for j in range(plan.gradient_accumulation_steps)]
+        return rank_micro_batches(self.global_batch(step), plan, rank)
+
+
+def rank_micro_batches(batch: list[int], plan: BatchPlan, rank: int) -> list[list[int]]:
+    """Rank `rank`'s share of a global batch, cut into its accumulation micro-batches."""
+    share = batch[rank * plan.sequences_per_rank : (rank + 1) * plan.sequences_per_rank]
+    m = plan.per_device_train_batch_size
+    return [share[j * m : (j + 1) * m] for j in range(plan.gradient_accumulation_steps)]
 
 
 class StepSampler(torch.utils.data.Sampler):

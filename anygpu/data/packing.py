@@ -62,10 +62,7 @@ def pack(
                 f"tokenise and pack {split} into {block_size}-token blocks",
             )
             if len(packed[split]) == 0:  # (an empty split would also break save_to_disk/load_from_disk)
-                raise UsageError(
-                    f"the {split} split has no full {block_size}-token block: lower --block_size or give "
-                    f"more {split} text."
-                )
+                raise no_full_block(split, block_size)
             mb, seconds = ds.data.nbytes / 1e6, time.perf_counter() - start
             logger.info(
                 "%s: %.1f MB of text tokenised and packed in %.1f s (%.1f MB/s, %d processes)",
@@ -83,6 +80,12 @@ def pack(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return load_from_disk(str(path))
+
+
+def no_full_block(split: str, block_size: int) -> UsageError:
+    return UsageError(
+        f"the {split} split has no full {block_size}-token block: lower --block_size or give more {split} text."
+    )
 
 
 def chunk_bounds(ds: Dataset, text_column: str, chunk_bytes: int) -> tuple[list[int], list[int]]:

@@ -18,11 +18,14 @@ from transformers import PretrainedConfig
 
 from anygpu.config.args import DataArguments, ModelArguments, TrainArguments
 from anygpu.config.batch import BatchPlan, plan_batch, resolve_global_batch
+from anygpu.data import corpus, corpus_rows, shared_prep
 from anygpu.data import tokenizer as tok_lib
 from anygpu.data.collate import Collator, packing_supported
 from anygpu.data.formats import TEXT, training_texts
+from anygpu.data.mixture_order import MixtureOrder
 from anygpu.data.order import GlobalOrder, eval_subset
-from anygpu.data.samples import make_rows
+from anygpu.data.samples import TrainingRows, make_rows
+from anygpu.data.token_rows import Concatenation
 from anygpu.data.sources import data_format, fingerprint, load_raw_text
 from anygpu.errors import UsageError
 from anygpu.model import dropout, fp8, lean_loss, lora, modeling
@@ -36,16 +39,17 @@ logger = logging.getLogger(__name__)
 class Prepared:
     config: PretrainedConfig
     tokenizer: Any
-    datasets: DatasetDict  # packed 'train' and 'validation', column input_ids
+    datasets: DatasetDict | dict  # 'train' and 'validation' rows (datasets', or memory-mapped token rows), input_ids
     block_size: int
     plan: BatchPlan
-    order: GlobalOrder
+    order: GlobalOrder | MixtureOrder
     total_steps: int  # the schedule's length (max_steps or epochs × steps per epoch)
     from_scratch: bool
     used_default_corpus: bool
     collator: Collator | None = None  # rows → batches (padding, position ids, labels)
     data_lines: list[str] = field(default_factory=list)  # format, counts, template: for the banner
     data_fingerprint: str = ""  # the raw corpus (resume fingerprint, ranks-agree check)
+    eval_sets: dict[str, Any] = field(default_factory=dict)  # a mixture's sources' evaluation rows, by name
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -90,7 +94,21 @@ def check_run(
     )
     plan = plan_batch(G, world_size, train_args.per_device_train_batch_size, train_args.gradient_accumulation_steps)
     check_output_dir(train_args.output_dir)
+    corpus.plan_corpus(data_args)  # empty globs, unreadable sources, a missing text column: refused here
     return config, block_size, plan
+
+
+@dataclass
+class _Data:
+    """What either data path gives the common end of `prepare`."""
+
+    tokenizer: Any
+    rows: TrainingRows
+    fingerprint: str
+    is_default: bool = False
+    order: GlobalOrder | MixtureOrder | None = None  # None: a GlobalOrder of the training rows (made at the end)
+    eval_sets: dict[str, Any] = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
 
 
 def prepare(
@@ -102,6 +120,43 @@ def prepare(
 ) -> Prepared:
     """`checked`: what `check_run` already returned for this world size (it is not redone)."""
     config, block_size, plan = checked or check_run(model_args, data_args, train_args, info.world_size)
+    corpus_plan = corpus.plan_corpus(data_args)
+    if corpus_plan is None:
+        data = _datasets_data(model_args, data_args, config, block_size, info)
+    else:
+        data = _corpus_data(corpus_plan, model_args, data_args, train_args, block_size, plan, info)
+    packed = data.rows.rows
+    if len(packed["validation"]) == 0:
+        raise UsageError(
+            f"the validation split has no full {block_size}-token block: lower --block_size or give more validation text."
+        )
+    from_scratch = model_args.model_name_or_path is None
+    config = modeling.fit_config_to_tokenizer(config, data.tokenizer, from_scratch)
+    order = data.order or GlobalOrder(len(packed["train"]), plan.global_batch_size, train_args.seed)
+    if train_args.max_steps > 0:
+        total = train_args.max_steps
+    else:
+        total = max(1, int(train_args.num_train_epochs * order.steps_per_epoch))
+    return Prepared(
+        config,
+        data.tokenizer,
+        packed,
+        block_size,
+        plan,
+        order,
+        total,
+        from_scratch,
+        data.is_default,
+        dataclasses.replace(data.rows.collator, varlen=data.rows.collator.packed and attn_is_flash(model_args)),
+        data.rows.describe() + data.lines,
+        data.fingerprint,
+        data.eval_sets,
+    )
+
+
+def _datasets_data(model_args, data_args: DataArguments, config, block_size: int, info: DistInfo) -> _Data:
+    """A hub or saved data set, the embedded corpus, prompt-completion and chat files: through `datasets`,
+    prepared by local rank 0 of each node."""
     with distributed.local_main_first(info):
         raw, is_default = load_raw_text(data_args)
         fmt = data_format(raw, data_args.text_column)
@@ -118,39 +173,50 @@ def prepare(
         packing = resolve_packing(data_args.packing, fmt, config.model_type, model_args.attn_implementation)
         workers = preprocessing_workers(data_args.preprocessing_num_workers, raw["train"].data.nbytes)
         data = make_rows(raw, fmt, tokenizer, block_size, data_args, packing, fp, workers)
-        packed = data.rows
     distributed.wait_for_all("preparing the data")  # other nodes may still be packing: no collective timeout
+    packed = data.rows
     if data_args.max_train_samples:
         packed["train"] = packed["train"].select(range(min(data_args.max_train_samples, len(packed["train"]))))
     if data_args.max_eval_samples and 0 < data_args.max_eval_samples < len(packed["validation"]):
         packed["validation"] = packed["validation"].select(
             eval_subset(len(packed["validation"]), data_args.max_eval_samples)
         )
-    if len(packed["validation"]) == 0:
-        raise UsageError(
-            f"the validation split has no full {block_size}-token block: lower --block_size or give more validation text."
+    return _Data(tokenizer, data, fp, is_default)
+
+
+def _corpus_data(
+    corpus_plan: corpus.CorpusPlan, model_args, data_args: DataArguments, train_args, block_size: int, plan, info
+) -> _Data:
+    """Raw-text files or a mixture: tokenised by every rank of the job (or found prepared), memory-mapped."""
+    with distributed.local_main_first(info):
+        tokenizer = tok_lib.load_or_train(
+            model_args.tokenizer_name or model_args.model_name_or_path,
+            lambda: corpus.sample_texts(corpus_plan),
+            corpus.sample_identity(corpus_plan),
+            model_args.vocab_size,
+            data_args.data_cache_dir,
+            info.is_local_main,
+            model_args.trust_remote_code,
         )
-    from_scratch = model_args.model_name_or_path is None
-    config = modeling.fit_config_to_tokenizer(config, tokenizer, from_scratch)
-    order = GlobalOrder(len(packed["train"]), plan.global_batch_size, train_args.seed)
-    if train_args.max_steps > 0:
-        total = train_args.max_steps
-    else:
-        total = max(1, int(train_args.num_train_epochs * order.steps_per_epoch))
-    return Prepared(
-        config,
-        tokenizer,
-        packed,
-        block_size,
-        plan,
-        order,
-        total,
-        from_scratch,
-        is_default,
-        dataclasses.replace(data.collator, varlen=data.collator.packed and attn_is_flash(model_args)),
-        data.describe(),
-        fp,
+    workers = rank_workers(data_args.preprocessing_num_workers, corpus_plan.num_bytes)
+    prepared = shared_prep.prepare_units(corpus_plan, tokenizer, data_args.data_cache_dir, workers)
+    rows = corpus_rows.source_rows(prepared, corpus_plan, block_size, data_args.validation_split_percentage)
+    corpus_rows.limit_train(rows, data_args.max_train_samples)
+    train, order = corpus_rows.training_order(rows, corpus_plan, plan.global_batch_size, train_args.seed)
+    evals = corpus_rows.eval_sets(rows, data_args.max_eval_samples)
+    validation = Concatenation(list(evals.values())) if corpus_plan.mixture else evals.get(corpus.SINGLE)
+    packed = {"train": train, "validation": validation if validation is not None else train.select([])}
+    data = TrainingRows(
+        packed, Collator(tokenizer.pad_token_id, False), TEXT, True, carved_validation=bool(rows.carved)
     )
+    lines = corpus_rows.describe(rows, prepared, corpus_plan)
+    return _Data(tokenizer, data, corpus_plan.fingerprint(), False, order, evals if corpus_plan.mixture else {}, lines)
+
+
+def rank_workers(requested: int | None, num_bytes: int) -> int:
+    """This rank's tokenising processes: the node's (`preprocessing_workers`) shared by its ranks."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, preprocessing_workers(requested, num_bytes) // local)
 
 
 def attn_is_flash(model_args: ModelArguments) -> bool:

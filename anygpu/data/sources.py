@@ -13,18 +13,10 @@ from pathlib import Path
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
 from anygpu.config.args import DataArguments
-from anygpu.data import checks
+from anygpu.data import checks, files
 from anygpu.data.formats import TEXT, detect_format, row_key
 from anygpu.errors import UsageError
 
-FILE_BUILDERS = {
-    ".txt": "text",
-    ".text": "text",
-    ".json": "json",
-    ".jsonl": "json",
-    ".csv": "csv",
-    ".parquet": "parquet",
-}
 STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -66,15 +58,19 @@ def txt_sample_by(path_or_glob: str, choice: str) -> str:
 
 
 def _load_files(path_or_glob: str, text_column: str, option: str = "--train_file", sample_by: str = "auto") -> Dataset:
-    suffix = Path(path_or_glob).suffix.lower()
-    builder = FILE_BUILDERS.get(suffix)
-    if builder is None:
+    """The rows of a file, a folder's files or a glob's (one format) through `datasets`: prompt-completion and
+    chat files, and raw text in tests of this path (the engines prepare raw text with `corpus`)."""
+    found = files.expand(path_or_glob, option)
+    builders = sorted({f.builder for f in found})
+    if len(builders) > 1:
         raise UsageError(
-            f"file {path_or_glob}: unknown format {suffix!r}; use one of {', '.join(sorted(FILE_BUILDERS))}."
+            f"{option} {path_or_glob} mixes formats ({', '.join(builders)}): give files of one format (one of "
+            "them with --train_file, or raw text from several as a --dataset_mixture)."
         )
-    kwargs = {"sample_by": txt_sample_by(path_or_glob, sample_by)} if builder == "text" else {}
+    builder, paths = builders[0], [f.path for f in found]
+    kwargs = {"sample_by": txt_sample_by(paths[0], sample_by)} if builder == "text" else {}
     ds = checks.load_checked(
-        path_or_glob, builder, option, lambda: load_dataset(builder, data_files=path_or_glob, split="train", **kwargs)
+        paths, builder, option, lambda: load_dataset(builder, data_files=paths, split="train", **kwargs), path_or_glob
     )
     return ds.rename_column("text", text_column) if builder == "text" and text_column != "text" else ds
 

@@ -25,7 +25,7 @@ from anygpu.config.args import DataArguments, ModelArguments, TrainArguments, pa
 from anygpu.data.loader import StepBatches, read_step, step_loader
 from anygpu.data.prepare import Prepared, check_run, prepare
 from anygpu.engines.trunk import finish, startup
-from anygpu.engines.trunk.evaluator import evaluate
+from anygpu.engines.trunk.evaluator import evaluate_run
 from anygpu.engines.trunk.log import RunLog
 from anygpu.engines.trunk.schedule import SaveClock, Schedule
 from anygpu.engines.trunk.state import RunState
@@ -323,17 +323,16 @@ class FSDPTrainer:
         """The evaluation after step `step` (0: before training), logged; its time is not training time."""
         faults.at("eval", step)
         with self.log.paused():
-            eval_loss = evaluate(
+            losses = evaluate_run(
                 self.model,
-                self.prep.datasets["validation"],
-                self.prep.collator,
+                self.prep,
                 self.args.per_device_eval_batch_size,
                 self.info.rank,
                 self.info.world_size,
                 self.info.device,
                 cp=self.cp,
             )
-        self.log.eval(step, eval_loss)
+        self.log.eval(step, losses)
 
     def _at_boundary(self) -> tuple[bool, bool]:
         """At a step boundary, agreed by every rank in one collective: a SIGTERM/SIGUSR1 seen by any rank, and

@@ -64,10 +64,11 @@ def check_local_rank() -> int:
     return local_rank
 
 
-def init_distributed(timeout_s: int = 1800) -> DistInfo:
-    """Join the job's process group (torchrun / accelerate launch), or make a 1-rank one for plain python."""
-    local_rank = check_local_rank()
-    if hardware.vendor() != "cpu":
+def init_distributed(timeout_s: int = 1800, cpu_only: bool = False) -> DistInfo:
+    """Join the job's process group (torchrun / accelerate launch), or make a 1-rank one for plain python.
+    `cpu_only`: gloo on the CPU whatever the node has (a tool that uses no GPU, such as `anygpu prepare`)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if cpu_only else check_local_rank()
+    if hardware.vendor() != "cpu" and not cpu_only:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
@@ -172,13 +173,16 @@ def local_main_first(info: DistInfo) -> Iterator[None]:
     key = f"{_next_key(store, 'local_main_done')}/{info.rank - info.local_rank}"
     if not info.is_local_main:
         wait_for_key(store, key, "local rank 0 of this node to prepare the tokenizer and the packed data")
-        if store.get(key) != b"ok":
+        outcome = store.get(key).decode()
+        if outcome.startswith("refused:"):  # bad input local rank 0 found: every rank refuses it alike
+            raise UsageError(outcome.removeprefix("refused:"))
+        if outcome != "ok":
             raise RuntimeError("local rank 0 of this node failed while preparing the data (see its error above)")
     try:
         yield
-    except BaseException:
+    except BaseException as e:
         if info.is_local_main:
-            store.set(key, "failed")
+            store.set(key, f"refused:{e}" if isinstance(e, UsageError) else "failed")
         raise
     if info.is_local_main:
         store.set(key, "ok")
@@ -216,6 +220,31 @@ def wait_for_all(what: str) -> None:
     store.set(f"{key}/{dist.get_rank()}", "ok")
     for r in range(dist.get_world_size()):
         wait_for_key(store, f"{key}/{r}", f"rank {r} to finish {what}")
+
+
+CRASHED = "crashed"
+
+
+def first_refusal(refusal: str | None, what: str) -> str | None:
+    """Every rank's outcome of `what` (None: it went well; a message: bad input it found; "crashed": another
+    error, raised there), waited for without a time limit: the first refusal in rank order, so that every rank
+    refuses with the same line (rank 0 prints it), or raises when a rank crashed."""
+    store = _store()
+    if store is None:
+        return refusal
+    key = _next_key(store, "outcome")
+    store.set(f"{key}/{dist.get_rank()}", "ok" if refusal is None else f"no:{refusal}")
+    if refusal == CRASHED:  # this rank raises its own error at once; the others learn of it here
+        return refusal
+    found = None
+    for r in range(dist.get_world_size()):
+        wait_for_key(store, f"{key}/{r}", f"rank {r} to finish {what}")
+        value = store.get(f"{key}/{r}").decode()
+        if value == f"no:{CRASHED}":
+            raise RuntimeError(f"rank {r} failed while {what} (see its error above)")
+        if found is None and value.startswith("no:"):
+            found = value[3:]
+    return found
 
 
 def same_on_every_rank(kind: str, value: str, within_s: float) -> bool:

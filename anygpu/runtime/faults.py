@@ -54,6 +54,11 @@ def _stall(value: str, point: str, step: int) -> None:
         time.sleep(float(seconds))
 
 
+def _interrupt_prepare(value: str, point: str, step: int) -> None:
+    if point == "prepare_unit" and step == int(value):
+        raise KeyboardInterrupt(f"fault: preparation interrupted in unit {step} of this process")
+
+
 @dataclass(frozen=True)
 class Fault:
     variable: str  # the environment variable that switches it on, and its value's form
@@ -99,8 +104,14 @@ REGISTRY: tuple[Fault, ...] = (
         "that hangs (the others wait for it in their next collective)",
         _stall,
     ),
+    Fault(
+        "ANYGPU_TEST_INTERRUPT_PREPARE",
+        "N: the N-th unit (from 1) this process prepares raises KeyboardInterrupt after its token files are written, "
+        "before they are renamed into place (Ctrl-C in the middle of a preparation)",
+        _interrupt_prepare,
+    ),
 )
-POINTS = ("eval", "save", "refusal", "transport", "export", "step")
+POINTS = ("eval", "save", "refusal", "transport", "export", "step", "prepare_unit")
 
 
 def at(point: str, step: int = 0) -> None:

@@ -29,6 +29,12 @@ COMMANDS: dict[str, Command] = {
         "interactive: detects the GPUs, asks engine, config, GPUs, global batch and output folder, "
         "shows the command and runs it; with --vendor and no --interactive, the vendor launcher",
     ),
+    "prepare": Command(
+        "anygpu.tools.prepare_command:main",
+        "prepare [args]",
+        "tokenise and pack a run's data ahead of the job (the engines' arguments; under torchrun, split over the "
+        "processes), so training starts at once",
+    ),
     "plan": Command(
         "anygpu.tools.plan:main",
         "plan [--gpu NAME]",

@@ -31,7 +31,7 @@ from anygpu.config.batch import BatchPlan
 from anygpu.data.collate import count_targets
 from anygpu.data.order import MicroBatchSampler
 from anygpu.data.prepare import Prepared
-from anygpu.engines.trunk.evaluator import evaluate
+from anygpu.engines.trunk.evaluator import evaluate_run
 from anygpu.engines.trunk.log import RunLog
 from anygpu.engines.trunk.schedule import SaveClock, Schedule
 from anygpu.engines.trunk.state import HF_STATE_FILE, RunState
@@ -200,17 +200,19 @@ class AnygpuTrainer(Trainer):
         model = self.model_wrapped
         if isinstance(model, torch.nn.DataParallel):  # evaluation needs no second GPU
             model = model.module
-        eval_loss = evaluate(
+        losses = evaluate_run(
             model,
-            self.prep.datasets["validation"],
-            self.prep.collator,
+            self.prep,
             self.train_config.per_device_eval_batch_size,
             self.args.process_index,
             self.args.world_size,
             self.args.device,
             self.unwrapped(model),
         )
-        result = {f"{metric_key_prefix}_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)}
+        result = {
+            **{k.replace("eval", metric_key_prefix, 1): v for k, v in losses.items()},
+            "perplexity": metrics.perplexity(losses["eval_loss"]),
+        }
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=result)
         for trunk in (c for c in self.callback_handler.callbacks if isinstance(c, TrunkCallback)):
             # a signal during the evaluation: the checkpoint is of this step, saved right after it
@@ -356,7 +358,7 @@ class TrunkCallback(TrainerCallback):
         self.log.pause_since_mark()
         result = kwargs.get("metrics") or {}
         if "eval_loss" in result:
-            self.log.eval(state.global_step, result["eval_loss"])
+            self.log.eval(state.global_step, {k: v for k, v in result.items() if k.startswith("eval_loss")})
 
     def on_train_end(self, args, state, control, **kwargs):
         self.log.close_bar()

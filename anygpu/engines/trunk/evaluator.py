@@ -10,7 +10,6 @@ from anygpu.model import lean_loss, moe
 from anygpu.runtime import context_parallel, distributed
 
 
-@torch.no_grad()
 def evaluate(
     model,
     dataset,
@@ -22,8 +21,68 @@ def evaluate(
     unwrapped=None,
     cp: context_parallel.CPGroup = context_parallel.NONE,
 ) -> float:
-    """Mean token loss over `dataset` on every rank. `model` is what runs the forward (a wrapper included);
-    `unwrapped` is the model itself (its lean loss and MoE settings), `model` when not given; `cp`: the rank's
+    """Mean token loss over `dataset` on every rank (`evaluate_totals`' sum over its count)."""
+    totals = evaluate_totals(model, dataset, collator, batch_size, rank, world_size, device, unwrapped, cp)
+    return (totals[0] / totals[1]).item()
+
+
+def evaluate_run(
+    model,
+    prep,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    unwrapped=None,
+    cp: context_parallel.CPGroup = context_parallel.NONE,
+) -> dict[str, float]:
+    """The run's evaluation, both engines: `eval_loss` over the validation rows; with a mixture, also
+    `eval_loss/<name>` per source."""
+    args = (prep.collator, batch_size, rank, world_size, device, unwrapped, cp)
+    if prep.eval_sets:
+        return evaluate_sources(model, prep.eval_sets, *args)
+    return {"eval_loss": evaluate(model, prep.datasets["validation"], *args)}
+
+
+def evaluate_sources(
+    model,
+    sets: dict,
+    collator,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    unwrapped=None,
+    cp: context_parallel.CPGroup = context_parallel.NONE,
+) -> dict[str, float]:
+    """A mixture's evaluation: `eval_loss/<name>` over each source's rows, and `eval_loss` the token mean over
+    all of them (each source's tokens counted once)."""
+    totals = {
+        name: evaluate_totals(model, rows, collator, batch_size, rank, world_size, device, unwrapped, cp)
+        for name, rows in sets.items()
+    }
+    overall = sum(totals.values())
+    return {
+        "eval_loss": (overall[0] / overall[1]).item(),
+        **{f"eval_loss/{n}": (t[0] / t[1]).item() for n, t in totals.items()},
+    }
+
+
+@torch.no_grad()
+def evaluate_totals(
+    model,
+    dataset,
+    collator,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    unwrapped=None,
+    cp: context_parallel.CPGroup = context_parallel.NONE,
+) -> torch.Tensor:
+    """[token-loss sum, target tokens] over `dataset`, summed over the ranks (float64, on `device`).
+
+    `model` is what runs the forward (a wrapper included); `unwrapped` is the model itself (its lean loss and MoE settings), `model` when not given; `cp`: the rank's
     CP group (the rows of its data rank, each split over the group as in training; each token counted once).
 
     Every rank runs the same number of forward passes (FSDP, ZeRO-3 gather parameters collectively):
@@ -48,4 +107,4 @@ def evaluate(
     distributed.all_reduce_sum(totals)
     if was_training:
         model.train()
-    return (totals[0] / totals[1]).item()
+    return totals

@@ -71,6 +71,9 @@ class RunLog:
         elif pause_follows:
             self._sync()  # the step's queued GPU work is training time, not part of the pause that follows
         self.window.add(*self.tokens.count(step - 1, self.prep.plan), self.tokens.squares(step - 1, self.prep.plan))
+        if self.is_main and hasattr(self.prep.order, "epochs_begun"):  # a mixture: say when a source runs out
+            for name, epoch in self.prep.order.epochs_begun(step):
+                logger.info("source %s: every block drawn once; step %d begins its epoch %d", name, step, epoch)
         self.mark = time.perf_counter()
         if self.bar is not None:
             self.bar.update(1)
@@ -94,6 +97,8 @@ class RunLog:
                 "epoch": step / self.prep.order.steps_per_epoch,
             }
         )
+        if hasattr(self.prep.order, "drawn"):  # a mixture: the samples each source has given so far
+            rec.update({f"samples/{name}": n for name, n in self.prep.order.drawn(step).items()})
         if self.peak:  # attention counted over each sample's own length (packed rows), not the whole block
             rec["mfu"] = self.window.flops_per_second(self.flops) / (self.peak * self.world_size)
         if (mem := metrics.max_memory_gb(self.device)) is not None:
@@ -102,8 +107,9 @@ class RunLog:
         self.window.reset()
         self.mark = time.perf_counter()
 
-    def eval(self, step: int, eval_loss: float) -> None:
-        self._write({"step": step, "eval_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)})
+    def eval(self, step: int, losses: dict[str, float]) -> None:
+        """`losses`: `eval_loss`, and a mixture's `eval_loss/<name>` per source."""
+        self._write({"step": step, **losses, "perplexity": metrics.perplexity(losses["eval_loss"])})
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
