@@ -19,7 +19,8 @@ from anygpu.config.args import DataArguments, ModelArguments, TrainArguments
 from anygpu.config.batch import BatchPlan, plan_batch, resolve_global_batch
 from anygpu.data import tokenizer as tok_lib
 from anygpu.data.collate import Collator, packing_supported
-from anygpu.data.formats import TEXT, training_texts
+from anygpu.data import preference
+from anygpu.data.formats import PREFERENCE, TEXT, training_texts
 from anygpu.data.order import GlobalOrder, eval_subset
 from anygpu.data.samples import make_rows
 from anygpu.data.sources import data_format, fingerprint, load_raw_text
@@ -45,6 +46,7 @@ class Prepared:
     collator: Collator | None = None  # rows → batches (padding, position ids, labels)
     data_lines: list[str] = field(default_factory=list)  # format, counts, template: for the banner
     data_fingerprint: str = ""  # the raw corpus (resume fingerprint, ranks-agree check)
+    pairs_key: str = ""  # preference pairs: their cache key (the reference log-probs' cache is keyed by it)
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -104,6 +106,7 @@ def prepare(
     with distributed.local_main_first(info):
         raw, is_default = load_raw_text(data_args)
         fmt = data_format(raw, data_args.text_column)
+        preference.check_format(fmt, train_args.is_dpo, raw["train"].column_names, data_args)
         fp = fingerprint(raw, data_args.text_column)
         tokenizer = tok_lib.load_or_train(
             model_args.tokenizer_name or model_args.model_name_or_path,
@@ -116,7 +119,7 @@ def prepare(
         )
         packing = resolve_packing(data_args.packing, fmt, config.model_type, model_args.attn_implementation)
         workers = preprocessing_workers(data_args.preprocessing_num_workers, raw["train"].data.nbytes)
-        data = make_rows(raw, fmt, tokenizer, block_size, data_args, packing, fp, workers)
+        data = training_data(raw, fmt, tokenizer, block_size, data_args, packing, fp, workers)
         packed = data.rows
     distributed.wait_for_all("preparing the data")  # other nodes may still be packing: no collective timeout
     if data_args.max_train_samples:
@@ -149,7 +152,15 @@ def prepare(
         data.collator,
         data.describe(),
         fp,
+        getattr(data, "pairs_key", ""),
     )
+
+
+def training_data(raw, fmt: str, tokenizer, block_size: int, data_args, packing: bool, fp: str, workers: int):
+    """The rows of any format: preference pairs (`preference.make_pairs`), else `make_rows`."""
+    if fmt == PREFERENCE:
+        return preference.make_pairs(raw, tokenizer, block_size, data_args, packing, fp, workers)
+    return make_rows(raw, fmt, tokenizer, block_size, data_args, packing, fp, workers)
 
 
 def resolve_packing(requested: bool | None, fmt: str, model_type: str, attn_implementation: str) -> bool:

@@ -36,7 +36,7 @@ class RunLog:
         self.writer = metrics.MetricsWriter(
             train_args.output_dir, is_main, train_args.report_to, schedule.start_step if resumed else None
         )
-        self.tokens = metrics.StepTokens(prep.datasets["train"], prep.order, prep.block_size)
+        self.tokens = metrics.StepTokens(prep.datasets["train"], prep.order, prep.block_size, prep.collator)
         self.window = metrics.ThroughputWindow()
         self.disable_bar = train_args.disable_tqdm or not is_main
         self.bar: tqdm | None = None
@@ -75,14 +75,18 @@ class RunLog:
         if self.bar is not None:
             self.bar.update(1)
 
-    def train(self, step: int, loss: float, learning_rate: float, grad_norm: float) -> None:
-        """The train record of step `step`: its own global-batch loss, throughput since the last record."""
+    def train(
+        self, step: int, loss: float, learning_rate: float, grad_norm: float, extra: dict[str, float] | None = None
+    ) -> None:
+        """The train record of step `step`: its own global-batch loss (and the objective's metrics, `extra`),
+        throughput since the last record."""
         self._sync()  # tokens/s must count finished work
         rec = {
             "step": step,
             "loss": loss,
             "learning_rate": learning_rate,
             "grad_norm": grad_norm,
+            **(extra or {}),
             **self.window.record(self.tokens.padded),
         }
         tps = rec["tokens_per_second"]
@@ -102,8 +106,10 @@ class RunLog:
         self.window.reset()
         self.mark = time.perf_counter()
 
-    def eval(self, step: int, eval_loss: float) -> None:
-        self._write({"step": step, "eval_loss": eval_loss, "perplexity": metrics.perplexity(eval_loss)})
+    def eval(self, step: int, eval_loss: float, extra: dict[str, float] | None = None) -> None:
+        """The eval record: the loss and its perplexity, or (`extra`: the objective's eval_ metrics) the loss and those."""
+        more = extra if extra else {"perplexity": metrics.perplexity(eval_loss)}
+        self._write({"step": step, "eval_loss": eval_loss, **more})
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
