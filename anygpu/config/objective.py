@@ -155,6 +155,12 @@ def check_with_model(model_args, data_args, train_args) -> None:
             f"--global_batch_tokens {train_args.global_batch_tokens} with --objective dpo: a step is a number of "
             "pairs, give --global_batch_size (pairs per step) instead."
         )
+    if train_args.auto_micro_batch:
+        raise UsageError(
+            "--per_device_train_batch_size auto with --objective dpo: the probe measures language-model batches; "
+            "give a number of pairs per device, e.g. --per_device_train_batch_size 2 (anygpu plan --objective dpo "
+            "estimates what fits)."
+        )
     if train_args.cp > 1:
         raise UsageError(
             f"--cp {train_args.cp} with --objective dpo: context parallelism is not wired into preference training "

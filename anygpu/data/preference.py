@@ -330,3 +330,28 @@ def make_pairs(
         rows = carve_validation(rows["train"], data_args.validation_split_percentage)
     collator = PairCollator(tokenizer.pad_token_id, block_size, data_args.truncation_mode, packing)
     return PairRows(rows, collator, PREFERENCE, packing, stats, default_template, carved, key)
+
+
+def check_reference(model_args, train_args, config) -> None:
+    """--ref_model_name_or_path scores the policy's tokens: the same vocabulary, the same tokenizer (when the
+    reference folder has one). Read from the folders before any work."""
+    path = train_args.ref_model_name_or_path if train_args.is_dpo else None
+    if not path:
+        return
+    from transformers import AutoConfig, AutoTokenizer
+
+    ref_config = AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
+    ref_vocab, vocab = getattr(ref_config, "vocab_size", None), getattr(config, "vocab_size", None)
+    policy = model_args.tokenizer_name or model_args.model_name_or_path
+    try:
+        ref_tokens = AutoTokenizer.from_pretrained(path, trust_remote_code=model_args.trust_remote_code).get_vocab()
+    except (OSError, ValueError):  # no tokenizer saved with the reference: its vocabulary size decides alone
+        ref_tokens = None
+    tokens = AutoTokenizer.from_pretrained(policy, trust_remote_code=model_args.trust_remote_code).get_vocab()
+    if ref_vocab != vocab or (ref_tokens is not None and ref_tokens != tokens):
+        what = f"vocabulary of {ref_vocab}" if ref_vocab != vocab else f"tokenizer ({len(ref_tokens)} tokens)"
+        raise UsageError(
+            f"--ref_model_name_or_path {path}: its {what} differs from the policy's ({vocab} in the model, "
+            f"{len(tokens)} tokens in {policy}), so it cannot score the policy's tokens: give a reference with the "
+            "policy's tokenizer (usually the SFT model the policy starts from), or leave it out (the starting model)."
+        )

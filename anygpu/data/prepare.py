@@ -90,6 +90,7 @@ def check_run(
         world_size,
     )
     plan = plan_batch(G, world_size, train_args.per_device_train_batch_size, train_args.gradient_accumulation_steps)
+    preference.check_reference(model_args, train_args, config)
     check_output_dir(train_args.output_dir)
     return config, block_size, plan
 
