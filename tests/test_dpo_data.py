@@ -21,21 +21,23 @@ from anygpu.model import lean_loss, sequence_log_probs
 from anygpu.train import dpo
 
 
-def tiny_llama(vocab: int = 300, tie: bool = False):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama(vocab: int = 300, tie: bool = False, model_type: str = "llama"):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        model_type,
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=8,
         max_position_embeddings=128,
         tie_word_embeddings=tie,
     )
-    return LlamaForCausalLM(config).eval()
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
 
 
 def pairs(n: int, seed: int = 0) -> dict[str, list]:
@@ -54,15 +56,16 @@ def sequence_logps(model, batch) -> torch.Tensor:
     return sequence_log_probs.sequence_sums(values, batch["segment"], n)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_packed_padded_lean_and_full_logits_agree(tie, monkeypatch):
+@pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", True), ("gemma2", True), ("granite", False)])
+def test_packed_padded_lean_and_full_logits_agree(model_type, tie, monkeypatch):
     """The four ways to a pair batch's sequence log-probs (packed or padded rows, the lean loss's 48-token
-    checkpointed chunks or the model's own logits) give the same values and the same gradients of a DPO loss."""
+    checkpointed chunks or the model's own logits) give the same values and the same gradients of a DPO loss; tied
+    or separate output projections, and families that cap (gemma2) or scale (granite) their logits."""
     monkeypatch.setenv("ANYGPU_LEAN_LOSS_CHUNK_TOKENS", "48")
     columns, found = pairs(5), []
     for lean in (False, True):
         for packed in (False, True):
-            model = tiny_llama(tie=tie).train()
+            model = tiny_llama(tie=tie, model_type=model_type).train()
             if lean:
                 lean_loss.install(model, True)
             batch = PairCollator(0, 40, packed=packed).collate(columns)
@@ -251,3 +254,11 @@ def test_the_hf_engine_trains_pairs_under_ddp_only(monkeypatch):
     m, d, t, e = parse_args(["--model_name_or_path", "/tmp", "--objective", "dpo"], extra=(HFEngineArguments,))
     with pytest.raises(UsageError, match="--objective dpo with the HF engine under .*use the FSDP2 engine"):
         engine.refuse_early(m, t, e)
+
+
+def test_verify_refuses_context_parallelism_for_a_dpo_job(folders, tmp_path, capsys):
+    from anygpu.tools import verify
+
+    job = dpo_args(folders, edited(tmp_path, 0), tmp_path)
+    assert verify.main(["--world_sizes", "1,2", "--cp", "2", "--", *job]) == 2
+    assert "--cp 2: the job trains preference pairs (--objective dpo)" in capsys.readouterr().err

@@ -14,7 +14,8 @@ calls its `loss_function` (labels given), which is ours: it shifts the labels as
 applies the family's logit soft-capping or scaling per chunk, and returns the token-loss sum over
 `num_items_in_batch` (the global batch's target-token count), the same normalisation as the model's
 own `ForCausalLMLoss`. A MoE router loss is still added by the model on top. Outside `active` the model
-is untouched (full logits, its own loss), e.g. for exports or generation.
+is untouched (full logits, its own loss), e.g. for exports or generation. Under `log_probs` the same hook gives
+the labels' per-token log-probs instead (preference training's sequence sums: `model.sequence_log_probs`).
 """
 
 from __future__ import annotations

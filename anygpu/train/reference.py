@@ -22,7 +22,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator
+from typing import Callable, ContextManager
 
 import torch
 from datasets import Dataset
@@ -127,12 +127,6 @@ def precompute_or_read(
         distributed.barrier()
         line = (
             f"reference: log-probs of {sum(len(t) for t in tables.values())} pairs computed in "
-            f"{time.monotonic() - start:.1f} s on {info.world_size} ranks, cached at {path}"
+            f"{time.monotonic() - start:.1f} s on {info.world_size} rank{'s' * (info.world_size > 1)}, cached at {path}"
         )
     return {split: with_columns(ds, tables[split]) for split, ds in splits.items()}, line
-
-
-@contextlib.contextmanager
-def ready(forward: RefForward) -> Iterator[RefForward]:
-    """A forward that needs nothing built or freed, as `precompute_or_read`'s `reference`."""
-    yield forward
