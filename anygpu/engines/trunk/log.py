@@ -36,7 +36,9 @@ class RunLog:
         self.writer = metrics.MetricsWriter(
             train_args.output_dir, is_main, train_args.report_to, schedule.start_step if resumed else None
         )
-        self.tokens = metrics.StepTokens(prep.datasets["train"], prep.order, prep.block_size, prep.collator)
+        self.tokens = metrics.StepTokens(
+            prep.datasets["train"], prep.order, prep.block_size, getattr(prep, "collator", None)
+        )
         self.window = metrics.ThroughputWindow()
         self.disable_bar = train_args.disable_tqdm or not is_main
         self.bar: tqdm | None = None
