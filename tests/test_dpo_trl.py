@@ -32,6 +32,14 @@ LOSS_TYPES = [
     ("discopop", 0.0),
     ("sft", 0.0),
 ]
+# SimPO (reference-free; TRL's CPOTrainer): sequence log-probs and their scored tokens, averaged on TRL's side
+SIMPO = {
+    "beta": 2.0,
+    "gamma": 0.5,
+    "label_smoothing": 0.1,
+    "pairs": [(-12.0, 4), (-30.5, 10), (-3.25, 1)],
+    "rejected_pairs": [(-20.0, 5), (-18.0, 9), (-9.5, 2)],
+}
 METRICS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -111,6 +119,11 @@ def oracle(tmp_path_factory) -> dict:
             for k, loss in RUNS
         ],
         "loss_types": {"train": str(files["conv"][0]), "validation": str(files["conv"][1]), "types": LOSS_TYPES},
+        "simpo": {
+            **SIMPO,
+            "chosen": [c / n for c, n in SIMPO["pairs"]],
+            "rejected": [r / n for r, n in SIMPO["rejected_pairs"]],
+        },
     }
     (root / "spec.json").write_text(json.dumps(spec))
     python("tests/scripts/trl_oracle.py", [str(root / "spec.json"), str(root / "trl.json")], timeout=600)
@@ -190,3 +203,22 @@ def test_every_loss_type_matches_trl(oracle, monkeypatch):
         trl = oracle["trl"]["loss_types"][kind]
         for key in ("loss", *METRICS):
             assert close(ours[f"eval_{key}"], trl[f"eval_{key}"]), (kind, key, ours, trl)
+
+
+@pytest.mark.slow
+def test_simpo_is_trls_cpo_simpo(oracle):
+    """The reference-free SimPO term and its logged rewards against TRL's CPOTrainer.cpo_loss (loss_type simpo)."""
+    import torch
+
+    from anygpu.train import dpo
+
+    cfg = dpo.LossConfig(("simpo",), (1.0,), SIMPO["beta"], SIMPO["label_smoothing"], SIMPO["gamma"])
+    chosen, rejected = (torch.tensor(SIMPO[k], dtype=torch.float64) for k in ("pairs", "rejected_pairs"))
+    zero = torch.zeros(3, dtype=torch.float64)
+    lengths = torch.cat([chosen[:, 1], rejected[:, 1]])
+    p = dpo.PairLogps(chosen[:, 0], rejected[:, 0], zero, zero, lengths, lengths)
+    trl = oracle["trl"]["simpo"]
+    assert torch.allclose(dpo.pair_terms(cfg, p), torch.tensor(trl["losses"], dtype=torch.float64), atol=1e-6)
+    rc, rr = dpo.rewards(cfg, p)
+    assert torch.allclose(rc, torch.tensor(trl["rewards/chosen"], dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(rr, torch.tensor(trl["rewards/rejected"], dtype=torch.float64), atol=1e-6)

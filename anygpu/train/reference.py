@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import time
@@ -33,6 +34,7 @@ from anygpu.model import hub_weights, sequence_log_probs
 from anygpu.runtime import distributed
 from anygpu.runtime.distributed import DistInfo
 
+logger = logging.getLogger(__name__)
 REF_VERSION = "1"
 RefForward = Callable[[dict[str, torch.Tensor]], torch.Tensor]  # a batch → its sequences' log-probs (2m,)
 
@@ -120,6 +122,14 @@ def precompute_or_read(
         line = f"reference: log-probs of {sum(len(t) for t in tables.values())} pairs read from the cache at {path}"
     else:
         start = time.monotonic()
+        if info.is_main:
+            pairs = sum(len(ds) for ds in splits.values())
+            logger.info(
+                "reference: computing the log-probs of %d pairs on %d ranks (no table at %s)",
+                pairs,
+                info.world_size,
+                path,
+            )
         with reference() as forward:
             tables = {split: compute(ds, collator, forward, info, batch_size) for split, ds in splits.items()}
         if info.is_local_main:  # every node's cache (a shared one: the same bytes, replaced atomically)

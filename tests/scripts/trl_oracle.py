@@ -5,7 +5,8 @@
 SPEC: {"policy", "reference", "block_size", "beta",
        "tokenize": [{"name", "tokenizer", "train"}],                   TRL's prompt/chosen/rejected ids of each file
        "runs": [{"name", "train", "validation", "loss_type"}],          eval at step 0, and step 1's loss and grad norm
-       "loss_types": {"train", "validation", "types": [[type, label_smoothing], ...]}}   eval loss and metrics of each
+       "loss_types": {"train", "validation", "types": [[type, label_smoothing], ...]},   eval loss and metrics of each
+       "simpo": {"chosen", "rejected", "beta", "gamma", "label_smoothing"}}   CPOTrainer.cpo_loss of average log-probs
 One process, CPU, fp32, no dropout (TRL's default), the eval set in one batch and the train set in one step."""
 
 import json
@@ -71,6 +72,27 @@ def trainer(spec: dict, tok, train: str, validation: str, loss_type: str, callba
     )
 
 
+def simpo(spec: dict) -> dict:
+    """SimPO's per-pair loss and rewards: TRL's CPOTrainer.cpo_loss on length-normalised log-probs."""
+    from types import SimpleNamespace
+
+    import torch
+    from trl.experimental.cpo import CPOTrainer
+
+    trainer = SimpleNamespace(
+        alpha=0.0,
+        beta=spec["beta"],
+        simpo_gamma=spec["gamma"],
+        label_smoothing=spec["label_smoothing"],
+        loss_type="simpo",
+        accelerator=SimpleNamespace(device="cpu"),
+    )
+    losses, chosen, rejected = CPOTrainer.cpo_loss(
+        trainer, torch.tensor(spec["chosen"]), torch.tensor(spec["rejected"])
+    )
+    return {"losses": losses.tolist(), "rewards/chosen": chosen.tolist(), "rewards/rejected": rejected.tolist()}
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     out: dict = {"tokenize": {}, "runs": {}, "loss_types": {}}
@@ -93,6 +115,7 @@ def main(spec_path: str, out_path: str) -> None:
     for kind, smoothing in lt["types"]:  # one trainer, its loss switched: TRL reads these attributes per batch
         t.loss_types, t.loss_weights, t.label_smoothing = [kind], [1.0], smoothing
         out["loss_types"][kind] = t.evaluate()
+    out["simpo"] = simpo(spec["simpo"])
     with open(out_path, "w") as f:
         json.dump(out, f)
 
