@@ -237,7 +237,8 @@ def plot_losses(output_dir: str) -> Path | None:
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    preference = any("rewards/margins" in r for r in records)  # --objective dpo: a loss per pair, not per token
+    ax.set_ylabel("preference loss (per pair)" if preference else "cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
