@@ -18,9 +18,15 @@ def set_offline_defaults() -> None:
 def quiet_library_warnings() -> None:
     """Libraries' FutureWarning/DeprecationWarning speak to their callers' authors, not to users: not shown
     (unless the user asked for warnings with -W or PYTHONWARNINGS)."""
+    import logging
     import sys
     import warnings
 
     if not sys.warnoptions:
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
+    # torchao (which transformers imports whenever it is installed) tries every CUDA extension it ships and warns for
+    # each one this machine cannot load, and torch warns that torchao registers its enums the old way: every
+    # process, nothing the user can act on. The FP8 path needs none of those extensions.
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)

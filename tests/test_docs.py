@@ -41,6 +41,8 @@ FOREIGN_OPTIONS = {
     "--durations",
     "--no-loadscope-reorder",
     "--index-url",
+    "--target",  # pip's, in the GPU lease (docs/benchmarks.md)
+    "--no-deps",
 }
 
 

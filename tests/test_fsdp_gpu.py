@@ -162,3 +162,75 @@ def test_hub_moe_checkpoint_fine_tunes_in_bf16_and_exports_its_own_layout(tmp_pa
     assert {t.dtype for t in final.values()} == {torch.bfloat16}
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", output_loading_info=True)
     assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
+
+
+def test_fp8_trains_resumes_and_exports_without_fp8_leftovers(tmp_path):
+    """--fp8 on a GPU with FP8 matmuls, bf16 through FSDP2 (tensorwise: the weights all-gathered in FP8, their scales
+    precomputed after each step): close to bf16, a checkpoint that resumes exactly, final/ in the training dtype with
+    the names of the model without FP8. Rowwise too (weights gathered in bf16)."""
+    from safetensors import safe_open
+
+    from anygpu.model import fp8
+
+    if not fp8.gpu_has_fp8()[0]:
+        pytest.skip("this GPU has no FP8 matmuls (--fp8 is refused here)")
+    base = [*EXACT, "--bf16", "true", "--torch_compile", "true"]
+    native(base, tmp_path / "bf16")
+    for recipe in ("tensorwise", "rowwise"):
+        out = tmp_path / recipe
+        log = native([*base, "--fp8", recipe, "--save_steps", "4", "--export_final", "true"], out)
+        assert f"FP8 {recipe} (torchao float8)" in log and "FP8 matmuls" in log, log[-3000:]
+        assert ("weights all-gathered in FP8" in log) == (recipe == "tensorwise")
+        assert_close(losses(tmp_path / "bf16"), losses(out), rel=BF16_REL)
+        native(
+            [*base, "--fp8", recipe, "--resume_from_checkpoint", str(out / "checkpoint-4")], tmp_path / f"{recipe}-r"
+        )
+        assert_close(losses(out), losses(tmp_path / f"{recipe}-r"), rel=1e-5, steps=range(5, 9))
+        for f in (out / "final").glob("*.safetensors"):
+            with safe_open(str(f), "pt") as st:
+                assert {st.get_slice(k).get_dtype() for k in st.keys()} == {"BF16"}, f
+
+
+def test_selective_checkpointing_sits_between_none_and_full(larger, tmp_path):
+    """Selective checkpointing keeps the matmul outputs: the same losses, a peak between none's and full's."""
+    native(
+        [*LARGER, "--gradient_checkpointing_policy", "selective"], tmp_path, {"ANYGPU_LEAN_LOSS_CHUNK_TOKENS": "256"}
+    )
+    assert_close(losses(larger["plain"]), losses(tmp_path), rel=1e-5)
+    assert peak_gb(larger["checkpointing"]) < peak_gb(tmp_path) < peak_gb(larger["plain"])
+
+
+def test_a_step_that_does_not_log_has_no_host_sync_on_the_gpu(tmp_path):
+    """CUDA's own count (set_sync_debug_mode) over the engine's steps: raw text in bf16, compiled, and packed
+    prompt-completion rows under sdpa."""
+    data = tmp_path / "pc.jsonl"
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": " ".join(words[: 1 + i % 11]) + " =>", "completion": f" {words[i % 12]} {i % 7}"})
+            + "\n"
+            for i in range(300)
+        )
+    )
+    common = ["--max_steps", "3", "--per_device_train_batch_size", "2", "--save_strategy", "no", "--bf16", "true"]
+    corpus = TINY.index("--max_corpus_mb")  # the embedded corpus's option: the second job has its own data
+    runs = [
+        [*TINY, *common, "--torch_compile", "true"],
+        [*TINY[:corpus], *TINY[corpus + 2 :], *common, "--train_file", str(data), "--vocab_size", "400"],
+    ]
+    argv = []
+    for i, args in enumerate(runs):
+        argv += [":::"] * (i > 0) + [*args, "--output_dir", str(tmp_path / f"run{i}")]
+    proc = subprocess.run(
+        [sys.executable, "tests/scripts/step_syncs.py", *argv],
+        cwd=ROOT,
+        env={**env(), "CUDA_VISIBLE_DEVICES": "0"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    counts = [json.loads(line.split(" ", 2)[2]) for line in proc.stdout.splitlines() if line.startswith("SYNCS ")]
+    assert len(counts) == len(runs), proc.stdout[-3000:]
+    for steps in counts:
+        assert all(s["count"] == 0 for s in steps[1:]), steps  # step 1 compiles and warms up

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from anygpu.checkpoint import store
-from anygpu.runtime import faults, parallel, progress
+from anygpu.runtime import distributed, faults, parallel, progress
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ class AsyncCheckpointer:
             store.save_rng(tmp, self.rank)  # before the write starts: rank 0's commit implies every rank's files
             if self.group is None:
                 self.group = dist.new_group(backend="gloo")
+                distributed.keep_timeout(self.group)  # a write may outlast the training steps' short timeout
             future = dcp.async_save(
                 state_dict, checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager
             )

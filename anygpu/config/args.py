@@ -370,7 +370,33 @@ class TrainArguments(ObjectiveArguments):
     gradient_checkpointing: bool = field(
         default=False, metadata={"resume": FREE, "help": "Recompute activations in the backward pass to save memory."}
     )
-    torch_compile: bool = field(default=False, metadata={"resume": FREE, "help": "torch.compile each decoder layer."})
+    gradient_checkpointing_policy: str = field(
+        default="full",
+        metadata={
+            "resume": FREE,
+            "help": "What --gradient_checkpointing keeps of each decoder layer (FSDP2 engine): full (only its input; "
+            "the whole layer is recomputed in the backward) or selective (torchtitan's per-op policy: the outputs "
+            "of the matrix multiplications and attention are kept, the cheap rest is recomputed; more memory "
+            "than full, less recomputation). selective turns --gradient_checkpointing on.",
+        },
+    )
+    torch_compile: bool = field(
+        default=False,
+        metadata={
+            "resume": FREE,
+            "help": "torch.compile each decoder layer; graph breaks and recompilations are counted and logged.",
+        },
+    )
+    fp8: str | None = field(
+        default=None,
+        metadata={
+            "resume": SAME,
+            "help": "FSDP2 engine: train the decoder layers' linear layers in FP8 with torchao's float8: rowwise "
+            "(a scale per token and weight row) or tensorwise (a scale per tensor, weights all-gathered in FP8); "
+            "scales are powers of two, so the curve stays the same on any GPU count and micro-batch (docs/fp8.md). "
+            "Needs FP8 matmuls (NVIDIA compute capability 8.9+, AMD gfx942+); emulated on CPU.",
+        },
+    )
     lean_loss: bool = field(
         default=True,
         metadata={
@@ -473,7 +499,29 @@ class TrainArguments(ObjectiveArguments):
     )
     ddp_timeout: int = field(
         default=1800,
-        metadata={"resume": FREE, "help": "Process-group timeout in seconds (collectives and rendezvous)."},
+        metadata={
+            "resume": FREE,
+            "help": "Process-group timeout in seconds (collectives and rendezvous) until the first step is done, "
+            "and for checkpoints and the final export.",
+        },
+    )
+    train_timeout: int = field(
+        default=300,
+        metadata={
+            "resume": FREE,
+            "help": "FSDP2 engine: the collective timeout in seconds once the first step is done (torchtitan's "
+            "train_timeout_seconds), so a rank that hangs mid-training ends the job in minutes instead of "
+            "--ddp_timeout; checkpoints and the export keep --ddp_timeout. 0: --ddp_timeout throughout.",
+        },
+    )
+    gc_steps: int = field(
+        default=50,
+        metadata={
+            "resume": FREE,
+            "help": "FSDP2 engine: run Python's garbage collector every N steps, between steps (its automatic "
+            "collections, which can start mid-step on any rank and stall the others, are off while training; "
+            "torchtitan's gc_freq). 0: leave the automatic collector on.",
+        },
     )
     disable_tqdm: bool = field(default=False, metadata={"resume": FREE, "help": "No progress bar."})
     export_final: bool = field(
@@ -596,6 +644,13 @@ class TrainArguments(ObjectiveArguments):
         if self.max_memory_per_device_gb is not None and self.max_memory_per_device_gb <= 0:
             raise UsageError(f"--max_memory_per_device_gb {self.max_memory_per_device_gb} must be positive, e.g. 40.")
         _check_choice("export_dtype", self.export_dtype, EXPORT_DTYPES)
+        _check_choice("gradient_checkpointing_policy", self.gradient_checkpointing_policy, CHECKPOINTING_POLICIES)
+        if self.gradient_checkpointing_policy == "selective":
+            self.gradient_checkpointing = True
+        if self.fp8 in ("none", ""):
+            self.fp8 = None
+        if self.fp8 is not None:
+            _check_choice("fp8", self.fp8, FP8_RECIPES)
         self._check_save_strategy()
         check_shard_size(self.save_max_shard_size)
         split_commas(self)
@@ -642,6 +697,8 @@ def split_commas(obj: Any) -> None:
 
 
 EXPORT_DTYPES = ("auto", "float32", "bfloat16", "float16")
+CHECKPOINTING_POLICIES = ("full", "selective")
+FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's recipe names (anygpu.model.fp8 says what each keeps)
 SAVE_STRATEGIES = ("steps", "no")  # Hugging Face's names; its "epoch" and "best" have no meaning here
 
 

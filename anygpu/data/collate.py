@@ -125,12 +125,34 @@ def packing_supported(model_type: str, attn_implementation: str) -> bool:
     return hasattr(module, "create_causal_mask")
 
 
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def varlen_kwargs(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    """Flash attention's variable-length arguments for packed rows flattened into one row (`modeling.flattened`):
+    the cumulative sample boundaries and the longest sample, computed on the CPU from the positions (each sample,
+    and the padding after the last, starts at position 0). transformers' flash attention reads them instead of
+    deriving them from the positions in every layer, and again in checkpointing's recomputation (each a host sync)."""
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0).reshape(-1)
+    bounds = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": longest, "max_length_k": longest}
+
+
+def batch_to(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:
+    """A batch on `device` (its ints, flash attention's max lengths, stay as they are)."""
+    return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 @dataclass(frozen=True)
 class Collator:
-    """Rows → a batch of tensors. Raw-text blocks (no `labels` column) are full: labels = input_ids."""
+    """Rows → a batch of tensors. Raw-text blocks (no `labels` column) are full: labels = input_ids.
+    `varlen`: packed rows also carry flash attention's sample boundaries (`varlen_kwargs`)."""
 
     pad_token_id: int
     packed: bool = False
+    varlen: bool = False
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         return self.collate({k: [r[k] for r in rows] for k in rows[0]})
@@ -158,7 +180,9 @@ class Collator:
                 pos[r, : len(p)] = torch.tensor(p, dtype=torch.long)
                 pos[r, len(p) :] -= len(p)
             batch["position_ids"] = pos
-        else:
+            if self.varlen:
+                batch.update(varlen_kwargs(pos))
+        elif min(lengths) < width:  # rows of one length need no mask: causal attention is the same without it
             batch["attention_mask"] = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
         return batch
 

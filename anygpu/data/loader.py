@@ -25,10 +25,10 @@ import torch
 from datasets import Dataset
 
 from anygpu.config.batch import BatchPlan
-from anygpu.data.collate import Collator, step_count
+from anygpu.data.collate import Collator, batch_to, step_count
 from anygpu.data.order import GlobalOrder, StepSampler
 
-Batch = dict[str, torch.Tensor]
+Batch = dict[str, torch.Tensor | int]  # ints: flash attention's max_length_q/k (collate.varlen_kwargs)
 
 
 @dataclass
@@ -46,7 +46,7 @@ class StepBatches:
         return StepBatches(
             self.step,
             self.indices,
-            [{k: v.pin_memory() for k, v in b.items()} for b in self.micro_batches],
+            [{k: _pinned(v) for k, v in b.items()} for b in self.micro_batches],
             self.num_targets.pin_memory(),
         )
 
@@ -55,9 +55,13 @@ class StepBatches:
         return StepBatches(
             self.step,
             self.indices,
-            [{k: v.to(device, non_blocking=non_blocking) for k, v in b.items()} for b in self.micro_batches],
+            [batch_to(b, device, non_blocking) for b in self.micro_batches],
             self.num_targets.to(device, non_blocking=non_blocking),
         )
+
+
+def _pinned(value: torch.Tensor | int) -> torch.Tensor | int:
+    return value.pin_memory() if isinstance(value, torch.Tensor) else value  # ints (flash's max_length) stay
 
 
 class StepRows(torch.utils.data.Dataset):

@@ -17,11 +17,20 @@ from dataclasses import dataclass
 import torch
 from datasets import Dataset
 
-from anygpu.data.collate import best_fit_decreasing
+from anygpu.data.collate import best_fit_decreasing, varlen_kwargs
 from anygpu.data.formats import IGNORE
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # TRL's names for the precomputed reference log-probs
-MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")  # the labels are passed on their own
+# the labels are passed on their own; flash attention's sample boundaries with packed rows (`collate.varlen_kwargs`)
+MODEL_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+)
 
 
 def cut(ids: list[int], mask: list[int], max_length: int, truncation_mode: str) -> tuple[list[int], list[int]]:
@@ -35,10 +44,13 @@ def cut(ids: list[int], mask: list[int], max_length: int, truncation_mode: str) 
 
 @dataclass(frozen=True)
 class PairCollator:
+    """`varlen`: packed rows also carry flash attention's sequence boundaries, as `collate.Collator`'s."""
+
     pad_token_id: int
     max_length: int
     truncation_mode: str = "keep_start"
     packed: bool = False
+    varlen: bool = False
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         return self.collate({k: [r[k] for r in rows] for k in rows[0]})
@@ -91,7 +103,8 @@ class PairCollator:
                 segment[r, at : at + len(x)], position[r, at : at + len(x)] = k, torch.arange(len(x))
                 at += len(x)
             position[r, at:] = torch.arange(width - at)  # the padding: one more sequence, trained on by nothing
-        return {"input_ids": ids, "position_ids": position, "labels": labels, "segment": segment}
+        batch = {"input_ids": ids, "position_ids": position, "labels": labels, "segment": segment}
+        return {**batch, **varlen_kwargs(position)} if self.varlen else batch
 
     def count(self, batch: dict[str, torch.Tensor]) -> list[int]:
         """[pairs, chosen tokens scored]: what the global batch's loss is normalised by (the pair terms by the pairs,

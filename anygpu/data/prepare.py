@@ -5,6 +5,7 @@ Every check that can refuse the run happens first, before tokenising or touching
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import uuid
@@ -25,8 +26,8 @@ from anygpu.data.order import GlobalOrder, eval_subset
 from anygpu.data.samples import make_rows
 from anygpu.data.sources import data_format, fingerprint, load_raw_text
 from anygpu.errors import UsageError
-from anygpu.model import dropout, lean_loss, lora, modeling
-from anygpu.runtime import distributed, hardware
+from anygpu.model import dropout, fp8, lean_loss, lora, modeling
+from anygpu.runtime import checkpointing, distributed, hardware
 from anygpu.runtime.distributed import DistInfo
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ def prepare(
         total,
         from_scratch,
         is_default,
-        data.collator,
+        dataclasses.replace(data.collator, varlen=data.collator.packed and attn_is_flash(model_args)),
         data.describe(),
         fp,
         getattr(data, "pairs_key", ""),
@@ -162,6 +163,10 @@ def training_data(raw, fmt: str, tokenizer, block_size: int, data_args, packing:
     if fmt == PREFERENCE:
         return preference.make_pairs(raw, tokenizer, block_size, data_args, packing, fp, workers)
     return make_rows(raw, fmt, tokenizer, block_size, data_args, packing, fp, workers)
+
+
+def attn_is_flash(model_args: ModelArguments) -> bool:
+    return model_args.attn_implementation.startswith("flash_attention")
 
 
 def resolve_packing(requested: bool | None, fmt: str, model_type: str, attn_implementation: str) -> bool:
@@ -203,7 +208,13 @@ def summary_lines(prep: Prepared, model, train_args: TrainArguments, tf32: bool)
         + (", deterministic algorithms" if torch.are_deterministic_algorithms_enabled() else ""),
         *[
             line
-            for line in (dropout.note(model), lean_loss.note(model), lora.is_peft(model) and lora.trainable_line(model))
+            for line in (
+                dropout.note(model),
+                lean_loss.note(model),
+                lora.is_peft(model) and lora.trainable_line(model),
+                fp8.note(model),
+                checkpointing.note(model),
+            )
             if line
         ],
     ]

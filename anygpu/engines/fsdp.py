@@ -30,11 +30,21 @@ from anygpu.engines.trunk.evaluator import evaluate
 from anygpu.engines.trunk.log import RunLog
 from anygpu.engines.trunk.schedule import SaveClock, Schedule
 from anygpu.engines.trunk.state import RunState
-from anygpu.model import dropout, lean_loss, lora, modeling, moe
+from anygpu.model import dropout, fp8, lean_loss, lora, mask_hint, modeling, moe
 from anygpu.planning import auto_batch
 from anygpu.reliability import elastic, run_guard
 from anygpu.reliability.preempt import Preemption
-from anygpu.runtime import context_parallel, distributed, faults, hardware, lazy_deepspeed, mesh, parallel
+from anygpu.runtime import (
+    compile_stats,
+    context_parallel,
+    distributed,
+    faults,
+    hardware,
+    lazy_deepspeed,
+    mesh,
+    parallel,
+)
+from anygpu.runtime.gc_schedule import GarbageCollection
 from anygpu.train import dpo, optim, trackers
 
 logger = logging.getLogger("anygpu")
@@ -49,22 +59,20 @@ def mesh_shape(train_args: TrainArguments, world_size: int) -> mesh.MeshShape:
 
 def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
     """Meta model → AC / compile / FSDP2 or HSDP → materialised on the device → initial or pretrained weights."""
-    model = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args)  # adapter before sharding
+    model = modeling.build_meta_model(prep.config, model_args)
+    shape = mesh_shape(train_args, info.world_size)
+    fp8.convert(model, train_args.fp8, info.device, parallel.needs_sharding(shape.world_size, train_args.bf16))
+    model = lora.wrap(model, model_args)  # adapter before sharding
     if lora.is_peft(model) and train_args.bf16:
         lora.hold_frozen_in(model, torch.bfloat16)  # as the memory plan counts it: 2 bytes per frozen parameter
     modeling.check_loss_kwargs(model)
     dropout.install(model, train_args.seed, off=train_args.is_dpo)
     lean_loss.install(model, train_args.lean_loss)  # patches lm_head's forward before FSDP2 swaps the classes
     modeling.flatten_packed_rows(model)  # flash attention: packed rows as one flattened row
+    mask_hint.install(model, prep.collator.packed)  # the masking need not read the positions back from the GPU
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    parallel.shard_model(
-        model,
-        info.device,
-        mesh_shape(train_args, info.world_size),
-        train_args.bf16,
-        train_args.gradient_checkpointing,
-        train_args.torch_compile,
-    )
+    checkpointing = train_args.gradient_checkpointing_policy if train_args.gradient_checkpointing else None
+    parallel.shard_model(model, info.device, shape, train_args.bf16, checkpointing, train_args.torch_compile)
     model.to_empty(device=info.device)
     if not parallel.is_sharded(model):
         model.tie_weights()  # to_empty gives a plain module's tied parameters separate storage
@@ -198,6 +206,7 @@ class FSDPTrainer:
         context_parallel.check(checked[0], checked[1], train_args.cp, model_args.attn_implementation)
         startup.check_precision(train_args, "fsdp", on_gpu=hardware.vendor() != "cpu")
         startup.check_attention(model_args.attn_implementation, train_args, "fsdp")
+        startup.check_levers(model_args, train_args, "fsdp")
         claimed = startup.claim(train_args)  # rank 0 takes --output_dir before the process group exists
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
         startup.joined(info, self.resolved, train_args.output_dir)
@@ -216,6 +225,7 @@ class FSDPTrainer:
         )  # fmt: skip
         self.auto_probe = self._auto_micro_batch()
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
+        fp8.attach(self.model, self.optimizer)
         self.scheduler = optim.build_scheduler(self.optimizer, train_args, prep.total_steps)
         start = self.resumed.global_step if self.resumed is not None else 0
         self.schedule = Schedule.of(train_args, start, prep.total_steps)
@@ -235,6 +245,9 @@ class FSDPTrainer:
         self.save_clock = SaveClock(train_args.save_every_minutes)  # restarted in _start(): training time counts
         self.async_saver: async_store.AsyncCheckpointer | None = None  # train()'s background writer
         self.batches: Iterator[StepBatches] | None = None  # train()'s iterator over the step loader
+        self.timeout = distributed.CollectiveTimeout(train_args.ddp_timeout, train_args.train_timeout)
+        self.compiled = compile_stats.CompileWatch(train_args.torch_compile)
+        self.gc: GarbageCollection | None = None  # train()'s collector schedule
 
     def _resume_target(self, claimed) -> tuple[Path | None, RunState | None, list[str]]:
         """The checkpoint to resume and its run state (read, not loaded: `train()` loads it), refused before
@@ -274,6 +287,11 @@ class FSDPTrainer:
             loss, lr, grad_norm = self.optimizer_step(step, next(self.batches))
             log.step_done(step)
             faults.at("step", step)
+            first = step == schedule.start_step + 1
+            if first:
+                self.timeout.first_step_done()  # start-up (compilation included) is over: hangs end in minutes now
+            if first or schedule.should_log(step):
+                self._say_compiled(step)
             if schedule.should_log(step):
                 log.train(step, global_loss(loss), lr, grad_norm.item(), objectives.logged(self.objective))
             if schedule.should_eval(step):
@@ -285,7 +303,15 @@ class FSDPTrainer:
             if save_due or schedule.should_save(step):
                 with log.paused():
                     self.save(step, background=not schedule.is_last(step))
+            self.gc.after_step(step)
         return self.finish()
+
+    def _say_compiled(self, step: int) -> None:
+        """What torch.compile did (after the first step, then only when a later step compiled again)."""
+        said = self.compiled.after_step(step)
+        if said is not None and self.info.is_main:
+            line, warn = said
+            tqdm.write(("warning: " if warn else "") + line)  # beside the progress lines, as the banner
 
     def _start(self) -> None:
         """Where training starts: signal handlers, the checkpoint writer, the resumed state loaded, the banner."""
@@ -296,6 +322,8 @@ class FSDPTrainer:
         self.save_clock.saved()
         if self.resume is not None:
             store.load(self.resume, self.model, self.optimizer, self.scheduler, info.rank)
+            fp8.sync_scales(self.model)  # the loaded weights' FP8 all-gather scales
+        self.gc = GarbageCollection(args.gc_steps)
         if info.is_main:
             startup.announce(self.banner(), self.auto_probe, self._resume_line(), self.changed)
             resumed = self.resumed.global_step if self.resumed is not None else None
@@ -371,7 +399,8 @@ class FSDPTrainer:
                 f"(exit {errors.EXIT_PREEMPTED})"
             )
         self.save(step)
-        self.close()
+        with self.timeout.long():
+            self.close()
         sys.exit(errors.EXIT_PREEMPTED)
 
     # ------------------------------------------------------------------ checkpoints
@@ -408,38 +437,42 @@ class FSDPTrainer:
         """Checkpoint `step`; `background`: return once staged (periodic saves), else when complete."""
         state, extra = self.run_state(step).to_json(), {resume_guard.FINGERPRINT_FILE: self.fingerprint}
         self.save_clock.saved()
-        if self.async_saver is not None:
-            if background:
-                self.async_saver.save(step, self.model, self.optimizer, self.scheduler, state, extra)
-                return
-            self.async_saver.wait()  # the previous one completes first: checkpoints commit in step order
-        store.save(
-            self.args.output_dir,
-            step,
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            state,
-            self.args.save_total_limit,
-            self.info.rank,
-            extra,
-            self.preemption.progress,
-        )
+        if self.async_saver is not None and background:
+            self.async_saver.save(step, self.model, self.optimizer, self.scheduler, state, extra)
+            return
+        with self.timeout.long():  # a rank waits here for the slowest writer
+            if self.async_saver is not None:
+                self.async_saver.wait()  # the previous one completes first: checkpoints commit in step order
+            store.save(
+                self.args.output_dir,
+                step,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                state,
+                self.args.save_total_limit,
+                self.info.rank,
+                extra,
+                self.preemption.progress,
+            )
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> dict[str, Any]:
         """The end of the run: the final model at the end of the schedule, the curves; the last logged record."""
         self.log.close_bar()
-        if self.schedule.exports:
-            finish.export_final(
-                self.model, self.prep, self.model_args, self.args, self.info.rank, self.preemption.progress
-            )
-        finish.curves(self.args.output_dir, self.info.is_main)
-        self.close()
+        with self.timeout.long():  # rank 0 writes the export while the others wait
+            if self.schedule.exports:
+                finish.export_final(
+                    self.model, self.prep, self.model_args, self.args, self.info.rank, self.preemption.progress
+                )
+            finish.curves(self.args.output_dir, self.info.is_main)
+            self.close()
         return self.log.last
 
     def close(self) -> None:
         self.log.close()
+        if self.gc is not None:
+            self.gc.close()
         self.batches = None  # the DataLoader iterator's workers stop when it is dropped
         if self.async_saver is not None:
             self.async_saver.close()  # a write still in flight completes and commits before exit

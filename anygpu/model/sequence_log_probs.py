@@ -48,5 +48,6 @@ def sequence_sums(values: torch.Tensor, segment: torch.Tensor, num_sequences: in
     """(num_sequences,): the per-token `values` (flat, one per position: the prediction of the next token) summed per
     sequence; position t counts for the sequence of position t + 1, whose token it predicts."""
     target = F.pad(segment, (0, 1), value=-1)[..., 1:].reshape(-1).to(values.device)
-    keep = target >= 0
-    return values.new_zeros(num_sequences).index_add(0, target[keep], values[keep])
+    # padding (-1) into one more bucket, dropped: a boolean selection would wait for the device (its size)
+    target = torch.where(target >= 0, target, num_sequences)
+    return values.new_zeros(num_sequences + 1).index_add(0, target, values)[:num_sequences]

@@ -176,7 +176,7 @@ def estimate_cost(
     precision: str,
     world: int,
     block_size: int,
-    checkpointing: bool,
+    checkpointing: bool | str,
     lean_loss: bool = True,
 ) -> Callable[[int], int]:
     """Per-device bytes the plan expects at micro-batch m (model states, activations, working copies)."""
@@ -244,7 +244,7 @@ def resolve(
     strategy: str,
     precision: str,
     block_size: int,
-    checkpointing: bool,
+    checkpointing: bool | str,
     max_memory_per_device_gb: float | None,
     device: torch.device,
     model: torch.nn.Module | None = None,
@@ -267,6 +267,13 @@ def resolve(
         )
     probe = choose(per_rank, cost, limit, device, how)
     return plan_batch(plan.global_batch_size, plan.world_size, probe.micro_batch), probe
+
+
+def checkpointing_of(train_args) -> bool | str:
+    """The run's activation checkpointing as the memory plan counts it: False, True (full) or selective."""
+    if not train_args.gradient_checkpointing:
+        return False
+    return memory_plan.SELECTIVE if train_args.gradient_checkpointing_policy == "selective" else True
 
 
 def apply(
@@ -293,7 +300,7 @@ def apply(
         strategy,
         precision,
         prep.block_size,
-        train_args.gradient_checkpointing,
+        checkpointing_of(train_args),
         train_args.max_memory_per_device_gb,
         device,
         model,

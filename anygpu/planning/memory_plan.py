@@ -23,7 +23,10 @@ gate, up, SiLU(gate) and product (4·intermediate); attention itself is a fused 
 s² scores). The model's own loss keeps the logits in the compute dtype, upcast to fp32 and
 log-softmaxed in fp32; the lean loss (the engines' default, `anygpu.model.lean_loss`) keeps the
 final hidden states' gradient instead, and one chunk's logits (`LEAN_CHUNK_BYTES` of fp32) at a time.
-With activation checkpointing each layer keeps only its input, and one layer is recomputed at a time.
+With activation checkpointing each layer keeps only its input, and one layer is recomputed at a time; with
+selective checkpointing (the FSDP2 engine's `--gradient_checkpointing_policy selective`) each layer keeps its input
+and the outputs of its matrix multiplications and attention (q, k, v, the attention output, o_proj's, gate's, up's
+and down's), and one layer's elementwise rest is recomputed at a time.
 """
 
 from __future__ import annotations
@@ -154,11 +157,17 @@ def _even(numel: int, world: int) -> int:
     return -(-numel // world)
 
 
+# Activation checkpointing in the plan: False (none), True (full) or SELECTIVE (the FSDP2 engine's per-op policy).
+SELECTIVE = "selective"
+# The strategies whose rows include selective checkpointing: the FSDP2 engine's (its plain FSDP2 and HSDP).
+SELECTIVE_STRATEGIES = ("fsdp2",)
+
+
 @dataclass
 class Row:
     strategy: str
     precision: str  # fp32 | bf16
-    activation_checkpointing: bool
+    activation_checkpointing: bool | str  # False, True (full) or SELECTIVE
     lora: bool
     micro_batch: int
     per_gpu_bytes: dict[str, int]  # parameters, gradients, optimizer, activations, transient, reserved
@@ -232,9 +241,15 @@ LEAN_CHUNK_BYTES = 128 << 20  # anygpu.model.lean_loss.CHUNK_BYTES (this module 
 
 
 def activation_bytes(
-    shapes: Shapes, micro_batch: int, block_size: int, precision: str, checkpointing: bool, lean_loss: bool = True
+    shapes: Shapes,
+    micro_batch: int,
+    block_size: int,
+    precision: str,
+    checkpointing: bool | str,
+    lean_loss: bool = True,
 ) -> int:
-    """Saved activations of one micro-batch (an estimate; see the module docstring)."""
+    """Saved activations of one micro-batch (an estimate; see the module docstring). `checkpointing`: False, True
+    (full) or SELECTIVE."""
     e = 2 if precision == "bf16" else 4
     h, i, v = shapes.hidden_size, shapes.intermediate_size, shapes.vocab_size
     q = shapes.num_heads * shapes.head_dim
@@ -243,8 +258,13 @@ def activation_bytes(
         e * (h + q + 2 * kv + q + h + 4 * i)  # norm outs, q/k/v, attention out, norm out, SwiGLU
         + 2 * 4 * h
     )  # both RMSNorms' inputs upcast to fp32
+    kept = {
+        False: layer,
+        True: e * h,  # the layer's input
+        SELECTIVE: e * (h + q + 2 * kv + q + h + 2 * i + h),  # input, q/k/v, attention, o_proj, gate/up, down outputs
+    }[checkpointing]
     tokens = micro_batch * block_size
-    per_token = shapes.num_layers * (e * h if checkpointing else layer) + (layer if checkpointing else 0)
+    per_token = shapes.num_layers * kept + (layer if checkpointing else 0)  # one layer recomputed at a time
     if lean_loss:  # embedding out, final norm, the hidden states' gradient; one chunk's logits at a time
         chunk = min(tokens, max(1, LEAN_CHUNK_BYTES // (4 * v)))
         return tokens * (per_token + e * h + 4 * h + e * h) + chunk * v * (e + 4 + 4)
@@ -358,7 +378,10 @@ def row_for(
     how = hsdp_command(world, shards) if strategy == HSDP else ACCELERATE_CONFIG[strategy]
     if cp > 1:
         how = f"run_fsdp_standalone.py --cp {cp}" + " --bf16 true" * (precision == "bf16")
-        how += " --gradient_checkpointing true" * checkpointing
+        how += " --gradient_checkpointing true" * (checkpointing is True)
+    if checkpointing == SELECTIVE:  # the FSDP2 engine's only
+        how = how if how.startswith("run_fsdp_standalone.py") else "run_fsdp_standalone.py"
+        how += " --gradient_checkpointing_policy selective"
     host = host_bytes(shapes, strategy, dp_shard or world)
     return Row(strategy, precision, checkpointing, lora, micro_batch, per_gpu, cpu, fits, how, host_bytes=host)
 
@@ -393,8 +416,8 @@ def _recommend(
     dividing `share` (the sequences of a data-parallel rank), into `result`."""
     shapes, machine, block_size, dp_shard = result.shapes, result.machine, result.block_size, result.dp_shard
     for precision in precisions:
-        for ckpt in (False, True):
-            for strategy in (s for s in PREFERENCE if s in strategies):
+        for ckpt in (False, SELECTIVE, True):  # the least recomputation first
+            for strategy in (s for s in PREFERENCE if s in strategies and has_policy(s, ckpt, cp)):
                 fitting = [
                     r
                     for m in reversed(divisors(share))
@@ -406,6 +429,12 @@ def _recommend(
                     result.recommended = fitting[0]
                     result.gradient_accumulation_steps = share // fitting[0].micro_batch
                     return
+
+
+def has_policy(strategy: str, checkpointing: bool | str, cp: int = 1) -> bool:
+    """Whether `strategy` can checkpoint this way: selective checkpointing is the FSDP2 engine's (plain FSDP2, HSDP,
+    context parallelism)."""
+    return checkpointing != SELECTIVE or cp > 1 or strategy in (*SELECTIVE_STRATEGIES, HSDP)
 
 
 def make_plan(
@@ -447,7 +476,7 @@ def make_plan(
     result.cp = cp
     for precision in precisions:
         for strategy in strategies:
-            for ckpt in (False, True):
+            for ckpt in (c for c in (False, True, SELECTIVE) if has_policy(strategy, c, cp)):
                 result.rows.append(
                     row_for(shapes, machine, strategy, precision, ckpt, lora, 1, block_size, dp_shard, cp=cp)
                 )
@@ -457,7 +486,8 @@ def make_plan(
         result.cp_advice = cp_advice(shapes, machine, block_size, lora)
     if flops_per_token and machine.peak_flops:
         rec = result.recommended
-        recompute = 4 / 3 if rec is not None and rec.activation_checkpointing else 1.0  # one more forward
+        # full checkpointing: one more forward; selective recomputes only elementwise ops (no matmul, no attention)
+        recompute = 4 / 3 if rec is not None and rec.activation_checkpointing is True else 1.0
         peak = machine.peak_flops * (1 if rec is None or rec.precision == "bf16" else 0.5)  # TF32 ≈ half of bf16
         result.step_seconds = global_batch_size * block_size * flops_per_token * recompute / (n * peak * mfu)
     return result

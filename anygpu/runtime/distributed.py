@@ -94,6 +94,54 @@ def _one_rank_store() -> str:
     return os.path.join(folder, "store")
 
 
+_KEEP_TIMEOUT: list = []  # groups that keep the process group's first timeout (a background checkpoint writer's)
+
+
+def keep_timeout(group) -> None:
+    """`group`'s collectives keep their timeout whatever `set_collective_timeout` sets for the others."""
+    _KEEP_TIMEOUT.append(group)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Every process group of this process (the default one, the mesh's, the CP and CPU groups) times out after
+    `seconds` from now on, but those in `keep_timeout`."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=seconds)
+    for group in list(c10d._world.pg_map):
+        if any(group is kept for kept in _KEEP_TIMEOUT):
+            continue
+        with contextlib.suppress(ValueError):  # a group this rank is not in
+            c10d._set_pg_timeout(timeout, group)
+
+
+class CollectiveTimeout:
+    """The run's collective timeout: `long_s` (--ddp_timeout) until the first step is done, then `train_s`
+    (--train_timeout; 0: stay long), so a rank that hangs mid-training ends the job within minutes; the long one
+    again inside `long()` (checkpoints, the export: a rank may wait there for another's write)."""
+
+    def __init__(self, long_s: float, train_s: float) -> None:
+        self.long_s, self.train_s, self.training = long_s, train_s, False
+
+    def first_step_done(self) -> None:
+        if self.train_s and not self.training:
+            self.training = True
+            set_collective_timeout(self.train_s)
+
+    @contextlib.contextmanager
+    def long(self) -> Iterator[None]:
+        if not self.training:
+            yield
+            return
+        set_collective_timeout(self.long_s)
+        try:
+            yield
+        finally:
+            set_collective_timeout(self.train_s)
+
+
 def world_size_from_env() -> int:
     """The world size the launcher started, before any process group exists."""
     return int(os.environ.get("WORLD_SIZE", 1))

@@ -48,6 +48,12 @@ def _slow_step(value: str, point: str, step: int) -> None:
         time.sleep(float(seconds))
 
 
+def _stall(value: str, point: str, step: int) -> None:
+    rank, at_point, at_step, seconds = value.split(":")
+    if point == at_point and str(step) == at_step and os.environ.get("RANK", "0") == rank:
+        time.sleep(float(seconds))
+
+
 @dataclass(frozen=True)
 class Fault:
     variable: str  # the environment variable that switches it on, and its value's form
@@ -86,6 +92,12 @@ REGISTRY: tuple[Fault, ...] = (
         "WORLD_SIZE:SECONDS: every rank sleeps after each step while the job has that world size, so a test "
         "can add a node to an elastic job before it ends",
         _slow_step,
+    ),
+    Fault(
+        "ANYGPU_TEST_STALL",
+        "RANK:POINT:STEP:SECONDS, e.g. 1:step:2:60: that rank alone sleeps when it reaches POINT at STEP, as a rank "
+        "that hangs (the others wait for it in their next collective)",
+        _stall,
     ),
 )
 POINTS = ("eval", "save", "refusal", "transport", "export", "step")

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from anygpu.runtime import checkpointing as checkpointing_mod
 from anygpu.runtime.blocks import decoder_layer_classes
 from anygpu.runtime.mesh import DIM_NAMES, MeshShape
 
@@ -52,19 +53,18 @@ def shard_model(
     device: torch.device,
     mesh_shape: MeshShape,
     bf16: bool,
-    gradient_checkpointing: bool,
+    checkpointing: bool | str | None,
     compile_blocks: bool,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Shard `model` (parameters still on meta) over `mesh_shape`; returns it wrapped in place (or plain, see
-    `needs_sharding`: the same losses, and DCP checkpoints load either way on any world size and mesh)."""
+    `needs_sharding`: the same losses, and DCP checkpoints load either way on any world size and mesh).
+    `checkpointing`: an activation checkpointing policy (`anygpu.runtime.checkpointing`; True is full), or None."""
     layers = [m for m in model.modules() if isinstance(m, decoder_layer_classes(model))]
-    if gradient_checkpointing:
-        # Non-reentrant checkpointing composes with FSDP2's hooks and torch.compile.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing_mod.enable(model, "full" if checkpointing is True else checkpointing or None)
     if compile_blocks:
         for layer in layers:
-            layer.compile()
+            layer.compile()  # its `forward`, checkpointed or not (the checkpoint is traced inside)
     world_size = mesh_shape.world_size
     if not needs_sharding(world_size, bf16):
         return model

@@ -291,6 +291,11 @@ def dp_shard_of(args: argparse.Namespace, machine: Machine) -> int | None:
     return machine.num_gpus // args.num_nodes if machine.num_gpus and args.num_nodes > 1 else None
 
 
+def ckpt_word(checkpointing: bool | str, on: str, off: str) -> str:
+    """A row's activation checkpointing in a word: `on`/`off`, or `sel` (selective)."""
+    return "sel" if checkpointing == memory_plan.SELECTIVE else on if checkpointing else off
+
+
 def gib(n: int) -> str:
     return f"{n / GIB:.2f}"
 
@@ -304,7 +309,7 @@ def table(result: PlanResult, title: str) -> list[str]:
     for r in result.rows:
         b = r.per_gpu_bytes
         lines.append(
-            f"{r.strategy:<14} {r.precision:<5} {'yes' if r.activation_checkpointing else 'no':<4} "
+            f"{r.strategy:<14} {r.precision:<5} {ckpt_word(r.activation_checkpointing, 'yes', 'no'):<4} "
             f"{gib(b['parameters'] + b.get('reference', 0)):>8} {gib(b['gradients']):>8} {gib(b['optimizer']):>8} "
             f"{gib(b['activations']):>8} {gib(b['transient'] + b['reserved']):>7} {gib(r.total):>8} "
             f"{gib(r.cpu_bytes):>7}  {'yes' if r.fits else 'no'}"
@@ -337,7 +342,7 @@ def recommendation(result: PlanResult) -> list[str]:
     )
     lines = [
         f"recommendation: {rec.strategy}, {rec.precision}, activation checkpointing "
-        f"{'on' if rec.activation_checkpointing else 'off'}: {where}"
+        f"{ckpt_word(rec.activation_checkpointing, 'on', 'off')}: {where}"
         if " " not in rec.accelerate_config
         else f"recommendation: {rec.strategy}, {rec.precision}: {rec.accelerate_config}",
         f"  global batch {result.global_batch_size} = {rec.micro_batch} per device × {n} devices × "
@@ -536,7 +541,7 @@ def compact(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str
     if others:
         lines.append("runners-up (micro-batch × accumulation, memory per GPU):")
         lines += [
-            f"  {r.strategy:<14} {r.precision:<5} ckpt {'on ' if r.activation_checkpointing else 'off'}  "
+            f"  {r.strategy:<14} {r.precision:<5} ckpt {ckpt_word(r.activation_checkpointing, 'on ', 'off'):<3}  "
             f"{r.micro_batch} × {acc}  {gib(r.total)} GiB"
             for r, acc in others
         ]

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from anygpu.config.objective import PAIR_LOSSES
+from anygpu.data.collate import batch_to
 from anygpu.data.order import eval_shards
 from anygpu.data.pair_batches import model_inputs
 from anygpu.model import sequence_log_probs
@@ -210,7 +211,7 @@ class DPOObjective:
         model.eval()
         totals = torch.zeros(4 + len(METRICS), dtype=torch.float64, device=device)
         for idx in eval_shards(len(dataset), world, rank, batch_size):
-            batch = {k: v.to(device) for k, v in collator.read(dataset, idx or [0]).items()}
+            batch = batch_to(collator.read(dataset, idx or [0]), device)
             p = pair_logps(model, call, batch, self.reference)
             if idx:
                 chosen_tokens = p.scored[: p.chosen.shape[0]].sum()

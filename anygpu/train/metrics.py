@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -38,12 +39,56 @@ def flops_per_token(config: PretrainedConfig, num_trainable: int, seq_len: int, 
     return 6 * num_trainable + 4 * num_frozen + 12 * layers * hidden * seq_len
 
 
+@dataclass(frozen=True)
+class Flops:
+    """A run's training FLOPs: `per_token` for the matmul weights (`flops_per_token` without attention) plus
+    `per_token_squared` × Σ s² for attention, s each sample's length. A packed row of 4k-token samples at a
+    128k block does the attention work of its samples, not of one 128k sequence (counted whole, MFU read ~5×
+    too high there)."""
+
+    per_token: float
+    per_token_squared: float
+
+    def of(self, tokens: int, squares: int) -> float:
+        return self.per_token * tokens + self.per_token_squared * squares
+
+    def at(self, seq_len: int) -> float:
+        """Per token, for sequences of `seq_len` tokens each (`flops_per_token`)."""
+        return self.per_token + self.per_token_squared * seq_len
+
+
+def training_flops(config: PretrainedConfig, num_trainable: int, num_frozen: int = 0) -> Flops:
+    """`flops_per_token`'s two parts (see there)."""
+    return Flops(6 * num_trainable + 4 * num_frozen, 12 * config.num_hidden_layers * config.hidden_size)
+
+
 def mfu(
     tokens_per_second: float, flops_per_tok: float, peak_flops_per_device: float | None, world_size: int
 ) -> float | None:
     if not peak_flops_per_device:
         return None
     return tokens_per_second * flops_per_tok / (peak_flops_per_device * world_size)
+
+
+def sample_squares(dataset: Dataset, block_size: int, chunk_rows: int = 8192) -> np.ndarray | None:
+    """Σ s² over each row's samples (s: a sample's tokens; attention's work), or None for raw-text blocks (one
+    sample of `block_size` each). Packed rows' samples start where their position ids restart at 0; a padded
+    row is one sample. Read a chunk of rows at a time: the positions of a large corpus never sit in memory whole."""
+    if "labels" not in dataset.column_names:
+        return None
+    if "position_ids" not in dataset.column_names:
+        return row_lengths(dataset) ** 2
+    column = dataset.select_columns(["position_ids"]).with_format("arrow")
+    out = np.zeros(len(dataset), dtype=np.int64)
+    for first in range(0, len(dataset), chunk_rows):
+        rows = column[first : first + chunk_rows]["position_ids"].combine_chunks()
+        values = rows.values.to_numpy(zero_copy_only=False)
+        offsets = rows.offsets.to_numpy().astype(np.int64)
+        starts = np.flatnonzero(values == 0)
+        lengths = np.diff(np.append(starts, len(values)))
+        row_of = np.searchsorted(offsets, starts, side="right") - 1
+        out[first : first + len(rows)] = np.bincount(row_of, weights=lengths**2, minlength=len(rows)).astype(np.int64)
+    return out
 
 
 class StepTokens:
@@ -57,10 +102,18 @@ class StepTokens:
         self.padded = "labels" in dataset.column_names or self.pairs
         if self.pairs:
             self.lengths = sequence_lengths(dataset, block_size)
+            self.squared = (self.lengths**2).sum(axis=1)  # Σ s² per pair: its two sequences
         else:
             self.lengths = row_lengths(dataset) if self.padded else None
+            self.squared = sample_squares(dataset, block_size)  # Σ s² per row (attention's work), None for blocks
         self.order, self.block_size = order, block_size
         self.packed = bool(getattr(collator, "packed", False))
+
+    def squares(self, step: int, plan: BatchPlan) -> int:
+        """Σ s² over the samples of optimizer step `step` (0-based), all ranks: its attention work."""
+        if self.squared is None:
+            return plan.global_batch_size * self.block_size**2
+        return int(self.squared[self.order.global_batch(step)].sum())
 
     def count(self, step: int, plan: BatchPlan) -> tuple[int, int]:
         """(real, computed) tokens of optimizer step `step` (0-based) over all ranks."""
@@ -93,13 +146,14 @@ class ThroughputWindow:
 
     def reset(self) -> None:
         self.start, self.paused, self.steps = time.perf_counter(), 0.0, 0
-        self.tokens = self.computed = 0
+        self.tokens = self.computed = self.squares = 0
 
-    def add(self, real: int, computed: int) -> None:
-        """One step's real (non-pad) and computed (padded) tokens."""
+    def add(self, real: int, computed: int, squares: int = 0) -> None:
+        """One step's real (non-pad) and computed (padded) tokens, and Σ s² over its samples."""
         self.steps += 1
         self.tokens += real
         self.computed += computed
+        self.squares += squares
 
     def pause(self, seconds: float) -> None:
         self.paused += seconds
@@ -110,6 +164,10 @@ class ThroughputWindow:
     def tokens_per_second(self) -> float:
         """Real tokens per second: padding is not work the user asked for."""
         return self.tokens / self.seconds()
+
+    def flops_per_second(self, flops: Flops) -> float:
+        """The training FLOPs of the window's samples per second (attention over each sample's own length)."""
+        return flops.of(self.tokens, self.squares) / self.seconds()
 
     def padding_fraction(self) -> float:
         return 1.0 - self.tokens / self.computed if self.computed else 0.0

@@ -28,6 +28,7 @@ from typing import Callable, ContextManager
 import torch
 from datasets import Dataset
 
+from anygpu.data.collate import batch_to
 from anygpu.data.order import eval_shards
 from anygpu.data.pair_batches import REF_COLUMNS, model_inputs
 from anygpu.model import hub_weights, sequence_log_probs
@@ -76,7 +77,7 @@ def compute(dataset: Dataset, collator, forward: RefForward, info: DistInfo, bat
     """(pairs, 2) fp64: the reference's chosen and rejected log-probs of every pair, on every rank."""
     table = torch.zeros(len(dataset), 2, dtype=torch.float64, device=info.device)
     for idx in eval_shards(len(dataset), info.world_size, info.rank, batch_size):
-        batch = {k: v.to(info.device) for k, v in collator.read(dataset, idx or [0]).items()}
+        batch = batch_to(collator.read(dataset, idx or [0]), info.device)
         seq = forward(batch).double()
         if idx:
             table[idx] = torch.stack(seq.chunk(2), dim=1)

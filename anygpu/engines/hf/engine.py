@@ -48,6 +48,7 @@ def refuse_early(
     on_cpu = hardware.vendor() == "cpu"
     startup.check_precision(train_args, "hf", on_gpu=not on_cpu)
     startup.check_attention(model_args.attn_implementation, train_args, "hf")
+    startup.check_levers(model_args, train_args, "hf")
     plan = hf_strategy.plan(hf_strategy.requested(), on_cpu, engine_args.allow_strategy_fallback)
     if train_args.is_dpo and plan.kind not in ("single", "ddp"):
         raise UsageError(

@@ -31,7 +31,7 @@ from anygpu.engines.trunk.log import RunLog
 from anygpu.engines.trunk.schedule import SaveClock, Schedule
 from anygpu.engines.trunk.state import HF_STATE_FILE, RunState
 from anygpu.errors import UsageError
-from anygpu.model import dropout, lean_loss, lora, modeling
+from anygpu.model import dropout, lean_loss, lora, mask_hint, modeling
 from anygpu.reliability import run_guard
 from anygpu.reliability.preempt import Preemption
 from anygpu.runtime import blocks, distributed
@@ -233,6 +233,7 @@ class HFRun:
         dropout.install(model, args.seed, off=args.is_dpo)  # masks keyed by sample (dpo: off), as in the FSDP2 engine
         lean_loss.install(model, args.lean_loss, hf_strategy.lean_loss_off_reason(self.plan))
         modeling.flatten_packed_rows(model)  # flash attention: packed rows as one flattened row, as the FSDP2 engine
+        mask_hint.install(model, self.prep.collator.packed)  # no host sync in the masking, as the FSDP2 engine
         if args.torch_compile:
             for layer in (m for m in model.modules() if isinstance(m, blocks.decoder_layer_classes(model))):
                 layer.compile()

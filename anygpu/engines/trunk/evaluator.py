@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from anygpu.data.collate import count_targets
+from anygpu.data.collate import batch_to, count_targets
 from anygpu.data.order import eval_shards
 from anygpu.model import lean_loss, moe
 from anygpu.runtime import context_parallel, distributed
@@ -33,7 +33,7 @@ def evaluate(
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for idx in eval_shards(len(dataset), world_size // cp.size, rank // cp.size, batch_size):
-        batch = {k: v.to(device) for k, v in collator.read(dataset, idx or [0]).items()}
+        batch = batch_to(collator.read(dataset, idx or [0]), device)
         # num_items_in_batch=1 turns the model's loss into a token-loss sum (HF's own loss path)
         with lean_loss.active(unwrapped), context_parallel.split(unwrapped, batch, cp) as inputs:
             out = model(

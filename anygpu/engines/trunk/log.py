@@ -25,14 +25,14 @@ class RunLog:
         world_size: int,
         device: torch.device,
         is_main: bool,
-        flops_per_token: float,
+        flops: metrics.Flops,
         peak_flops: float | None,
         resumed: bool,
     ) -> None:
         """`world_size`: the data-parallel devices (processes, or GPUs under DataParallel); `resumed`: records
         past `schedule.start_step` in metrics.jsonl and the trackers are dropped (they are redone)."""
         self.prep, self.schedule, self.world_size, self.device = prep, schedule, world_size, device
-        self.is_main, self.fpt, self.peak = is_main, flops_per_token, peak_flops
+        self.is_main, self.flops, self.peak = is_main, flops, peak_flops
         self.writer = metrics.MetricsWriter(
             train_args.output_dir, is_main, train_args.report_to, schedule.start_step if resumed else None
         )
@@ -72,7 +72,7 @@ class RunLog:
             )
         elif pause_follows:
             self._sync()  # the step's queued GPU work is training time, not part of the pause that follows
-        self.window.add(*self.tokens.count(step - 1, self.prep.plan))
+        self.window.add(*self.tokens.count(step - 1, self.prep.plan), self.tokens.squares(step - 1, self.prep.plan))
         self.mark = time.perf_counter()
         if self.bar is not None:
             self.bar.update(1)
@@ -100,8 +100,8 @@ class RunLog:
                 "epoch": step / self.prep.order.steps_per_epoch,
             }
         )
-        if (u := metrics.mfu(tps, self.fpt, self.peak, self.world_size)) is not None:
-            rec["mfu"] = u
+        if self.peak:  # attention counted over each sample's own length (packed rows), not the whole block
+            rec["mfu"] = self.window.flops_per_second(self.flops) / (self.peak * self.world_size)
         if (mem := metrics.max_memory_gb(self.device)) is not None:
             rec["max_memory_allocated_gb"] = mem
         self._write(rec)

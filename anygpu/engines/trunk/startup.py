@@ -11,7 +11,7 @@ from typing import Any
 from anygpu import errors
 from anygpu.checkpoint import resume_guard
 from anygpu.errors import UsageError
-from anygpu.model import modeling
+from anygpu.model import fp8, modeling
 from anygpu.reliability import run_guard
 from anygpu.runtime import hardware
 from anygpu.train import metrics
@@ -33,6 +33,17 @@ def check_precision(train_args, engine: str, on_gpu: bool) -> None:
             else ("use --fp16 (with loss scaling) or fp32")
         )
         raise UsageError(f"--bf16: this GPU has no bf16; {other}.")
+
+
+def check_levers(model_args, train_args, engine: str) -> None:
+    """Refuse the speed and memory levers this engine or this device cannot run (before any GPU work)."""
+    fp8.check_args(train_args.fp8, engine, model_args.use_peft)
+    fp8.check_hardware(train_args.fp8)
+    if engine != "fsdp" and train_args.gradient_checkpointing_policy == "selective":
+        raise UsageError(
+            "--gradient_checkpointing_policy selective is the FSDP2 engine's: use --engine fsdp, or full "
+            "checkpointing (--gradient_checkpointing true)."
+        )
 
 
 # What transformers needs for each flash attention (without it, or without a GPU, a rank's traceback).
@@ -107,13 +118,14 @@ def auto_micro_batch(prep, model_args, train_args, device, strategy: str, rank: 
     return probe
 
 
-def throughput_facts(prep, model, train_args, tf32: bool, device) -> tuple[float, float | None]:
-    """(training FLOPs per token, the device's peak FLOP/s at the run's precision or None): for the MFU."""
+def throughput_facts(prep, model, train_args, tf32: bool, device) -> tuple[metrics.Flops, float | None]:
+    """(training FLOPs, the device's peak FLOP/s at the run's precision or None): for the MFU. FP8 runs are
+    measured against the bf16 peak (torchtitan's convention: the FP8 peak would hide what FP8 gained)."""
     trainable, frozen = modeling.matmul_parameters(model)
-    fpt = metrics.flops_per_token(prep.config, trainable, prep.block_size, num_frozen=frozen)
+    flops = metrics.training_flops(prep.config, trainable, num_frozen=frozen)
     precision = hardware.matmul_precision(train_args.bf16, train_args.fp16, tf32)
     peak = hardware.peak_flops(hardware.devices()[0].name, precision) if device.type == "cuda" else None
-    return fpt, peak
+    return flops, peak
 
 
 def banner(engine: str, prep, model, train_args, tf32: bool, layout: str, objective: list[str] = ()) -> str:

@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# The GPU lease: everything anygpu wants measured on a lent GPU, in two device calls of ~5 minutes each, ready before
+# the GPU comes (docs/benchmarks.md#the-gpu-lease says when and how to run it, and what each row means).
+#
+#   bash benchmarks/gpu_lease.sh fetch     # here (package registries): the wheels the device lacks, into .whl/
+#   bash benchmarks/gpu_lease.sh plan      # what it installs, runs and writes; no GPU, no install, no run
+#   bash benchmarks/gpu_lease.sh 1         # there, call 1: machine facts, matmul ceilings, the eager rows, CP kernels
+#   bash benchmarks/gpu_lease.sh 2         # there, call 2: the compiled and FP8 rows, the GPU tests, then the rows left
+#   bash benchmarks/gpu_lease.sh           # both calls' work; without a GPU: the rehearsal (below)
+#   bash benchmarks/gpu_lease.sh venv      # here: the device-like venv the rehearsal runs in
+#
+# Without a GPU the same parts run as a rehearsal with shrunken shapes on the CPU, in a venv built like the device's
+# Python (Python 3.12, torch 2.11 from PyPI, transformers 5.17 and the image's other packages from
+# benchmarks/lease_device_packages.txt; no datasets, no deepspeed), then the wheels of .whl/ installed with --target
+# on top exactly as on the device: a broken lease is found here, not in the 15 minutes. The rehearsal runs every row
+# (no time budget) and collects the GPU tests (each skips without a GPU).
+#
+# Each part installs .whl/ into $SITE with --target, writes only small files to $OUT (lease-N.md: the table;
+# lease-N.jsonl: the rows; lease-N.log: every command's output; part 2 also gpu-tests.log), never a checkpoint, and on
+# a GPU skips what would not fit its time budget (BUDGET seconds, default 285; part 2 keeps LATE_RESERVE, default 60,
+# of it from the GPU tests for its last rows).
+# Knobs: OUT (default outputs/lease), PYTHON (default .venv/bin/python where there is one, else python3: the
+# device image's), BUDGET, LATE_RESERVE, ROW_LIMIT (seconds per row, default 150), SITE (default
+# /tmp/anygpu-lease-site), LEASE_WORK (default /tmp/anygpu-lease), LEASE_VENV (default ~/.cache/anygpu/lease-venv),
+# PYTHON312 (the rehearsal venv's interpreter; default: python3.12 or pyenv's).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-outputs/lease}
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+BUDGET=${BUDGET:-285}
+ROW_LIMIT=${ROW_LIMIT:-150}
+SITE=${SITE:-/tmp/anygpu-lease-site}
+LEASE_VENV=${LEASE_VENV:-$HOME/.cache/anygpu/lease-venv}
+WHEELS=.whl
+WHEEL_LIST=benchmarks/lease_wheels.txt
+DEVICE_PACKAGES=benchmarks/lease_device_packages.txt
+LATE_RESERVE=${LATE_RESERVE:-60}   # part 2: seconds kept from the GPU tests for the rows after them
+MAX_WHEELS_MB=48   # the device takes a working tree of 64 MiB, the repository's ~2 MB included
+export LEASE_WORK=${LEASE_WORK:-/tmp/anygpu-lease}
+
+say() { echo "[lease] $*" >&2; }
+
+# name==version for each wheel of $WHEEL_LIST, the version the test suite runs with (constraints.txt)
+wheel_specs() {
+  grep -v '^\s*#' "$WHEEL_LIST" | awk 'NF {print $1}' | while read -r name; do
+    version=$(grep -i "^${name}==" constraints.txt | cut -d= -f3)
+    [ -n "$version" ] || { echo "gpu_lease.sh: $name is not in constraints.txt" >&2; exit 2; }
+    echo "$name==$version"
+  done
+}
+
+fetch() {
+  rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+  for spec in $(wheel_specs); do
+    say "downloading $spec"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d "$WHEELS" "$spec"
+  done
+  size=$(du -sm "$WHEELS" | cut -f1)
+  count=$(find "$WHEELS" -name '*.whl' | wc -l)
+  say "$count wheels, $size MB in $WHEELS/ (git-ignored; carry it: carry=[\".whl\"])"
+  [ "$size" -le "$MAX_WHEELS_MB" ] || { echo "gpu_lease.sh: $WHEELS/ is $size MB, over $MAX_WHEELS_MB MB" >&2; exit 1; }
+}
+
+install() {
+  compgen -G "$WHEELS/*.whl" >/dev/null || {
+    echo "gpu_lease.sh: no wheels in $WHEELS/: run 'bash benchmarks/gpu_lease.sh fetch' where the package registries are, and carry .whl" >&2
+    exit 2
+  }
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
+  export PYTHONPATH="$SITE:$PWD"
+}
+
+bench() { "$PYTHON" benchmarks/lease_bench.py "$@"; }
+
+# id|name|layers|seconds of each row of part $1
+rows_of() {
+  bench plan --part "$1" --lines
+}
+
+run_rows() {  # part, phase (main: before the GPU tests; late: after them), jsonl, log
+  local part=$1 phase=$2 rows=$3 log=$4
+  while IFS='|' read -r id name layers seconds when; do
+    [ "$when" = "$phase" ] || continue
+    if [ "$GPU" = 1 ] && [ $((SECONDS - START + seconds)) -gt "$BUDGET" ]; then
+      say "skipped $id: past the part's budget of $BUDGET s"
+      echo "{\"kind\": \"row\", \"name\": \"$name\", \"layers\": $layers, \"status\": \"skipped (time budget)\"}" >>"$rows"
+      continue
+    fi
+    say "row $id"
+    status=0
+    timeout --kill-after 10 "$ROW_LIMIT" "$PYTHON" benchmarks/lease_bench.py row "$id" >"$LEASE_WORK/row.out" 2>&1 || status=$?
+    cat "$LEASE_WORK/row.out" >>"$log"
+    if grep -q '^LEASE_ROW ' "$LEASE_WORK/row.out"; then
+      grep '^LEASE_ROW ' "$LEASE_WORK/row.out" | cut -d' ' -f2- >>"$rows"
+    else
+      why=$([ "$status" = 124 ] || [ "$status" = 137 ] && echo "timed out after $ROW_LIMIT s" || echo "failed (exit $status)")
+      say "$id: $why (see $log)"
+      echo "{\"kind\": \"row\", \"name\": \"$name\", \"layers\": $layers, \"status\": \"$why\"}" >>"$rows"
+    fi
+  done < <(rows_of "$part")
+}
+
+part() {
+  local n=$1 log rows
+  START=$SECONDS
+  install
+  GPU=$("$PYTHON" -c 'import torch; print(int(torch.cuda.is_available()))')  # the rehearsal runs every row
+  mkdir -p "$OUT" "$LEASE_WORK"
+  log=$OUT/lease-$n.log rows=$OUT/lease-$n.jsonl
+  : >"$log"; : >"$rows"
+  bench facts | tee -a "$log" >"$OUT/facts-$n.md"
+  bench prepare >>"$log" 2>&1
+  if [ "$n" = 1 ]; then
+    say "matmul ceilings"
+    bench gemm 2>>"$log" | grep '^LEASE_GEMM ' | cut -d' ' -f2- >>"$rows" || say "gemm failed (see $log)"
+  fi
+  run_rows "$n" main "$rows" "$log"
+  if [ "$n" = 1 ]; then
+    say "context-parallel attention kernels"
+    bench cp 2>>"$log" | grep '^LEASE_CP ' | cut -d' ' -f2- >>"$rows" || say "cp kernels failed (see $log)"
+  fi
+  tests=""
+  if [ "$n" = 2 ]; then
+    left=$((BUDGET - (SECONDS - START) - LATE_RESERVE))
+    say "GPU tests (pytest -m gpu), $left s"
+    if [ "$GPU" = 0 ] || [ "$left" -gt 20 ]; then
+      status=0
+      # -v: each test's verdict as it ends, so a run the time limit cuts short still says what passed
+      timeout --kill-after 10 "$((left > 20 ? left : 600))" "$PYTHON" -m pytest -m gpu -n 0 -v -p no:cacheprovider -rs \
+        --durations 10 tests >"$OUT/gpu-tests.log" 2>&1 || status=$?
+      tests="- GPU tests (\`pytest -m gpu\`, gpu-tests.log): $(tail -n 1 "$OUT/gpu-tests.log") (exit $status)"
+    else
+      tests="- GPU tests: skipped (time budget)"
+    fi
+    run_rows "$n" late "$rows" "$log"
+  fi
+  { echo "## GPU lease, part $n ($(date -u +%Y-%m-%d))"; echo; cat "$OUT/facts-$n.md"; echo; bench table "$n" "$rows"; echo "$tests"; } >"$OUT/lease-$n.md"
+  rm -f "$OUT/facts-$n.md"
+  cat "$OUT/lease-$n.md"
+  say "part $n done in $((SECONDS - START)) s: $OUT/lease-$n.md"
+}
+
+venv() {
+  if [ -x "$LEASE_VENV/bin/python3" ] && "$LEASE_VENV/bin/python3" -c 'import torch, transformers' 2>/dev/null; then
+    return
+  fi
+  py=${PYTHON312:-}
+  for candidate in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+    [ -n "$py" ] && break
+    "$candidate" -c 'import venv' 2>/dev/null && py=$candidate  # a pyenv shim without the version fails here
+  done
+  [ -n "$py" ] || { echo "gpu_lease.sh: no Python 3.12 (set PYTHON312)" >&2; exit 2; }
+  say "building $LEASE_VENV with $py: torch 2.11 from PyPI (a CUDA build: it runs on the CPU too; ~4.5 GB, outside the repository and its set-up)"
+  "$py" -m venv "$LEASE_VENV"
+  "$LEASE_VENV/bin/python3" -m pip install -q --disable-pip-version-check -r "$DEVICE_PACKAGES"
+}
+
+plan() {
+  echo "wheels (fetch: pip download --no-deps for Python 3.12 into $WHEELS/; install: pip install --no-deps --target $SITE):"
+  for spec in $(wheel_specs); do
+    have=$(find "$WHEELS" -name "$(echo "${spec%%==*}" | tr - _)-${spec##*==}-*.whl" 2>/dev/null | head -n 1 || true)
+    echo "  $spec${have:+ ($(du -k "$have" | cut -f1) kB in $WHEELS/)}"
+  done
+  echo "device calls (docs/benchmarks.md):"
+  echo "  run(command='bash benchmarks/gpu_lease.sh 1', carry=['.whl'], timeout_s=330)"
+  echo "  run(command='bash benchmarks/gpu_lease.sh 2', carry=['.whl'], timeout_s=330)"
+  echo "each part: facts, then (part 1) matmul ceilings, its rows, CP kernels; (part 2) its rows, then pytest -m gpu"
+  for n in 1 2; do
+    echo "part $n rows (python benchmarks/lease_bench.py row ID):"
+    bench plan --part "$n" --commands
+  done
+  echo "writes under \$OUT: lease-1.md lease-1.jsonl lease-1.log lease-2.md lease-2.jsonl lease-2.log gpu-tests.log"
+}
+
+case "${1:-all}" in
+  fetch) fetch ;;
+  plan) plan ;;
+  venv) venv ;;
+  1|2) part "$1" ;;
+  all)
+    if "$PYTHON" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+      part 1 && part 2
+    else
+      say "no GPU: the rehearsal (shrunken shapes, CPU) in the device-like venv $LEASE_VENV"
+      venv
+      compgen -G "$WHEELS/*.whl" >/dev/null || fetch
+      t0=$SECONDS
+      PYTHON="$LEASE_VENV/bin/python3" OUT=${OUT%/}-rehearsal bash "$0" 1
+      PYTHON="$LEASE_VENV/bin/python3" OUT=${OUT%/}-rehearsal bash "$0" 2
+      say "rehearsal done in $((SECONDS - t0)) s (both parts; the venv's build not counted)"
+    fi
+    ;;
+  -h|--help) sed -n "2,25p" "$0" ;;
+  *) echo "gpu_lease.sh: unknown command '$1' (valid: fetch, plan, 1, 2, venv, or none)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,480 @@
+"""The GPU lease's measurements (`benchmarks/gpu_lease.sh` runs them): the native engine's own step on Llama-3-8B-
+shaped models of a few layers at block 8192, one configuration per process, and the numbers around it.
+
+    python benchmarks/lease_bench.py plan [--part N]     # the rows and their engine arguments, as JSON
+    python benchmarks/lease_bench.py prepare             # tokenizer (8B's vocabulary) and SFT rows, in $LEASE_WORK
+    python benchmarks/lease_bench.py row ID              # one configuration: LEASE_ROW {json}
+    python benchmarks/lease_bench.py gemm                # the bf16 and FP8 matmul ceilings: LEASE_GEMM {json}
+    python benchmarks/lease_bench.py cp                  # context parallelism's attention kernels at 128k, per rank
+    python benchmarks/lease_bench.py facts               # the machine, as Markdown
+    python benchmarks/lease_bench.py table PART ROWS.jsonl   # the Markdown table of a part, with the projection
+
+A row is the engine's `FSDPTrainer.train()` on one GPU (bf16, FSDP2's mixed precision at one rank) for 2·W + 1 steps,
+logged every W: the record of step 2·W is the steady state (compilation and warm-up are in the first), and the
+last step's host syncs are counted. ms/step and
+tokens/s are that window's, MFU the engine's own (against the bf16 peak, attention over each sample's length),
+peak memory the engine's `max_memory_allocated`; host syncs are CUDA's own count over one step that does not
+log (`anygpu.runtime.host_syncs`), graph breaks dynamo's count for the run. The model is Llama-3-8B's layer (hidden
+4096, MLP 14336, 32 heads, 8 KV heads) and vocabulary (128,256: a BPE trained on the corpus, its table padded with
+unused tokens, so the embedding and output projection have 8B's size) with 2 or 4 layers; the per-layer cost is the
+difference of 4 and 2 layers, and 8B's step (32 layers) is projected from it.
+
+Without a GPU everything runs with shrunken shapes on the CPU (the rehearsal: the same code, minutes not hours);
+LEASE_SHAPES=gpu or cpu chooses the shapes whatever the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import anygpu  # noqa: E402
+
+anygpu.set_offline_defaults()
+anygpu.quiet_library_warnings()
+
+import torch  # noqa: E402
+
+# The shapes: the GPU's where there is one, else the rehearsal's; LEASE_SHAPES=gpu|cpu chooses (a plan, a quick check)
+GPU = {"gpu": True, "cpu": False}.get(os.environ.get("LEASE_SHAPES", ""), torch.cuda.is_available())
+WORK = Path(os.environ.get("LEASE_WORK", "/tmp/anygpu-lease"))
+
+# Llama-3-8B's layer and vocabulary (anygpu/config/presets/llama-8b.json), or the rehearsal's shrunken ones.
+SHAPE = (
+    dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    if GPU
+    else dict(hidden_size=128, intermediate_size=448, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)
+)
+BLOCK = 8192 if GPU else 256
+WINDOW = 8 if GPU else 1  # steps per logged window: the second window is measured
+SFT_BATCH = 4  # sequences per step of the SFT rows (packed rows, or samples padded to the micro-batch's longest)
+CP_TOKENS = 131072 if GPU else 2048
+CORPUS_MB = 8 if GPU else 1
+EIGHT_B_LAYERS = 32
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    part: int  # which device call runs it (gpu_lease.sh 1 or 2)
+    layers: int
+    args: tuple[str, ...] = ()
+    data: str = "text"  # raw-text blocks, or "sft": prompt-completion rows
+    seconds: int = 30  # expected on an H100, start-up included (the part's time budget skips what would not fit)
+    late: bool = False  # part 2: after the GPU tests, in the time they leave
+
+    @property
+    def id(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", f"{self.name} {self.layers}L".lower()).strip("-")
+
+
+COMPILE = ("--torch_compile", "true")
+ROWS = (
+    Row("eager", 1, 2),
+    Row("eager", 1, 4),
+    Row("activation checkpointing, full", 1, 4, ("--gradient_checkpointing", "true")),
+    Row("activation checkpointing, selective", 1, 4, ("--gradient_checkpointing_policy", "selective")),
+    Row("the model's own loss (--lean_loss false)", 1, 4, ("--lean_loss", "false")),
+    Row("SFT rows, packed", 1, 4, (), "sft"),
+    Row("SFT rows, padded (--packing false)", 1, 4, ("--packing", "false"), "sft"),
+    Row("compiled", 2, 4, COMPILE, seconds=60),
+    Row("compiled + FP8 rowwise", 2, 4, (*COMPILE, "--fp8", "rowwise"), seconds=60),
+    Row("compiled + FP8 tensorwise", 2, 4, (*COMPILE, "--fp8", "tensorwise"), seconds=60),
+    Row("compiled + FP8 rowwise", 2, 2, (*COMPILE, "--fp8", "rowwise"), seconds=60, late=True),
+    Row(
+        "compiled + selective checkpointing", 2, 4, (*COMPILE, "--gradient_checkpointing_policy", "selective"), 70, True
+    ),
+)
+
+
+def row_by_id(row_id: str) -> Row:
+    found = [r for r in ROWS if r.id == row_id]
+    if not found:
+        raise SystemExit(f"no row {row_id!r}: one of {', '.join(r.id for r in ROWS)}")
+    return found[0]
+
+
+def config_path(layers: int) -> Path:
+    return WORK / f"llama3-8b-shape-{layers}L.json"
+
+
+def engine_argv(row: Row) -> list[str]:
+    """The row's run_fsdp_standalone.py arguments: no checkpoint, no export, a short final evaluation."""
+    batch = SFT_BATCH if row.data == "sft" else 1
+    data = (
+        ["--train_file", str(WORK / "sft.jsonl"), "--max_eval_samples", "1"]
+        if row.data == "sft"
+        else ["--max_corpus_mb", str(CORPUS_MB), "--max_eval_samples", "1"]
+    )
+    return [
+        "--config_name",
+        str(config_path(row.layers)),
+        "--tokenizer_name",
+        str(WORK / "tokenizer"),
+        *data,
+        "--block_size",
+        str(BLOCK),
+        "--bf16",
+        "true",
+        "--global_batch_size",
+        str(batch),
+        "--per_device_train_batch_size",
+        str(batch),
+        "--max_steps",
+        str(2 * WINDOW + 1),  # the last step: its host syncs are counted (outside the measured window)
+        "--logging_steps",
+        str(WINDOW),
+        "--warmup_steps",
+        "1",
+        "--eval_steps",
+        "0",
+        "--eval_on_start",
+        "false",
+        "--save_strategy",
+        "no",
+        "--export_final",
+        "false",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        "--data_cache_dir",
+        str(WORK / "cache"),
+        "--output_dir",
+        str(WORK / "runs" / row.id),
+        "--overwrite_output_dir",
+        "true",
+        *row.args,
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ prepare
+def prepare() -> None:
+    """The model configs, a tokenizer with Llama-3-8B's vocabulary size, and prompt-completion rows."""
+    WORK.mkdir(parents=True, exist_ok=True)
+    preset = json.loads((ROOT / "anygpu/config/presets/llama-8b.json").read_text())
+    for layers in sorted({r.layers for r in ROWS}):
+        config = {**preset, **SHAPE, "num_hidden_layers": layers, "max_position_embeddings": max(BLOCK, 8192)}
+        config_path(layers).write_text(json.dumps(config, indent=1))
+    if not (WORK / "tokenizer" / "tokenizer.json").exists():
+        padded_tokenizer(WORK / "tokenizer", SHAPE["vocab_size"])
+    if not (WORK / "sft.jsonl").exists():
+        sft_rows(WORK / "sft.jsonl")
+
+
+def corpus_texts(max_mb: float) -> list[str]:
+    from anygpu.data.sources import stdlib_files
+
+    texts, size = [], 0
+    for path in stdlib_files():
+        text = path.read_text(errors="replace")
+        texts.append(text)
+        size += len(text)
+        if size > max_mb * 1e6:
+            break
+    return texts
+
+
+def padded_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A byte-level BPE trained on a slice of the corpus, its vocabulary table padded with unused entries to
+    `vocab_size`: the model's embedding and output projection get that size (the engine sizes the vocabulary from
+    the tokenizer), and tokenising stays the fast small BPE."""
+    from transformers import PreTrainedTokenizerFast
+
+    from anygpu.data.tokenizer import train_bpe
+
+    tok = train_bpe(corpus_texts(4 if GPU else 0.5), min(vocab_size, 8192))
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<|unused_{i}|>"] = i
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    padded = PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"),
+        bos_token=tok.bos_token,
+        eos_token=tok.eos_token,
+        pad_token=tok.pad_token,
+        model_max_length=1 << 30,
+    )
+    assert len(padded) == vocab_size, (len(padded), vocab_size)
+    padded.save_pretrained(str(folder))
+
+
+def sft_rows(path: Path, count: int = 1500) -> None:
+    """Prompt-completion rows cut from the corpus: prompts of 50-2,000 characters, completions of 200-12,000 (a
+    few hundred to a few thousand tokens: several to a row of 8192)."""
+    rng = random.Random(0)
+    text = "\n".join(corpus_texts(CORPUS_MB))
+    scale = 1.0 if GPU else 0.03
+    with path.open("w") as f:
+        for _ in range(count if GPU else 200):
+            p, c = int(rng.randint(50, 2000) * scale) + 20, int(rng.randint(200, 12000) * scale) + 20
+            at = rng.randrange(0, max(1, len(text) - p - c))
+            f.write(json.dumps({"prompt": text[at : at + p], "completion": text[at + p : at + p + c]}) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------ one row
+def run_row(row: Row) -> dict:
+    """Train the row's configuration with the engine; its steady-state figures."""
+    from anygpu.config.args import parse_args
+    from anygpu.engines import fsdp as fsdp_engine
+    from anygpu.runtime import compile_stats, host_syncs
+    from anygpu.train.metrics import read_metrics
+
+    trainer = fsdp_engine.FSDPTrainer(*parse_args(engine_argv(row)))
+    device, probe, counted = trainer.info.device, 2 * WINDOW + 1, {}
+    step_of = trainer.optimizer_step
+
+    def optimizer_step(step, cpu):
+        if step != probe:
+            return step_of(step, cpu)
+        with host_syncs.count(device) as syncs:
+            out = step_of(step, cpu)
+        counted.update(count=syncs.count, where=syncs.summary(3))
+        return out
+
+    trainer.optimizer_step = optimizer_step
+    before = compile_stats.counts()
+    trainer.train()
+    records = [r for r in read_metrics(WORK / "runs" / row.id / "metrics.jsonl") if "loss" in r]
+    last = next(r for r in records if r["step"] == 2 * WINDOW)  # steps W+1 … 2W: compiled and warm
+    tokens = sum(trainer.log.tokens.count(s, trainer.prep.plan)[0] for s in range(WINDOW, 2 * WINDOW))
+    seconds = tokens / last["tokens_per_second"]
+    return {
+        "id": row.id,
+        "name": row.name,
+        "layers": row.layers,
+        "ms_per_step": 1000 * seconds / WINDOW,
+        "tokens_per_second": last["tokens_per_second"],
+        "mfu": last.get("mfu"),
+        "peak_memory_gib": last.get("max_memory_allocated_gb"),
+        "host_syncs_per_step": counted.get("count"),
+        "sync_sites": counted.get("where"),
+        "graph_breaks": compile_stats.counts().since(before).graph_breaks,
+        "loss": last["loss"],
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+def timed(fn, repeat: int) -> float:
+    """Seconds per call (after two warm-up calls), CUDA events on a GPU."""
+    for _ in range(2):
+        fn()
+    if GPU:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeat):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1000 / repeat
+    t = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t) / repeat
+
+
+def gemm() -> dict:
+    """The matmul ceilings: bf16, and FP8 (e4m3) with a tensor-wide and with row-wise scales (`torch._scaled_mm`)."""
+    n = 8192 if GPU else 512
+    device = "cuda" if GPU else "cpu"
+    a, b = (
+        torch.randn(n, n, device=device, dtype=torch.bfloat16),
+        torch.randn(n, n, device=device, dtype=torch.bfloat16),
+    )
+    out = {"n": n, "bf16_tflops": 2 * n**3 / timed(lambda: a @ b, 20 if GPU else 2) / 1e12}
+    fp8 = torch.float8_e4m3fnuz if getattr(torch.version, "hip", None) else torch.float8_e4m3fn
+    a8, b8 = a.to(fp8), b.to(fp8).t().contiguous().t()  # _scaled_mm: the second operand column-major
+    scales = {
+        "tensorwise": (torch.ones((), device=device), torch.ones((), device=device)),
+        "rowwise": (torch.ones(n, 1, device=device), torch.ones(1, n, device=device)),
+    }
+    for kind, (sa, sb) in scales.items():
+        try:
+            call = lambda: torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # noqa: E731
+            out[f"fp8_{kind}_tflops"] = 2 * n**3 / timed(call, 20 if GPU else 2) / 1e12
+        except (RuntimeError, NotImplementedError) as e:
+            out[f"fp8_{kind}_tflops"] = None
+            out[f"fp8_{kind}_error"] = str(e).splitlines()[0][:160]
+    return out
+
+
+def cp_kernels() -> list[dict]:
+    """Per rank, forward + backward of the attention kernel context parallelism runs at CP_TOKENS tokens (one GPU
+    times what one rank of C computes; the all-to-all and all-gather need C GPUs): Ulysses (the whole sequence,
+    H/C heads, causal) for C = 1, 2, 4, 8, and the gathered path (T/C queries, every head, against the gathered keys
+    and values under a boolean mask: heads C does not divide) for C = 8."""
+    heads, kv, d, t = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], 128 if GPU else 32, CP_TOKENS
+    device, dtype = ("cuda", torch.bfloat16) if GPU else ("cpu", torch.float32)
+    out = []
+    for kind, c in (("ulysses", 1), ("ulysses", 2), ("ulysses", 4), ("ulysses", 8), ("gathered", 8)):
+        hq, queries = (heads // c, t) if kind == "ulysses" else (heads, t // c)
+        hk = max(1, kv // c) if kind == "ulysses" else kv
+        try:
+            seconds = timed(_attention_step(hq, hk, queries, t, d, kind == "gathered", device, dtype), 3 if GPU else 1)
+            flops = 4 * queries * t * d * hq * (1.0 if kind == "gathered" else 0.5) * 3.5  # causal; fwd + 2.5x bwd
+            out.append({"kind": kind, "cp": c, "tokens": t, "ms": 1000 * seconds, "tflops": flops / seconds / 1e12})
+        except torch.OutOfMemoryError as e:
+            out.append({"kind": kind, "cp": c, "tokens": t, "ms": None, "error": str(e).splitlines()[0][:120]})
+        if GPU:
+            torch.cuda.empty_cache()
+    return out
+
+
+def _attention_step(hq: int, hk: int, queries: int, t: int, d: int, gathered: bool, device, dtype):
+    """sdpa forward + backward on [1, heads, tokens, d]; gathered: this rank's rows of the causal mask (the last
+    rank's, the most work) as a boolean mask, as `anygpu.runtime.context_parallel` passes it."""
+    import torch.nn.functional as F
+
+    q = torch.randn(1, hq, queries, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, hk, t, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, hk, t, d, device=device, dtype=dtype, requires_grad=True)
+    mask = None
+    if gathered:
+        rows = torch.arange(t - queries, t, device=device)
+        mask = rows[:, None] >= torch.arange(t, device=device)[None, :]
+
+    def step() -> None:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        o.sum().backward()
+
+    return step
+
+
+# ------------------------------------------------------------------------------------------------ report
+def facts() -> str:
+    import platform
+    from importlib import metadata
+
+    lines = [f"- python {platform.python_version()}, torch {torch.__version__}"]
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        lines.append(
+            f"- {torch.cuda.get_device_name(0)}: {p.total_memory / 2**30:.1f} GiB, compute capability {p.major}.{p.minor}, "
+            f"{p.multi_processor_count} SMs, CUDA {torch.version.cuda}"
+        )
+    else:
+        lines.append(f"- no GPU: the rehearsal's shrunken shapes on {os.cpu_count()} CPU cores")
+    names = ("transformers", "accelerate", "datasets", "torchao", "tokenizers", "safetensors", "peft", "pyarrow")
+    versions = []
+    for name in (*names, "numpy", "huggingface-hub", "triton", "flash-attn", "deepspeed"):
+        try:
+            versions.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{name} -")
+    lines.append("- " + ", ".join(versions))
+    return "\n".join(lines)
+
+
+def projection(rows: list[dict], name: str) -> str | None:
+    """8B's step from the difference of 4 and 2 layers of one configuration (same vocabulary, same block)."""
+    by = {r["layers"]: r for r in rows if r["name"] == name and r.get("ms_per_step")}
+    if 2 not in by or 4 not in by:
+        return None
+    per_layer = (by[4]["ms_per_step"] - by[2]["ms_per_step"]) / 2
+    rest = by[2]["ms_per_step"] - 2 * per_layer
+    if per_layer <= 0 or rest < 0:
+        return f"{name}: 4 layers were not slower than 2 ({by[4]['ms_per_step']:.1f} vs {by[2]['ms_per_step']:.1f} ms): noise, no projection"
+    step = rest + EIGHT_B_LAYERS * per_layer
+    layer_params = (by[4]["parameters"] - by[2]["parameters"]) // 2
+    params = by[2]["parameters"] - 2 * layer_params + EIGHT_B_LAYERS * layer_params
+    vocab = SHAPE["vocab_size"] * SHAPE["hidden_size"]
+    flops = BLOCK * (6 * (params - vocab) + 12 * EIGHT_B_LAYERS * SHAPE["hidden_size"] * BLOCK)
+    peak = peak_flops()
+    mfu = f", MFU {100 * flops / (step / 1000) / peak:.1f}%" if peak else ""
+    return (
+        f"{name}: {per_layer:.1f} ms per decoder layer, {rest:.1f} ms the rest (embedding, output projection and "
+        f"loss, optimizer); projected Llama-3-8B step ({EIGHT_B_LAYERS} layers, {params / 1e9:.2f}B parameters, "
+        f"{BLOCK} tokens): {step:.0f} ms, {BLOCK / (step / 1000):,.0f} tokens/s{mfu} on this GPU"
+    )
+
+
+def peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    from anygpu.runtime import hardware
+
+    return hardware.peak_flops(torch.cuda.get_device_name(0), "bf16")
+
+
+def tflops(value: float | None) -> str:
+    return "–" if value is None else f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
+
+
+def table(part: int, path: Path) -> str:
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = [r for r in recs if r.get("kind") == "row"]
+    lines = [
+        "| configuration | layers | ms/step | tokens/s | MFU | peak memory (GiB) | host syncs/step | graph breaks |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
+    for r in rows:
+        if r.get("status", "ok") != "ok":
+            lines.append(f"| {r['name']} | {r['layers']} | {r['status']} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['name']} | {r['layers']} | {fmt(r['ms_per_step'], '.1f')} | {fmt(r['tokens_per_second'], ',.0f')} | "
+            f"{'–' if r.get('mfu') is None else format(100 * r['mfu'], '.1f') + '%'} | {fmt(r['peak_memory_gib'], '.1f')} | "
+            f"{fmt(r['host_syncs_per_step'], 'd')} | {fmt(r['graph_breaks'], 'd')} |"
+        )
+    out = [f"### Part {part}", "", *lines, ""]
+    for name in ("eager", "compiled + FP8 rowwise"):
+        if (line := projection(rows, name)) is not None:
+            out.append(f"- {line}")
+    for r in recs:
+        if r.get("kind") == "gemm":
+            out.append(
+                f"- matmul ceiling at {r['n']}³: bf16 {tflops(r['bf16_tflops'])} TFLOP/s; FP8 tensorwise "
+                f"{tflops(r.get('fp8_tensorwise_tflops'))}, rowwise {tflops(r.get('fp8_rowwise_tflops'))} TFLOP/s"
+            )
+        if r.get("kind") == "cp":
+            cells = ", ".join(f"{k['kind']} C={k['cp']}: {fmt(k.get('ms'), '.1f')} ms" for k in r["kernels"])
+            out.append(f"- attention at {r['kernels'][0]['tokens']:,} tokens, forward + backward per rank: {cells}")
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=("plan", "prepare", "row", "gemm", "cp", "facts", "table"))
+    p.add_argument("arg", nargs="*")
+    p.add_argument("--part", type=int)
+    p.add_argument("--lines", action="store_true", help="plan: id|name|layers|seconds|main or late, per row")
+    p.add_argument("--commands", action="store_true", help="plan: each row's engine command")
+    a = p.parse_args()
+    if a.what == "plan":
+        rows = [r for r in ROWS if a.part in (None, r.part)]
+        if a.lines:  # for gpu_lease.sh
+            print("\n".join(f"{r.id}|{r.name}|{r.layers}|{r.seconds}|{'late' if r.late else 'main'}" for r in rows))
+        elif a.commands:
+            print("\n".join(f"  {r.id}: run_fsdp_standalone.py {' '.join(engine_argv(r))}" for r in rows))
+        else:
+            print(json.dumps([{**asdict(r), "id": r.id, "argv": engine_argv(r)} for r in rows], indent=1))
+    elif a.what == "prepare":
+        prepare()
+    elif a.what == "row":
+        print("LEASE_ROW " + json.dumps({"kind": "row", **run_row(row_by_id(a.arg[0]))}), flush=True)
+    elif a.what == "gemm":
+        print("LEASE_GEMM " + json.dumps({"kind": "gemm", **gemm()}), flush=True)
+    elif a.what == "cp":
+        print("LEASE_CP " + json.dumps({"kind": "cp", "kernels": cp_kernels()}), flush=True)
+    elif a.what == "facts":
+        print(facts())
+    elif a.what == "table":
+        print(table(int(a.arg[0]), Path(a.arg[1])), end="")
+
+
+if __name__ == "__main__":
+    main()

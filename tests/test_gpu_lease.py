@@ -1,0 +1,166 @@
+"""benchmarks/gpu_lease.sh without a GPU and without its venv: its plan (what it installs, runs and writes) is what a
+15-minute lease can afford, every row is a valid engine command that writes no checkpoint, and one row of the
+bench really runs here (the rehearsal in the device-like venv is docs/benchmarks.md's command, not the suite's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from anygpu.config.args import build_parser
+
+ISSUE_ROWS = {  # what the lease must measure (issue 30), by row name
+    "eager",
+    "activation checkpointing, full",
+    "activation checkpointing, selective",
+    "compiled",
+    "compiled + FP8 rowwise",
+    "compiled + FP8 tensorwise",
+    "the model's own loss (--lean_loss false)",
+    "SFT rows, packed",
+    "SFT rows, padded (--packing false)",
+}
+
+
+def lease(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "benchmarks/gpu_lease.sh", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable, "LEASE_SHAPES": "gpu", **env},
+    )
+
+
+@pytest.fixture(scope="module")
+def plan_rows() -> list[dict]:
+    work = Path("/tmp/lease-plan")
+    work.mkdir(exist_ok=True)
+    (work / "sft.jsonl").write_text(
+        '{"prompt": "a", "completion": "b"}\n'
+    )  # `prepare` writes it; the parser checks it is there
+    out = subprocess.run(
+        [sys.executable, "benchmarks/lease_bench.py", "plan"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LEASE_SHAPES": "gpu", "LEASE_WORK": "/tmp/lease-plan"},
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_the_plan_installs_our_pinned_wheels_and_says_the_device_calls():
+    proc = lease("plan")
+    assert proc.returncode == 0, proc.stderr
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()[1:] if "==" in line)
+    wheels = dict(re.findall(r"^  ([\w.-]+)==([\w.+-]+)", proc.stdout, flags=re.MULTILINE))
+    assert {"transformers", "datasets", "torchao"} <= wheels.keys()
+    assert all(pins[name] == version for name, version in wheels.items()), wheels
+    calls = re.findall(
+        r"run\(command='(bash benchmarks/gpu_lease.sh \d)', carry=\['.whl'\], timeout_s=(\d+)\)", proc.stdout
+    )
+    assert [c for c, _ in calls] == ["bash benchmarks/gpu_lease.sh 1", "bash benchmarks/gpu_lease.sh 2"]
+    assert all(int(t) <= 600 for _, t in calls)  # the device's limit per command
+    writes = re.search(r"writes under \$OUT: (.*)", proc.stdout)[1].split()
+    assert len(writes) <= 8 and all("/" not in w for w in writes)  # what comes back: 8 files at most
+
+
+def test_every_row_is_an_engine_command_that_writes_no_checkpoint(plan_rows):
+    parser = build_parser()
+    for row in plan_rows:
+        argv = row["argv"]
+        model_args, data_args, train_args = parser.parse_args_into_dataclasses(args=argv)
+        assert train_args.save_strategy == "no" and not train_args.export_final, row["id"]
+        assert train_args.output_dir.startswith("/tmp/lease-plan/runs/"), row["id"]  # not under $OUT
+        assert train_args.bf16 and data_args.block_size == 8192
+    assert {r["name"] for r in plan_rows} >= ISSUE_ROWS
+    eager = {r["layers"] for r in plan_rows if r["name"] == "eager"}
+    assert eager == {2, 4}  # the per-layer cost and the projection of an 8B step
+
+
+def test_each_part_fits_its_call(plan_rows):
+    """The rows' expected seconds on an H100 fit each call's budget (285 s of a 330-s call), part 2's leaving a
+    minute to the GPU tests; the rows after the tests are the only ones planned to be skipped when time is short."""
+    for part, overhead in ((1, 60), (2, 40 + 60)):  # install, facts, prepare, the kernels / the GPU tests' minute
+        main = sum(r["seconds"] for r in plan_rows if r["part"] == part and not r["late"])
+        assert main + overhead <= 285, (part, main)
+
+
+def test_the_table_and_the_projection(tmp_path):
+    """The part's Markdown from its rows: failed and skipped rows say so; 8B's step from 4 and 2 layers."""
+    rows = [
+        {
+            "kind": "row",
+            "name": "eager",
+            "layers": 2,
+            "ms_per_step": 300.0,
+            "tokens_per_second": 27306.0,
+            "mfu": 0.4,
+            "peak_memory_gib": 30.0,
+            "host_syncs_per_step": 0,
+            "graph_breaks": 0,
+            "parameters": 1_486_000_000,
+        },
+        {
+            "kind": "row",
+            "name": "eager",
+            "layers": 4,
+            "ms_per_step": 400.0,
+            "tokens_per_second": 20480.0,
+            "mfu": 0.42,
+            "peak_memory_gib": 40.0,
+            "host_syncs_per_step": 0,
+            "graph_breaks": 0,
+            "parameters": 1_922_000_000,
+        },
+        {"kind": "row", "name": "compiled", "layers": 4, "status": "timed out after 150 s"},
+        {"kind": "gemm", "n": 8192, "bf16_tflops": 790.0, "fp8_tensorwise_tflops": 1400.0, "fp8_rowwise_tflops": None},
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run(
+        [sys.executable, "benchmarks/lease_bench.py", "table", "1", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "LEASE_SHAPES": "gpu"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "| eager | 4 | 400.0 | 20,480 | 42.0% | 40.0 | 0 | 0 |" in out.stdout
+    assert "| compiled | 4 | timed out after 150 s |" in out.stdout
+    # 50 ms a layer, 200 ms the rest: 200 + 32 × 50 = 1800 ms for 8B's 32 layers
+    assert "50.0 ms per decoder layer, 200.0 ms the rest" in out.stdout and ": 1800 ms, 4,551 tokens/s" in out.stdout
+    assert "bf16 790 TFLOP/s; FP8 tensorwise 1,400, rowwise – TFLOP/s" in out.stdout
+
+
+@pytest.mark.slow
+def test_a_row_runs_the_engines_own_step_here(tmp_path):
+    """One row of the bench for real, with the rehearsal's shapes: the engine trains, the figures are there, and a
+    step that does not log has no host sync."""
+    env = {**os.environ, "LEASE_SHAPES": "cpu", "LEASE_WORK": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "benchmarks/lease_bench.py", *a],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert run("prepare").returncode == 0
+    proc = run("row", "eager-2l")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(re.search(r"^LEASE_ROW (.*)$", proc.stdout, flags=re.MULTILINE)[1])
+    assert row["ms_per_step"] > 0 and row["tokens_per_second"] > 0 and row["host_syncs_per_step"] == 0
+    assert row["parameters"] > 0 and row["graph_breaks"] == 0
+    assert not list(tmp_path.glob("runs/*/checkpoint-*")) and not list(tmp_path.glob("runs/*/final"))
