@@ -4,10 +4,11 @@ step, LoRA (its base as the reference), and a resume on another world size and m
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
-from conftest import fsdp_runs, hf_runs, losses, records, torchrun
+from conftest import fsdp_runs, hf_runs, losses, python, records, torchrun
 from dpo_data import build_models, write_kinds
 
 G, STEPS, BETA = 12, 3, 0.1  # 24 training pairs: 2 steps per epoch, the third in the second epoch; TRL's beta
@@ -78,7 +79,7 @@ def dpo(tmp_path_factory) -> dict:
     # the HF engine, DDP over 2 processes
     hf_runs(2, [job(base, ref, files, out["h"], "--per_device_train_batch_size", "2")])
     said.update(a=one[0], c=one[2], d=two[0], e=two[1], f=four[1])
-    return {"out": out, "said": said, "base": base}
+    return {"out": out, "said": said, "base": base, "ref": ref, "files": files, "root": root}
 
 
 def scale(rec: dict, key: str) -> float:
@@ -157,3 +158,21 @@ def test_metrics_and_the_final_model(dpo):
     trained = AutoModelForCausalLM.from_pretrained(dpo["out"]["a"] / "final")
     start = AutoModelForCausalLM.from_pretrained(dpo["base"])
     assert any(not torch.equal(p, q) for p, q in zip(trained.parameters(), start.parameters()))
+
+
+@pytest.mark.slow
+def test_a_step_that_does_not_log_has_no_host_sync(dpo):
+    """As the language model's steps (tests/test_host_syncs.py): a DPO step queues its work and never waits for the
+    device, with the reference's table, or a frozen bf16 reference copy and the sft term."""
+    base, ref, files, root = dpo["base"], dpo["ref"], dpo["files"], dpo["root"]
+    quiet = ("--logging_steps", "10", "--eval_on_start", "false", "--save_strategy", "no", "--max_steps", "2")
+    runs = [
+        job(base, ref, files, root / "syncs0", "--per_device_train_batch_size", "3", *quiet),
+        job(base, ref, files, root / "syncs1", "--per_device_train_batch_size", "3", "--bf16", "true",
+            "--precompute_ref_log_probs", "false", "--loss_type", "sigmoid,sft", *quiet),
+    ]  # fmt: skip
+    out = python("tests/scripts/step_syncs.py", [*runs[0], ":::", *runs[1]], timeout=600).stdout
+    counts = {int(m[1]): json.loads(m[2]) for m in re.finditer(r"^SYNCS (\d+) (.*)$", out, flags=re.MULTILINE)}
+    assert sorted(counts) == [0, 1], out[-3000:]
+    for i, steps in counts.items():
+        assert [s["step"] for s in steps] == [1, 2] and all(s["count"] == 0 for s in steps), (runs[i], steps)

@@ -103,8 +103,9 @@ def build_reference(prep: Prepared, model_args: ModelArguments, train_args: Trai
     dropout.disable(model)
     lean_loss.install(model, train_args.lean_loss)
     modeling.flatten_packed_rows(model)
+    mask_hint.install(model, prep.collator.packed)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    parallel.shard_model(model, info.device, mesh_shape(train_args, info.world_size), train_args.bf16, False, False)
+    parallel.shard_model(model, info.device, mesh_shape(train_args, info.world_size), train_args.bf16, None, False)
     model.to_empty(device=info.device)
     if not parallel.is_sharded(model):
         model.tie_weights()

@@ -157,6 +157,7 @@ class HFRun:
         dropout.disable(model)
         lean_loss.install(model, self.args.lean_loss, hf_strategy.lean_loss_off_reason(self.plan))
         modeling.flatten_packed_rows(model)
+        mask_hint.install(model, self.prep.collator.packed)
         model = model.to(self.targs.device).eval()
         return model, self._autocast(model)
 
