@@ -15,7 +15,10 @@ BuildReference = Callable[[], tuple[object, Callable]]
 
 
 def precision_of(train_args) -> str:
-    return "bf16" if train_args.bf16 else "fp16" if train_args.fp16 else "fp32"
+    """The numerics a table of the reference's log-probs was computed in (part of its cache key)."""
+    precision = "bf16" if train_args.bf16 else "fp16" if train_args.fp16 else "fp32"
+    fp8 = getattr(train_args, "fp8", None)
+    return f"{precision}+fp8 {fp8}" if fp8 else precision
 
 
 def selection_of(prep, data_args) -> str:
