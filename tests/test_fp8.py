@@ -71,6 +71,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     return root, out
 
 
+@pytest.mark.slow  # reads the module's training runs
 def test_rowwise_keeps_the_curve_on_any_world_size_and_micro_batch(runs):
     """Rowwise scales are per token (and powers of two): 1 rank × micro-batch 8, 1 × 2 (4 accumulation steps) and
     2 ranks × 4 give the same losses to float rounding."""
@@ -80,6 +81,7 @@ def test_rowwise_keeps_the_curve_on_any_world_size_and_micro_batch(runs):
     assert_close(ref, losses(root / "row_w2"), 1e-5)
 
 
+@pytest.mark.slow  # reads the module's training runs
 def test_tensorwise_keeps_the_curve_on_any_world_size_and_micro_batch(runs):
     """Tensorwise scales activations over the micro-batch: at one micro-batch size the world size changes nothing
     (1 rank × 2 with 4 accumulation steps against 2 ranks × 2 with 2), and with power-of-two scales another
@@ -125,6 +127,7 @@ def test_exact_tensorwise_scales_would_make_the_micro_batch_change_the_curve():
     assert spread(exact) > 1e-3
 
 
+@pytest.mark.slow  # reads the module's training runs
 def test_fp8_is_in_effect_and_near_the_high_precision_curve(runs):
     """The FP8 runs are not the fp32 run (the casts happen) and stay within a percent of it."""
     root, outs = runs
@@ -137,12 +140,14 @@ def test_fp8_is_in_effect_and_near_the_high_precision_curve(runs):
     assert "FP8 tensorwise" in outs["tw_m8"] and "the output projection" in outs["tw_m8"]
 
 
+@pytest.mark.slow  # reads the module's training runs
 def test_a_fp8_checkpoint_resumes_exactly_on_another_world_size(runs):
     root, outs = runs
     assert "resumed from" in outs["row_resumed"]
     assert_close(losses(root / "row_m8"), losses(root / "row_resumed"), 1e-5, steps=[3, 4])
 
 
+@pytest.mark.slow  # reads the module's training runs
 def test_the_export_holds_the_source_dtype_and_names_without_fp8_leftovers(runs):
     """final/ of an FP8 run is the model without FP8: the same tensor names as the fp32 run's export, every one in
     float32 (a from-scratch fp32 run's dtype), and from_pretrained loads it with nothing missing or unexpected."""
@@ -165,6 +170,7 @@ def test_the_export_holds_the_source_dtype_and_names_without_fp8_leftovers(runs)
     assert all(type(m).__name__ != "Float8Linear" for m in model.modules())
 
 
+@pytest.mark.slow  # reads the module's training runs
 def test_activation_checkpointing_full_and_selective_change_no_loss(runs):
     """Recomputing (all of a layer, or all but its matmul and attention outputs) gives the fp32 losses exactly,
     eager and compiled; the banner says which."""
@@ -176,6 +182,7 @@ def test_activation_checkpointing_full_and_selective_change_no_loss(runs):
     assert "activation checkpointing: full" in outs["full"]
 
 
+@pytest.mark.slow  # reads the module's training runs
 def test_compiled_runs_say_their_graphs_and_graph_breaks(runs):
     """torch.compile's graphs and graph breaks are logged after the first step: none for the decoder layers of
     Llama, with FP8 or with selective checkpointing traced inside."""

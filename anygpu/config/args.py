@@ -22,6 +22,7 @@ from transformers import HfArgumentParser
 
 from anygpu.config import locate
 from anygpu.config.mixture import as_argument, parse_mixture
+from anygpu.config.objective import ObjectiveArguments, check_with_model
 from anygpu.config.ranges import check_ranges
 from anygpu.errors import UsageError, exit_refused
 from anygpu.launch import suggest
@@ -316,8 +317,8 @@ class DataArguments:
 
 
 @dataclass
-class TrainArguments:
-    """The training vocabulary of both engines (Hugging Face `TrainingArguments` names)."""
+class TrainArguments(ObjectiveArguments):
+    """The training vocabulary of both engines (Hugging Face `TrainingArguments` names; the objective's, TRL's)."""
 
     output_dir: str = field(
         default="outputs/default",
@@ -684,6 +685,7 @@ class TrainArguments:
         self._check_save_strategy()
         check_shard_size(self.save_max_shard_size)
         split_commas(self)
+        self.check_objective()
         if (
             self.global_batch_size is None
             and self.global_batch_tokens is None
@@ -815,6 +817,7 @@ GROUP_TITLES = {
     "training": "training",
     "checkpoints": "checkpoints and resume",
     "reporting": "logging, evaluation and reporting",
+    "preference": "preference training (--objective dpo)",
     "engine": "HF engine",
 }
 DATACLASS_GROUP = {
@@ -855,6 +858,20 @@ FIELD_GROUP = {
             "save_max_shard_size",
         ),
         "checkpoints",
+    ),
+    **dict.fromkeys(
+        (
+            "objective",
+            "beta",
+            "loss_type",
+            "loss_weights",
+            "label_smoothing",
+            "simpo_gamma",
+            "discopop_tau",
+            "ref_model_name_or_path",
+            "precompute_ref_log_probs",
+        ),
+        "preference",
     ),
     **dict.fromkeys(
         (
@@ -954,6 +971,7 @@ def parse_args(
         keys = {f for f in dtype.__dataclass_fields__ if dtype.__dataclass_fields__[f].init}
         outputs.append(dtype(**{k: v for k, v in vars(parsed).items() if k in keys}))
     locate.check_sources(outputs[0], outputs[1], preset_names())
+    check_with_model(*outputs[:3])
     if warn:
         _warn_warmup(outputs[2])
     return tuple(outputs)

@@ -186,6 +186,16 @@ class Collator:
             batch["attention_mask"] = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
         return batch
 
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        """What the global batch's loss is normalised by: its target tokens (`count_targets`)."""
+        return count_targets(batch)
+
+
+def step_count(collator, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """The collator's count (`Collator.count`, `PairCollator.count`) of a step's micro-batches, summed: a 0-d int64
+    tensor (target tokens) or a vector ([pairs, chosen tokens])."""
+    return torch.tensor([collator.count(b) for b in batches], dtype=torch.long).sum(0)
+
 
 def count_targets(batch: dict[str, torch.Tensor]) -> int:
     """Tokens the loss is taken on: labels are shifted inside the model, so position 0 is never a target."""

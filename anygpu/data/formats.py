@@ -22,12 +22,15 @@ from datasets import Dataset, DatasetDict
 from anygpu.data import chat_template
 from anygpu.errors import UsageError
 
-TEXT, PROMPT_COMPLETION, MESSAGES = "text", "prompt_completion", "messages"
+TEXT, PROMPT_COMPLETION, MESSAGES, PREFERENCE = "text", "prompt_completion", "messages", "preference"
 IGNORE = -100
 
 
 def detect_format(columns: list[str], text_column: str, where: str) -> str:
-    """The format of a data set with these columns; TRL's precedence: messages, prompt + completion, text."""
+    """The format of a data set with these columns; TRL's precedence: preference pairs (chosen + rejected, with or
+    without prompt), messages, prompt + completion, text."""
+    if "chosen" in columns and "rejected" in columns:
+        return PREFERENCE
     if "messages" in columns:
         return MESSAGES
     if "prompt" in columns and "completion" in columns:
@@ -42,7 +45,12 @@ def detect_format(columns: list[str], text_column: str, where: str) -> str:
 
 def training_texts(ds: Dataset, fmt: str, text_column: str, batch: int = 1000) -> Iterator[str]:
     """Every string of the data set, for training a tokenizer on the spot."""
-    columns = {TEXT: [text_column], PROMPT_COMPLETION: ["prompt", "completion"], MESSAGES: ["messages"]}[fmt]
+    columns = {
+        TEXT: [text_column],
+        PROMPT_COMPLETION: ["prompt", "completion"],
+        MESSAGES: ["messages"],
+        PREFERENCE: [c for c in ("prompt", "chosen", "rejected") if c in ds.column_names],
+    }[fmt]
     for i in range(0, len(ds), batch):
         rows = ds[i : i + batch]
         for column in columns:
@@ -50,15 +58,14 @@ def training_texts(ds: Dataset, fmt: str, text_column: str, batch: int = 1000) -
                 if isinstance(value, str):
                     if value:
                         yield value
-                else:  # a list of messages
+                elif value:  # a list of messages (None: a row without this column's value)
                     yield from (m["content"] for m in value if m.get("content"))
 
 
 def row_key(ds: Dataset, fmt: str, text_column: str) -> Iterator[bytes]:
     """The content of each row as bytes, for fingerprinting in-memory data sets."""
-    columns = (
-        [text_column] if fmt == TEXT else [c for c in ("prompt", "completion", "messages") if c in ds.column_names]
-    )
+    known = ("prompt", "completion", "messages", "chosen", "rejected", "tools", "chat_template_kwargs")
+    columns = [text_column] if fmt == TEXT else [c for c in known if c in ds.column_names]
     for i in range(0, len(ds), 1000):
         rows = ds[i : i + 1000]
         for values in zip(*(rows[c] for c in columns)):

@@ -25,7 +25,7 @@ import torch
 from datasets import Dataset
 
 from anygpu.config.batch import BatchPlan
-from anygpu.data.collate import Collator, batch_to, count_targets
+from anygpu.data.collate import Collator, batch_to, step_count
 from anygpu.data.order import GlobalOrder, StepSampler
 
 Batch = dict[str, torch.Tensor | int]  # ints: flash attention's max_length_q/k (collate.varlen_kwargs)
@@ -38,7 +38,7 @@ class StepBatches:
     step: int
     indices: list[list[int]]  # data set indices of each micro-batch (dropout masks are keyed by them)
     micro_batches: list[Batch]
-    num_targets: torch.Tensor  # labels != -100 after the shift, over all micro-batches: 0-d int64
+    num_targets: torch.Tensor  # labels != -100 after the shift, over all micro-batches: 0-d int64 (pairs: a vector)
     # (an integer: FSDP2's mixed precision casts floating forward inputs, and bf16 holds 257 as 256)
 
     def pin_memory(self) -> StepBatches:
@@ -84,7 +84,7 @@ class StepCollate:
     def __call__(self, rows: tuple[int, list[list[int]], list[dict[str, list]]]) -> StepBatches:
         step, micro, columns = rows
         batches = [self.collator.collate(c) for c in columns]
-        return StepBatches(step, micro, batches, torch.tensor(sum(count_targets(b) for b in batches), dtype=torch.long))
+        return StepBatches(step, micro, batches, step_count(self.collator, batches))
 
 
 def read_step(

@@ -21,7 +21,8 @@ from anygpu.config.batch import BatchPlan, plan_batch, resolve_global_batch
 from anygpu.data import corpus, corpus_rows, shared_prep
 from anygpu.data import tokenizer as tok_lib
 from anygpu.data.collate import Collator, packing_supported
-from anygpu.data.formats import TEXT, training_texts
+from anygpu.data import preference
+from anygpu.data.formats import PREFERENCE, TEXT, training_texts
 from anygpu.data.mixture_order import MixtureOrder
 from anygpu.data.order import GlobalOrder, eval_subset
 from anygpu.data.samples import TrainingRows, make_rows
@@ -50,6 +51,7 @@ class Prepared:
     data_lines: list[str] = field(default_factory=list)  # format, counts, template: for the banner
     data_fingerprint: str = ""  # the raw corpus (resume fingerprint, ranks-agree check)
     eval_sets: dict[str, Any] = field(default_factory=dict)  # a mixture's sources' evaluation rows, by name
+    pairs_key: str = ""  # preference pairs: their cache key (the reference log-probs' cache is keyed by it)
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -93,8 +95,10 @@ def check_run(
         world_size,
     )
     plan = plan_batch(G, world_size, train_args.per_device_train_batch_size, train_args.gradient_accumulation_steps)
+    preference.check_reference(model_args, train_args, config)
     check_output_dir(train_args.output_dir)
-    corpus.plan_corpus(data_args)  # empty globs, unreadable sources, a missing text column: refused here
+    if corpus.plan_corpus(data_args) is not None:  # empty globs, unreadable sources, a missing text column: refused
+        preference.check_format(TEXT, train_args.is_dpo, [data_args.text_column], data_args)  # raw text is no pairs
     return config, block_size, plan
 
 
@@ -122,7 +126,7 @@ def prepare(
     config, block_size, plan = checked or check_run(model_args, data_args, train_args, info.world_size)
     corpus_plan = corpus.plan_corpus(data_args)
     if corpus_plan is None:
-        data = _datasets_data(model_args, data_args, config, block_size, info)
+        data = _datasets_data(model_args, data_args, train_args, config, block_size, info)
     else:
         data = _corpus_data(corpus_plan, model_args, data_args, train_args, block_size, plan, info)
     packed = data.rows.rows
@@ -151,15 +155,17 @@ def prepare(
         data.rows.describe() + data.lines,
         data.fingerprint,
         data.eval_sets,
+        getattr(data.rows, "pairs_key", ""),
     )
 
 
-def _datasets_data(model_args, data_args: DataArguments, config, block_size: int, info: DistInfo) -> _Data:
+def _datasets_data(model_args, data_args: DataArguments, train_args, config, block_size: int, info: DistInfo) -> _Data:
     """A hub or saved data set, the embedded corpus, prompt-completion and chat files: through `datasets`,
     prepared by local rank 0 of each node."""
     with distributed.local_main_first(info):
         raw, is_default = load_raw_text(data_args)
         fmt = data_format(raw, data_args.text_column)
+        preference.check_format(fmt, train_args.is_dpo, raw["train"].column_names, data_args)
         fp = fingerprint(raw, data_args.text_column)
         tokenizer = tok_lib.load_or_train(
             model_args.tokenizer_name or model_args.model_name_or_path,
@@ -172,7 +178,7 @@ def _datasets_data(model_args, data_args: DataArguments, config, block_size: int
         )
         packing = resolve_packing(data_args.packing, fmt, config.model_type, model_args.attn_implementation)
         workers = preprocessing_workers(data_args.preprocessing_num_workers, raw["train"].data.nbytes)
-        data = make_rows(raw, fmt, tokenizer, block_size, data_args, packing, fp, workers)
+        data = training_data(raw, fmt, tokenizer, block_size, data_args, packing, fp, workers)
     distributed.wait_for_all("preparing the data")  # other nodes may still be packing: no collective timeout
     packed = data.rows
     if data_args.max_train_samples:
@@ -217,6 +223,13 @@ def rank_workers(requested: int | None, num_bytes: int) -> int:
     """This rank's tokenising processes: the node's (`preprocessing_workers`) shared by its ranks."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, preprocessing_workers(requested, num_bytes) // local)
+
+
+def training_data(raw, fmt: str, tokenizer, block_size: int, data_args, packing: bool, fp: str, workers: int):
+    """The rows of any format: preference pairs (`preference.make_pairs`), else `make_rows`."""
+    if fmt == PREFERENCE:
+        return preference.make_pairs(raw, tokenizer, block_size, data_args, packing, fp, workers)
+    return make_rows(raw, fmt, tokenizer, block_size, data_args, packing, fp, workers)
 
 
 def attn_is_flash(model_args: ModelArguments) -> bool:

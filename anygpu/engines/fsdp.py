@@ -10,6 +10,7 @@ the global-batch token mean whatever W, C, m and A.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -24,7 +25,7 @@ from anygpu.checkpoint import async_store, resume_guard, store
 from anygpu.config.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.data.loader import StepBatches, read_step, step_loader
 from anygpu.data.prepare import Prepared, check_run, prepare
-from anygpu.engines.trunk import finish, startup
+from anygpu.engines.trunk import finish, objectives, startup
 from anygpu.engines.trunk.evaluator import evaluate_run
 from anygpu.engines.trunk.log import RunLog
 from anygpu.engines.trunk.schedule import SaveClock, Schedule
@@ -44,7 +45,7 @@ from anygpu.runtime import (
     parallel,
 )
 from anygpu.runtime.gc_schedule import GarbageCollection
-from anygpu.train import optim, trackers
+from anygpu.train import dpo, optim, trackers
 
 logger = logging.getLogger("anygpu")
 
@@ -65,7 +66,7 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
     if lora.is_peft(model) and train_args.bf16:
         lora.hold_frozen_in(model, torch.bfloat16)  # as the memory plan counts it: 2 bytes per frozen parameter
     modeling.check_loss_kwargs(model)
-    dropout.install(model, train_args.seed)
+    dropout.install(model, train_args.seed, off=train_args.is_dpo)
     lean_loss.install(model, train_args.lean_loss)  # patches lm_head's forward before FSDP2 swaps the classes
     modeling.flatten_packed_rows(model)  # flash attention: packed rows as one flattened row
     mask_hint.install(model, prep.collator.packed)  # the masking need not read the positions back from the GPU
@@ -83,6 +84,34 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
     if lora.is_peft(model):
         lora.init_adapter(model, train_args.seed)
     return model
+
+
+def build_reference(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
+    """--objective dpo's frozen reference (--ref_model_name_or_path, else the starting model): sharded like the policy,
+    no gradients, no optimizer, held in the compute dtype (the mixed-precision forward casts to it anyway)."""
+    args = dataclasses.replace(
+        model_args,
+        model_name_or_path=train_args.ref_model_name_or_path or model_args.model_name_or_path,
+        config_name=None,
+        use_peft=False,
+        merge_lora=False,
+    )
+    config = modeling.fit_config_to_tokenizer(modeling.resolve_config(args), prep.tokenizer, from_scratch=False)
+    model = modeling.build_meta_model(config, args).requires_grad_(False)
+    if train_args.bf16:
+        lora.hold_frozen_in(model, torch.bfloat16)
+    dropout.disable(model)
+    lean_loss.install(model, train_args.lean_loss)
+    modeling.flatten_packed_rows(model)
+    mask_hint.install(model, prep.collator.packed)
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    parallel.shard_model(model, info.device, mesh_shape(train_args, info.world_size), train_args.bf16, None, False)
+    model.to_empty(device=info.device)
+    if not parallel.is_sharded(model):
+        model.tie_weights()
+    modeling.restore_buffers(model, buffers)
+    modeling.load_pretrained_weights(model, args.model_name_or_path)
+    return model.eval(), model
 
 
 def steps(
@@ -115,10 +144,12 @@ def train_step(
     info: distributed.DistInfo,
     cpu: StepBatches | None = None,
     cp: context_parallel.CPGroup = context_parallel.NONE,
+    objective: dpo.DPOObjective | None = None,
 ) -> torch.Tensor:
     """Forward/backward of one optimizer step's micro-batches (`cpu`: the loader's item for `step`, else read
     now); returns this rank's part of the global-batch mean loss, on the device (no host sync here:
-    `global_loss` sums it over the ranks at logging steps). `cp`: this rank's CP group (its part of each row)."""
+    `global_loss` sums it over the ranks at logging steps). `cp`: this rank's CP group (its part of each row).
+    `objective`: --objective dpo's (its count is [pairs, chosen tokens]), else the language model's token mean."""
     if cpu is None:
         cpu = read_step(prep.datasets["train"], prep.collator, prep.order, prep.plan, info.rank // cp.size, step)
     assert cpu.step == step, f"the loader gave step {cpu.step} for step {step}"
@@ -127,6 +158,8 @@ def train_step(
     # padded or masked data; the C ranks of a CP group hold the same rows: each token counted once); the
     # labels are shifted before any split, so position 0 is never a target.
     num_targets = distributed.all_reduce_sum(got.num_targets) // cp.size
+    if objective is not None:
+        objective.new_step(num_targets)
     loss_sum = torch.zeros((), device=info.device)
     for j, (batch, idx) in enumerate(zip(got.micro_batches, got.indices)):
         if parallel.is_sharded(model):
@@ -138,9 +171,11 @@ def train_step(
             lean_loss.active(model),
             context_parallel.split(model, batch, cp) as inputs,
         ):
-            # no KV cache: transformers confines attention to packed samples only without one
-            out = model(**inputs, use_cache=False, num_items_in_batch=num_targets)
-            loss = moe.global_batch_loss(model, out, batch, prep.plan.global_batch_size, cp)
+            if objective is not None:
+                loss = objective.loss(model, model, batch, num_targets)
+            else:  # no KV cache: transformers confines attention to packed samples only without one
+                out = model(**inputs, use_cache=False, num_items_in_batch=num_targets)
+                loss = moe.global_batch_loss(model, out, batch, prep.plan.global_batch_size, cp)
             (loss * info.world_size).backward()
         loss_sum += loss.detach()
     return loss_sum
@@ -185,6 +220,10 @@ class FSDPTrainer:
         self.fingerprint = resume_guard.fingerprint(self.resolved, prep)  # saved in each checkpoint
         self.resume, self.resumed, self.changed = self._resume_target(claimed)
         self.model = build_model(prep, model_args, train_args, info)
+        self.objective = objectives.build(
+            prep, self.model, self.model, model_args, data_args, train_args, info,
+            lambda: build_reference(prep, model_args, train_args, info),
+        )  # fmt: skip
         self.auto_probe = self._auto_micro_batch()
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
         fp8.attach(self.model, self.optimizer)
@@ -255,7 +294,7 @@ class FSDPTrainer:
             if first or schedule.should_log(step):
                 self._say_compiled(step)
             if schedule.should_log(step):
-                log.train(step, global_loss(loss), lr, grad_norm.item())
+                log.train(step, global_loss(loss), lr, grad_norm.item(), objectives.logged(self.objective))
             if schedule.should_eval(step):
                 self.evaluate(step)
             preempted, save_due = self._at_boundary()
@@ -298,7 +337,9 @@ class FSDPTrainer:
         if built is not None and self.mesh_shape.cp > 1:
             built = mesh.MeshShape(built.dp_replicate, built.dp_shard // self.mesh_shape.cp, self.mesh_shape.cp)
         shape = (built or self.mesh_shape).banner(sharded=built is not None)
-        return startup.banner("FSDP2", self.prep, self.model, self.args, self.tf32, shape)
+        return startup.banner(
+            "FSDP2", self.prep, self.model, self.args, self.tf32, shape, objectives.describe(self.objective)
+        )
 
     def _resume_line(self) -> str | None:
         if self.resumed is None:
@@ -311,7 +352,7 @@ class FSDPTrainer:
     def optimizer_step(self, step: int, cpu: StepBatches) -> tuple[torch.Tensor, float, torch.Tensor]:
         """Step `step` (1-based) on its loader item: forward/backward, clip, AdamW, schedule. Returns this rank's
         loss part, lr, grad norm (tensors: read them on logging steps only, so the host runs ahead of the device)."""
-        loss = train_step(self.model, self.prep, step - 1, self.info, cpu, self.cp)
+        loss = train_step(self.model, self.prep, step - 1, self.info, cpu, self.cp, self.objective)
         grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -322,14 +363,22 @@ class FSDPTrainer:
     def evaluate(self, step: int) -> None:
         """The evaluation after step `step` (0: before training), logged; its time is not training time."""
         faults.at("eval", step)
+        info = self.info
         with self.log.paused():
+            if self.objective is not None:
+                found = self.objective.evaluate(
+                    self.model, self.model, self.prep.datasets["validation"], self.prep.collator,
+                    self.args.per_device_eval_batch_size, info.rank, info.world_size, info.device,
+                )  # fmt: skip
+                self.log.eval(step, found, perplexity=False)
+                return
             losses = evaluate_run(
                 self.model,
                 self.prep,
                 self.args.per_device_eval_batch_size,
-                self.info.rank,
-                self.info.world_size,
-                self.info.device,
+                info.rank,
+                info.world_size,
+                info.device,
                 cp=self.cp,
             )
         self.log.eval(step, losses)

@@ -79,8 +79,11 @@ class _Keyed:
     note: str = ""
 
 
-def install(model: nn.Module, seed: int) -> str | None:
-    """Key the model's dropout (before sharding; a no-op without dropout). Returns a banner note or None."""
+def install(model: nn.Module, seed: int, off: bool = False) -> str | None:
+    """Key the model's dropout (before sharding; a no-op without dropout), or switch it `off`. Returns a banner
+    note or None."""
+    if off:
+        return disable(model)
     rates = dropout_rates(model.config)
     for name, module in model.named_modules():  # dropout modules the config does not list (a LoRA adapter's)
         if isinstance(module, nn.Dropout) and module.p > 0 and "lora_dropout" in name:
@@ -106,10 +109,33 @@ def install(model: nn.Module, seed: int) -> str | None:
     return note
 
 
+OFF_ATTR = "_anygpu_dropout_off"
+RATE_ATTRIBUTES = ("attention_dropout", "attn_dropout", "dropout", "dropout_p")  # rates attention modules pass on
+
+
+def disable(model: nn.Module) -> str | None:
+    """No dropout at all, as TRL's preference trainers do by default (`disable_dropout`): every dropout module at
+    p = 0 and the rates attention modules hand to their kernels at 0, so the policy and its reference are the same
+    function at the start and a pair's log-probs do not depend on a random mask. The config is left as it is (the
+    exported model keeps its own). Returns a banner note when the config had dropout."""
+    rates = dropout_rates(model.config)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name in RATE_ATTRIBUTES:
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+    if not rates:
+        return None
+    note = f"dropout: off ({', '.join(f'{k} {v:g}' for k, v in sorted(rates.items()))} in the config; as TRL's disable_dropout)"
+    object.__setattr__(model, OFF_ATTR, note)
+    return note
+
+
 def note(model: nn.Module) -> str | None:
-    """The banner line of a model whose dropout is keyed, else None."""
+    """The banner line of a model whose dropout is keyed or off, else None."""
     state = getattr(model, ATTR, None)
-    return state.note if state is not None else None
+    return state.note if state is not None else getattr(model, OFF_ATTR, None)
 
 
 def _call_site(state: _Keyed) -> str:

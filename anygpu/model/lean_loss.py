@@ -14,7 +14,8 @@ calls its `loss_function` (labels given), which is ours: it shifts the labels as
 applies the family's logit soft-capping or scaling per chunk, and returns the token-loss sum over
 `num_items_in_batch` (the global batch's target-token count), the same normalisation as the model's
 own `ForCausalLMLoss`. A MoE router loss is still added by the model on top. Outside `active` the model
-is untouched (full logits, its own loss), e.g. for exports or generation.
+is untouched (full logits, its own loss), e.g. for exports or generation. Under `log_probs` the same hook gives
+the labels' per-token log-probs instead (preference training's sequence sums: `model.sequence_log_probs`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from anygpu.errors import UsageError
 
@@ -118,6 +120,8 @@ class _Lean:
     post: Callable[[torch.Tensor], torch.Tensor]
     active: bool = False
     hidden: torch.Tensor | None = None
+    per_token: bool = False  # under `log_probs`: the labels' per-token log-probs, kept in `log_probs`
+    log_probs: torch.Tensor | None = None
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -181,6 +185,9 @@ def _install(model: nn.Module, enabled: bool, off_reason: str | None) -> str:
             return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
         if shift_labels is None:  # position t predicts token t+1, as transformers shifts them
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        if state.per_token:  # the caller reads the log-probs; the loss, 0, only ties them to the model's output
+            state.log_probs = token_log_probs(hidden, shift_labels, state.head_forward, state.post, vocab_size)
+            return state.log_probs.sum() * 0.0
         total, count = token_loss_sum(
             hidden, shift_labels, head, state.head_forward, state.post, vocab_size, ignore_index
         )
@@ -216,6 +223,48 @@ def active(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         state.active, state.hidden = False, None
+
+
+@contextlib.contextmanager
+def log_probs(model: nn.Module) -> Iterator[Callable[[], torch.Tensor]]:
+    """Forward passes with labels inside compute the labels' per-token log-probs instead of the loss; the yielded
+    function returns those of the last forward (flattened, 0 where a label is -100). The model must have the lean
+    loss installed (`is_installed`)."""
+    state = _state(model)
+    state.active, state.per_token, state.log_probs = True, True, None
+    try:
+        yield lambda: state.log_probs
+    finally:
+        state.active, state.per_token, state.hidden, state.log_probs = False, False, None, None
+
+
+def _chunk_log_probs(hidden: torch.Tensor, labels: torch.Tensor, head_forward, post) -> torch.Tensor:
+    logits = post(head_forward(hidden).float())
+    return -F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def token_log_probs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head_forward: Callable[[torch.Tensor], torch.Tensor],
+    post: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+) -> torch.Tensor:
+    """The log-probability of each already shifted label (…) under hidden (…, H), flattened, in fp32 (0 where the
+    label is -100), from `chunk_rows` tokens' logits at a time. The log-probs feed a loss that is not a plain sum of
+    them (DPO's), so the chunk's gradients cannot be taken in the forward as `_ChunkedCrossEntropy` takes them: each
+    chunk is checkpointed instead, its logits recomputed in the backward (the head's FLOPs once more), never kept."""
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    labels = labels.reshape(-1).to(hidden.device)
+    rows = chunk_rows(vocab_size)
+    pieces = []
+    for s in range(0, hidden.shape[0], rows):
+        h, y = hidden[s : s + rows], labels[s : s + rows]
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_log_probs, h, y, head_forward, post, use_reentrant=False))
+        else:
+            pieces.append(_chunk_log_probs(h, y, head_forward, post))
+    return torch.cat(pieces)
 
 
 def _chunk_loss(hidden: torch.Tensor, labels: torch.Tensor, head_forward, post, ignore_index: int) -> torch.Tensor:

@@ -50,6 +50,7 @@ SAFETY = 0.90  # plan to use at most 90% of a GPU's memory
 GIB = 2**30
 # The FSDP2 engine's HSDP: its rows exist only where the shard group is smaller than the job (make_plan's dp_shard).
 HSDP = "hsdp"
+DPO_STRATEGIES = ("ddp", "fsdp2", HSDP)  # --objective dpo: the HF engine trains pairs under DDP only
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,10 @@ class Shapes:
     layer_param_numel: int  # one decoder layer (the unit FSDP2 / ZeRO-3 gather)
     embedding_numel: int = 0  # the input embedding's weight (an FSDP2 unit of its own unless tied)
     head_numel: int = 0  # the output projection's weight (the lean loss's gradient accumulator is its size)
+    # --objective dpo: a micro-batch item is a pair, two sequences in one forward; `reference`: a frozen copy of the
+    # model runs beside it (no --precompute_ref_log_probs, and not LoRA, whose reference is its base)
+    sequences_per_item: int = 1
+    reference: bool = False
 
     @property
     def num_params(self) -> int:
@@ -219,6 +224,19 @@ def model_state_bytes(
     return {"parameters": params, "gradients": grads, "optimizer": optim}, cpu
 
 
+def reference_bytes(shapes: Shapes, strategy: str, precision: str, world: int, rank: int = 0) -> int:
+    """--objective dpo's frozen reference: every parameter in the compute dtype (2 bytes in bf16, 4 in fp32), no
+    gradient, no optimizer state, sharded as the strategy shards parameters (on the CPU under offload)."""
+    if strategy.endswith("offload"):
+        return 0
+    e = 2 if precision == "bf16" else 4
+    if strategy.startswith(("fsdp2", HSDP)):
+        return e * sum(_fsdp_rows(p.shape, world, rank) for p in shapes.params)
+    if strategy.startswith("zero3"):
+        return e * sum(_even(p.numel, world) for p in shapes.params)
+    return e * shapes.num_params
+
+
 LEAN_CHUNK_BYTES = 128 << 20  # anygpu.model.lean_loss.CHUNK_BYTES (this module stays free of torch)
 
 
@@ -344,7 +362,11 @@ def row_for(
     world = max(1, machine.num_gpus)  # no GPU detected: the plan of one process
     shards = (dp_shard or world) if strategy == HSDP else world
     states, cpu = model_state_bytes(shapes, strategy, precision, shards)
-    acts = activation_bytes(shapes, micro_batch, block_size // cp, precision, checkpointing, lean_loss)
+    acts = activation_bytes(
+        shapes, micro_batch * shapes.sequences_per_item, block_size // cp, precision, checkpointing, lean_loss
+    )
+    if shapes.reference:
+        states["reference"] = reference_bytes(shapes, strategy, precision, shards)
     per_gpu = {
         **states,
         "activations": acts,
@@ -446,6 +468,8 @@ def make_plan(
         )
     strategies = (*STRATEGIES, HSDP) if dp_shard is not None and dp_shard < n else STRATEGIES
     strategies = strategies if cp == 1 else ("fsdp2",)
+    if shapes.sequences_per_item > 1:  # --objective dpo: DDP (either engine), the FSDP2 engine's FSDP2 and HSDP
+        strategies = tuple(s for s in strategies if s in DPO_STRATEGIES)
     result = PlanResult(
         shapes, machine, block_size, global_batch_size, mfu=mfu, flops_per_token=flops_per_token, dp_shard=dp_shard
     )

@@ -11,6 +11,7 @@ estimates (see anygpu/planning/memory_plan.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -50,7 +51,27 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
         "Default: 'default' when --model_name_or_path is not given.",
     )
     p.add_argument("--block_size", type=int, default=1024, help="Tokens per sequence (default 1024).")
-    p.add_argument("--global_batch_size", type=int, default=64, help="Sequences per optimizer step (default 64).")
+    p.add_argument(
+        "--global_batch_size",
+        type=int,
+        default=64,
+        help="Sequences (pairs with --objective dpo) per step (default 64).",
+    )
+    p.add_argument(
+        "--objective",
+        choices=("lm", "dpo"),
+        default="lm",
+        help="dpo: a micro-batch item is a preference pair (two sequences in one forward), and the reference counts "
+        "(docs/dpo.md).",
+    )
+    p.add_argument(
+        "--precompute_ref_log_probs",
+        choices=("true", "false"),
+        default="true",
+        help="--objective dpo: true (the engines' default): the reference's log-probs are computed before training "
+        "and nothing of it stays in memory; false: a frozen copy in the compute dtype, sharded like the parameters "
+        "(LoRA: none, the base with its adapter disabled is the reference).",
+    )
 
 
 def _cluster_arguments(p: argparse.ArgumentParser) -> None:
@@ -222,6 +243,9 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     targets = tuple(t for t in args.lora_target_modules.split(",") if t)
     full, config, matmul_weights = load_shapes(args.model_name_or_path, args.config_name)
     lora, _, _ = load_shapes(args.model_name_or_path, args.config_name, args.lora_r, targets)
+    if args.objective == "dpo":  # two sequences per pair; a frozen reference unless precomputed (LoRA: its base)
+        full = dataclasses.replace(full, sequences_per_item=2, reference=args.precompute_ref_log_probs == "false")
+        lora = dataclasses.replace(lora, sequences_per_item=2)
     machine = detect_machine(args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes)
     fpt = metrics.flops_per_token(config, matmul_weights, args.block_size)
     dp_shard = dp_shard_of(args, machine)
@@ -238,6 +262,8 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
             dp_shard=dp_shard,
             cp=args.cp,
         )
+        if result.step_seconds is not None:  # dpo: two sequences per pair, and the reference's forward (a third)
+            result.step_seconds *= shapes.sequences_per_item * (4 / 3 if shapes.reference else 1)
         if args.per_device_train_batch_size != 1:
             result.rows = [
                 memory_plan.row_for(
@@ -284,7 +310,7 @@ def table(result: PlanResult, title: str) -> list[str]:
         b = r.per_gpu_bytes
         lines.append(
             f"{r.strategy:<14} {r.precision:<5} {ckpt_word(r.activation_checkpointing, 'yes', 'no'):<4} "
-            f"{gib(b['parameters']):>8} {gib(b['gradients']):>8} {gib(b['optimizer']):>8} "
+            f"{gib(b['parameters'] + b.get('reference', 0)):>8} {gib(b['gradients']):>8} {gib(b['optimizer']):>8} "
             f"{gib(b['activations']):>8} {gib(b['transient'] + b['reserved']):>7} {gib(r.total):>8} "
             f"{gib(r.cpu_bytes):>7}  {'yes' if r.fits else 'no'}"
         )
@@ -309,10 +335,14 @@ def recommendation(result: PlanResult) -> list[str]:
             "recommendation: nothing fits, even with offload and checkpointing: more GPUs, a shorter "
             "--block_size, or LoRA"
         ]
+    where = (
+        "the FSDP2 engine, run_fsdp_standalone.py (the HF engine trains pairs under DDP only)"
+        if result.shapes.sequences_per_item > 1 and rec.strategy == "fsdp2"
+        else f"accelerate config accelerate_configs/{rec.accelerate_config}.yaml"
+    )
     lines = [
         f"recommendation: {rec.strategy}, {rec.precision}, activation checkpointing "
-        f"{ckpt_word(rec.activation_checkpointing, 'on', 'off')}: accelerate config accelerate_configs/"
-        f"{rec.accelerate_config}.yaml"
+        f"{ckpt_word(rec.activation_checkpointing, 'on', 'off')}: {where}"
         if " " not in rec.accelerate_config
         else f"recommendation: {rec.strategy}, {rec.precision}: {rec.accelerate_config}",
         f"  global batch {result.global_batch_size} = {rec.micro_batch} per device × {n} devices × "
@@ -333,6 +363,21 @@ def recommendation(result: PlanResult) -> list[str]:
             f"({result.flops_per_token / 1e9:.2f} GFLOP/token)"
         )
     return lines
+
+
+def objective_lines(result: PlanResult) -> list[str]:
+    """--objective dpo: what the plan counts for it."""
+    if result.shapes.sequences_per_item == 1:
+        return []
+    ref = (
+        "a frozen reference copy in the compute dtype, in params (LoRA: none, its base is the reference)"
+        if result.shapes.reference
+        else "no reference in memory (its log-probs precomputed)"
+    )
+    return [
+        f"objective dpo: micro-batches and the global batch count pairs (two sequences each); {ref}; strategies: "
+        "ddp (either engine), fsdp2 and hsdp with the FSDP2 engine (run_fsdp_standalone.py)"
+    ]
 
 
 def hsdp_mesh(result: PlanResult) -> dict | None:
@@ -401,6 +446,7 @@ def render(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
         f"copies / the lean loss's head gradient + {gib(memory_plan.RESERVED_BYTES)} GiB reserved; fits = total ≤ {memory_plan.SAFETY:.0%} "
         "of the GPU",
         *hsdp_lines(full),
+        *objective_lines(full),
         "",
     ]
     body = table(full, "full fine-tuning") + [""] + table(lora, f"LoRA (r={args.lora_r})") + [""]
@@ -479,6 +525,7 @@ def compact(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str
         f"{full.shapes.hidden_size}); {'LoRA r=' + str(args.lora_r) if args.finetune == 'lora' else 'full fine-tuning'}; "
         f"block {chosen.block_size}, global batch {chosen.global_batch_size}",
         f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source})",
+        *objective_lines(chosen),
     ]
     if chosen.recommended is None:
         if not m.gpu_memory_bytes:

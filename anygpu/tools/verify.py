@@ -185,7 +185,7 @@ def check_options(opts: argparse.Namespace) -> tuple[list[int], list[str]]:
     return sizes, engines
 
 
-def check_job(job: list[str], engines: list[str], sizes: list[int]) -> tuple[str, str]:
+def check_job(job: list[str], engines: list[str], sizes: list[int], cps: list[int] = ()) -> tuple[str, str]:
     """Parse the job's arguments as the engines will (refusing bad ones now, before any process starts); return
     its output folder and its precision (fp32, bf16 or fp16)."""
     import anygpu
@@ -210,6 +210,11 @@ def check_job(job: list[str], engines: list[str], sizes: list[int]) -> tuple[str
         )
     parsed = parse_args(job, extra=extra)
     train = parsed[2]
+    if cps and train.is_dpo:
+        raise UsageError(
+            f"--cp {','.join(map(str, cps))}: the job trains preference pairs (--objective dpo), which context "
+            "parallelism does not split: leave --cp out"
+        )
     for name in JOB_OWNED:
         if getattr(train, name) is not None:
             raise UsageError(
@@ -563,7 +568,7 @@ def parse(argv: list[str]) -> Job:
     opts = parser.parse_args(mine)
     sizes, engines = check_options(opts)
     cps = check_cps(opts, sizes, engines)
-    output_dir, precision = check_job(job, engines, sizes)
+    output_dir, precision = check_job(job, engines, sizes, cps)
     root = Path(output_dir) / "verify"
     vendor = vendor_here()
     probe = once(launcher.torch_probe)

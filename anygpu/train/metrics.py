@@ -22,8 +22,9 @@ from datasets import Dataset
 from transformers import PretrainedConfig
 
 from anygpu.config.batch import BatchPlan
-from anygpu.data.collate import row_lengths
+from anygpu.data.collate import best_fit_decreasing, row_lengths
 from anygpu.data.order import GlobalOrder
+from anygpu.data.preference import sequence_lengths
 from anygpu.train import trackers
 
 logger = logging.getLogger(__name__)
@@ -95,11 +96,18 @@ class StepTokens:
     micro-batches), from the rows' lengths and the batch split: no device work, the same in both engines.
     Raw-text blocks are full rows; chat and prompt-completion rows are padded to the longest of their micro-batch."""
 
-    def __init__(self, dataset: Dataset, order: GlobalOrder, block_size: int) -> None:
-        self.padded = "labels" in dataset.column_names  # raw-text blocks have no labels column and no padding
-        self.lengths = row_lengths(dataset) if self.padded else None
-        self.squared = sample_squares(dataset, block_size)  # Σ s² per row (attention's work), None for blocks
+    def __init__(self, dataset: Dataset, order: GlobalOrder, block_size: int, collator=None) -> None:
+        self.pairs = "chosen_ids" in dataset.column_names  # preference pairs: two sequences each
+        # raw-text blocks have no labels column and no padding
+        self.padded = "labels" in dataset.column_names or self.pairs
+        if self.pairs:
+            self.lengths = sequence_lengths(dataset, block_size)
+            self.squared = (self.lengths**2).sum(axis=1)  # Σ s² per pair: its two sequences
+        else:
+            self.lengths = row_lengths(dataset) if self.padded else None
+            self.squared = sample_squares(dataset, block_size)  # Σ s² per row (attention's work), None for blocks
         self.order, self.block_size = order, block_size
+        self.packed = bool(getattr(collator, "packed", False))
 
     def squares(self, step: int, plan: BatchPlan) -> int:
         """Σ s² over the samples of optimizer step `step` (0-based), all ranks: its attention work."""
@@ -115,10 +123,18 @@ class StepTokens:
         real = computed = 0
         for rank in range(plan.world_size):
             for micro in self.order.micro_batches(step, plan, rank):
-                lengths = self.lengths[micro]
+                lengths = self.lengths[micro].reshape(-1)  # a pair's two sequences are rows of their own
                 real += int(lengths.sum())
-                computed += len(micro) * int(lengths.max())
+                computed += self._computed(lengths)
         return real, computed
+
+    def _computed(self, lengths: np.ndarray) -> int:
+        """The tokens a micro-batch's rows hold, padding included: its rows padded to the longest, or (packed pairs)
+        the rows best-fit decreasing fills, padded to the fullest."""
+        if not (self.pairs and self.packed):
+            return len(lengths) * int(lengths.max())
+        rows = best_fit_decreasing(lengths.tolist(), self.block_size)
+        return len(rows) * max(int(lengths[row].sum()) for row in rows)
 
 
 class ThroughputWindow:
@@ -205,8 +221,13 @@ def format_line(rec: dict[str, Any], max_steps: int) -> str:
         parts.append(f"mfu {100 * rec['mfu']:.1f}%")
     if rec.get("max_memory_allocated_gb") is not None:
         parts.append(f"mem {rec['max_memory_allocated_gb']:.1f} GiB")  # the key says gb: a file contract
-    if "eval_loss" in rec:
-        parts += [f"eval_loss {rec['eval_loss']:.4f}", f"ppl {rec['perplexity']:.2f}"]
+    for prefix in ("", "eval_"):  # --objective dpo: the reward margin and accuracy (TRL's names)
+        if f"{prefix}rewards/margins" in rec:
+            parts += [f"{prefix}margins {rec[f'{prefix}rewards/margins']:.4f}"]
+            parts += [f"{prefix}accuracy {rec[f'{prefix}rewards/accuracies']:.2f}"]
+        if prefix == "" and "eval_loss" in rec:
+            parts.append(f"eval_loss {rec['eval_loss']:.4f}")
+            parts += [f"ppl {rec['perplexity']:.2f}"] if "perplexity" in rec else []
     return " | ".join(parts)
 
 
@@ -274,7 +295,8 @@ def plot_losses(output_dir: str) -> Path | None:
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval loss")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    preference = any("rewards/margins" in r for r in records)  # --objective dpo: a loss per pair, not per token
+    ax.set_ylabel("preference loss (per pair)" if preference else "cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

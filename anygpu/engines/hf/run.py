@@ -4,6 +4,7 @@ run around the step the trunk's (`anygpu.engines.trunk`). Imported once the run 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -25,7 +26,7 @@ from anygpu.engines.hf.trainer import (
     TrunkCallback,
     zero3_state_dict,
 )
-from anygpu.engines.trunk import finish, startup
+from anygpu.engines.trunk import finish, objectives, startup
 from anygpu.engines.trunk.log import RunLog
 from anygpu.engines.trunk.schedule import SaveClock, Schedule
 from anygpu.engines.trunk.state import HF_STATE_FILE, RunState
@@ -129,6 +130,45 @@ class HFRun:
             self.info.is_main,
         )
         self.trainer = self._trainer()
+        self.trainer.objective = self._objective(data_args)
+        self.banner += "".join(f"\n{line}" for line in objectives.describe(self.trainer.objective))
+
+    def _objective(self, data_args):
+        """--objective dpo's, on the model Trainer has put on the device, before it wraps the model or loads a
+        checkpoint; a precomputed reference's columns join the training pairs Trainer reads."""
+        model = self.trainer.model
+        found = objectives.build(
+            self.prep, model, self._autocast(model), self.model_args, data_args, self.args, self.info, self._reference
+        )
+        self.trainer.train_dataset = self.prep.datasets["train"]
+        return found
+
+    def _reference(self):
+        """--objective dpo's frozen reference (--ref_model_name_or_path, else the starting model) on the device."""
+        args = dataclasses.replace(
+            self.model_args,
+            model_name_or_path=self.args.ref_model_name_or_path or self.model_args.model_name_or_path,
+            config_name=None,
+            use_peft=False,
+            merge_lora=False,
+        )
+        config = modeling.fit_config_to_tokenizer(modeling.resolve_config(args), self.prep.tokenizer, False)
+        model = construct.build(construct.FULL, config, args, self.args.seed, None).requires_grad_(False)
+        dropout.disable(model)
+        lean_loss.install(model, self.args.lean_loss, hf_strategy.lean_loss_off_reason(self.plan))
+        modeling.flatten_packed_rows(model)
+        mask_hint.install(model, self.prep.collator.packed)
+        model = model.to(self.targs.device).eval()
+        return model, self._autocast(model)
+
+    def _autocast(self, model):
+        """`model`'s forward as Trainer's step runs it: under its autocast (bf16/fp16)."""
+
+        def call(**inputs):
+            with self.trainer.compute_loss_context_manager():
+                return model(**inputs)
+
+        return call
 
     def _join(self):
         """Trainer's arguments, which join the process group; this process's facts (`DistInfo`)."""
@@ -191,7 +231,7 @@ class HFRun:
             lora.init_adapter(model, args.seed)  # the FSDP2 engine's adapter, not peft's draw from the global stream
             if args.bf16:
                 lora.hold_frozen_in(model, torch.bfloat16)  # as the FSDP2 engine and the memory plan
-        dropout.install(model, args.seed)  # masks keyed by sample, as in the FSDP2 engine
+        dropout.install(model, args.seed, off=args.is_dpo)  # masks keyed by sample (dpo: off), as in the FSDP2 engine
         lean_loss.install(model, args.lean_loss, hf_strategy.lean_loss_off_reason(self.plan))
         modeling.flatten_packed_rows(model)  # flash attention: packed rows as one flattened row, as the FSDP2 engine
         mask_hint.install(model, self.prep.collator.packed)  # no host sync in the masking, as the FSDP2 engine

@@ -28,7 +28,7 @@ from transformers.trainer_pt_utils import nested_gather
 from anygpu.checkpoint import resume_guard, store
 from anygpu.config.args import TrainArguments
 from anygpu.config.batch import BatchPlan
-from anygpu.data.collate import count_targets
+from anygpu.data.collate import step_count
 from anygpu.data.order import MicroBatchSampler
 from anygpu.data.prepare import Prepared
 from anygpu.engines.trunk.evaluator import evaluate_run
@@ -38,7 +38,7 @@ from anygpu.engines.trunk.state import HF_STATE_FILE, RunState
 from anygpu.model import dropout, lean_loss, moe
 from anygpu.reliability.preempt import Preemption
 from anygpu.runtime import distributed, faults, progress
-from anygpu.train import metrics, optim
+from anygpu.train import dpo, metrics, optim
 
 
 class AnygpuTrainer(Trainer):
@@ -67,6 +67,7 @@ class AnygpuTrainer(Trainer):
         self.watched = watched  # the run's progress, which the preemption watchdog reads (saves hold it off)
         self._step_loss: torch.Tensor | None = None  # this optimizer step's loss, summed over its micro-batches
         self._unwrapped_cache: tuple[torch.nn.Module, torch.nn.Module] | None = None  # (wrapper, unwrapped)
+        self.objective: dpo.DPOObjective | None = None  # --objective dpo's (HFRun sets it once its reference is ready)
         super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ data
@@ -91,7 +92,10 @@ class AnygpuTrainer(Trainer):
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         # No KV cache in training: transformers confines attention to packed samples only without one.
-        return {**super()._prepare_inputs(inputs), "use_cache": False}
+        # Precomputed reference log-probs stay fp64 (Trainer would cast floating inputs to DeepSpeed's dtype).
+        ref = {k: v.to(self.args.device) for k, v in inputs.items() if k == "ref_logps"}
+        rest = {k: v for k, v in inputs.items() if k != "ref_logps"}
+        return {**super()._prepare_inputs(rest), **ref, "use_cache": False}
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
         """The step's micro-batches and its target-token count, counted here rather than by Trainer: releases
@@ -105,9 +109,11 @@ class AnygpuTrainer(Trainer):
                 break
         if not batches:
             return batches, None
-        num_items = torch.tensor(sum(count_targets(b) for b in batches), dtype=torch.long, device=device)
+        num_items = step_count(self.prep.collator, batches).to(device)  # --objective dpo: [pairs, chosen tokens]
         if self.args.world_size > 1:  # average_tokens_across_devices: the global batch's count
-            num_items = self.accelerator.gather(num_items.reshape(1)).sum()
+            num_items = self.accelerator.gather(num_items.reshape(1, -1)).sum(0).reshape(num_items.shape)
+        if self.objective is not None:
+            self.objective.new_step(num_items)
         if self.args.n_gpu > 1:  # DataParallel: every replica's loss is divided by the same count
             num_items = num_items.unsqueeze(0).expand(self.args.n_gpu, -1)
         return batches, num_items
@@ -169,12 +175,17 @@ class AnygpuTrainer(Trainer):
         since its last log: read (a host sync) on logging steps only, by Trainer's own gather + mean."""
         if "loss" in logs and self._step_loss is not None:
             logs = {**logs, "loss": nested_gather(self._step_loss, self.args.parallel_mode).mean().item()}
+            if self.objective is not None:  # every rank logs (Trainer gathers the loss the same way): a collective
+                logs.update(self.objective.logged())
         super().log(logs, start_time)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Trainer's loss, through the lean loss where it is installed (`anygpu.model.lean_loss`); a MoE router
         loss in its global-batch form (`anygpu.model.moe`), as the FSDP2 engine."""
         unwrapped = self.unwrapped(model)
+        if self.objective is not None:  # this micro-batch's share, × W as Trainer scales (DDP averages gradients)
+            loss = self.objective.loss(unwrapped, model, inputs, num_items_in_batch) * self.accelerator.num_processes
+            return (loss, None) if return_outputs else loss
         with lean_loss.active(unwrapped):
             return self._compute_loss(model, unwrapped, inputs, return_outputs, num_items_in_batch)
 
@@ -200,19 +211,21 @@ class AnygpuTrainer(Trainer):
         model = self.model_wrapped
         if isinstance(model, torch.nn.DataParallel):  # evaluation needs no second GPU
             model = model.module
-        losses = evaluate_run(
-            model,
-            self.prep,
+        args = (
             self.train_config.per_device_eval_batch_size,
             self.args.process_index,
             self.args.world_size,
             self.args.device,
-            self.unwrapped(model),
         )
-        result = {
-            **{k.replace("eval", metric_key_prefix, 1): v for k, v in losses.items()},
-            "perplexity": metrics.perplexity(losses["eval_loss"]),
-        }
+        if self.objective is not None:  # the loss and TRL's eval_ metrics
+            validation = self.prep.datasets["validation"]
+            result = self.objective.evaluate(self.unwrapped(model), model, validation, self.prep.collator, *args)
+        else:
+            losses = evaluate_run(model, self.prep, *args, self.unwrapped(model))
+            result = {
+                **{k.replace("eval", metric_key_prefix, 1): v for k, v in losses.items()},
+                "perplexity": metrics.perplexity(losses["eval_loss"]),
+            }
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=result)
         for trunk in (c for c in self.callback_handler.callbacks if isinstance(c, TrunkCallback)):
             # a signal during the evaluation: the checkpoint is of this step, saved right after it
@@ -346,8 +359,13 @@ class TrunkCallback(TrainerCallback):
         if "loss" not in logs or "train_runtime" in logs or not self.schedule.should_log(state.global_step):
             return
         grad_norm = logs.get("grad_norm")
+        extra = {k: float(logs[k]) for k in dpo.METRICS if k in logs}  # --objective dpo's
         self.log.train(
-            state.global_step, float(logs["loss"]), self.lr, float(grad_norm) if grad_norm is not None else float("nan")
+            state.global_step,
+            float(logs["loss"]),
+            self.lr,
+            float(grad_norm) if grad_norm is not None else float("nan"),
+            extra,
         )
 
     def on_save(self, args, state, control, **kwargs):
@@ -358,7 +376,11 @@ class TrunkCallback(TrainerCallback):
         self.log.pause_since_mark()
         result = kwargs.get("metrics") or {}
         if "eval_loss" in result:
-            self.log.eval(state.global_step, {k: v for k, v in result.items() if k.startswith("eval_loss")})
+            lm = (
+                "perplexity" in result
+            )  # the language-model objective's record; --objective dpo's has its eval_ metrics
+            values = {k: v for k, v in result.items() if k != "perplexity" and (not lm or k.startswith("eval_loss"))}
+            self.log.eval(state.global_step, values, perplexity=lm)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.log.close_bar()

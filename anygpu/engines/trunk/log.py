@@ -36,7 +36,9 @@ class RunLog:
         self.writer = metrics.MetricsWriter(
             train_args.output_dir, is_main, train_args.report_to, schedule.start_step if resumed else None
         )
-        self.tokens = metrics.StepTokens(prep.datasets["train"], prep.order, prep.block_size)
+        self.tokens = metrics.StepTokens(
+            prep.datasets["train"], prep.order, prep.block_size, getattr(prep, "collator", None)
+        )
         self.window = metrics.ThroughputWindow()
         self.disable_bar = train_args.disable_tqdm or not is_main
         self.bar: tqdm | None = None
@@ -78,14 +80,18 @@ class RunLog:
         if self.bar is not None:
             self.bar.update(1)
 
-    def train(self, step: int, loss: float, learning_rate: float, grad_norm: float) -> None:
-        """The train record of step `step`: its own global-batch loss, throughput since the last record."""
+    def train(
+        self, step: int, loss: float, learning_rate: float, grad_norm: float, extra: dict[str, float] | None = None
+    ) -> None:
+        """The train record of step `step`: its own global-batch loss (and the objective's metrics, `extra`),
+        throughput since the last record."""
         self._sync()  # tokens/s must count finished work
         rec = {
             "step": step,
             "loss": loss,
             "learning_rate": learning_rate,
             "grad_norm": grad_norm,
+            **(extra or {}),
             **self.window.record(self.tokens.padded),
         }
         tps = rec["tokens_per_second"]
@@ -107,9 +113,11 @@ class RunLog:
         self.window.reset()
         self.mark = time.perf_counter()
 
-    def eval(self, step: int, losses: dict[str, float]) -> None:
-        """`losses`: `eval_loss`, and a mixture's `eval_loss/<name>` per source."""
-        self._write({"step": step, **losses, "perplexity": metrics.perplexity(losses["eval_loss"])})
+    def eval(self, step: int, values: dict[str, float], perplexity: bool = True) -> None:
+        """The eval record: `values` (`eval_loss`, a mixture's `eval_loss/<name>` per source, or --objective dpo's
+        eval_ metrics), and the loss's perplexity (`perplexity`: the language-model objective's)."""
+        more = {"perplexity": metrics.perplexity(values["eval_loss"])} if perplexity else {}
+        self._write({"step": step, **values, **more})
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

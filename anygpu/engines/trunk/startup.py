@@ -128,12 +128,12 @@ def throughput_facts(prep, model, train_args, tf32: bool, device) -> tuple[metri
     return flops, peak
 
 
-def banner(engine: str, prep, model, train_args, tf32: bool, layout: str) -> str:
+def banner(engine: str, prep, model, train_args, tf32: bool, layout: str, objective: list[str] = ()) -> str:
     """The start-up banner: the engine, hardware, model, data, batch cut, schedule and precision (the lines
-    both engines share), and the engine's own layout line (its mesh or strategy)."""
+    both engines share), the objective's lines (--objective dpo) and the engine's own layout line (its mesh or strategy)."""
     from anygpu.data.prepare import summary_lines
 
-    return "\n".join([f"anygpu {engine} engine", *summary_lines(prep, model, train_args, tf32), layout])
+    return "\n".join([f"anygpu {engine} engine", *summary_lines(prep, model, train_args, tf32), *objective, layout])
 
 
 def resume_line(path: Path, step: int, was: int, now: int, unit: str, meshes: str = "") -> str:

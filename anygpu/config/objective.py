@@ -1,0 +1,168 @@
+"""The training objective's arguments: the language model (pretraining, SFT) or preference training (DPO and its
+family), with TRL's `DPOConfig` names and meanings. A base of `TrainArguments`, so both engines parse them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from anygpu.config import locate
+from anygpu.errors import UsageError
+
+FREE, SAME = "free", "same"  # the "resume" markings of anygpu.config.args (which imports this module)
+
+OBJECTIVES = ("lm", "dpo")
+# TRL's DPOTrainer loss types the objective computes per pair (each a function of that pair alone), `sft` (a token
+# mean), and SimPO, reference-free (TRL's CPOTrainer loss_type="simpo"). TRL's aot/aot_unpaired sort the pairs of a
+# micro-batch against each other, so their loss would change with the micro-batch: not offered.
+PAIR_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "sigmoid_norm", "exo_pair", "nca_pair", "bco_pair", "sppo_hard")
+PAIR_LOSSES += ("apo_zero", "apo_down", "discopop", "simpo")
+LOSS_TYPES = (*PAIR_LOSSES, "sft")
+REFERENCE_FREE = ("simpo", "sft")  # a run whose loss types are all of these needs no reference model
+
+
+@dataclass
+class ObjectiveArguments:
+    objective: str = field(
+        default="lm",
+        metadata={
+            "resume": SAME,
+            "help": "lm: the language-model loss (pretraining, SFT: the mean over the target tokens of the global "
+            "batch). dpo: preference training on prompt/chosen/rejected rows (TRL's DPOTrainer formats and "
+            "options; --global_batch_size counts pairs; docs/dpo.md).",
+        },
+    )
+    beta: float = field(
+        default=0.1,
+        metadata={
+            "resume": SAME,
+            "help": "--objective dpo: how far the policy may move from the reference (TRL's beta; for ipo its tau, "
+            "for simpo its temperature).",
+        },
+    )
+    loss_type: list[str] = field(
+        default_factory=lambda: ["sigmoid"],
+        metadata={
+            "resume": SAME,
+            "help": f"--objective dpo: the loss, or several summed with --loss_weights: {', '.join(LOSS_TYPES)} "
+            "(TRL's names; simpo is reference-free; sft: the chosen completions' token cross-entropy, a mean over "
+            "the chosen tokens of the global batch).",
+        },
+    )
+    # parsed as words (the comma form too), numbers once checked
+    loss_weights: list[str] | None = field(
+        default=None,
+        metadata={
+            "resume": SAME,
+            "help": "--objective dpo: one weight per --loss_type (default 1 each), e.g. --loss_type sigmoid,sft "
+            "--loss_weights 1,0.5.",
+        },
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={
+            "resume": SAME,
+            "help": "--objective dpo: robust's probability that a label is flipped, in [0, 0.5); exo_pair's epsilon "
+            "(> 0, e.g. 1e-3).",
+        },
+    )
+    simpo_gamma: float = field(
+        default=0.5,
+        metadata={"resume": SAME, "help": "--loss_type simpo: the target reward margin (TRL's CPOConfig name)."},
+    )
+    discopop_tau: float = field(
+        default=0.05, metadata={"resume": SAME, "help": "--loss_type discopop: its temperature tau."}
+    )
+    ref_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "resume": SAME,
+            "help": "--objective dpo: the reference model (a folder or a cached hub id, with the policy's tokenizer). "
+            "Default: the starting model (--model_name_or_path); with --use_peft, the base with the adapter "
+            "disabled (no second copy).",
+        },
+    )
+    precompute_ref_log_probs: bool = field(
+        default=True,
+        metadata={
+            "resume": FREE,
+            "help": "--objective dpo: compute the reference's log-probs of every pair once, before training, on all "
+            "ranks, and cache them on disk (keyed by the reference, the data and the tokenisation; a resume, "
+            "another run or another number of GPUs reads them). false: a frozen reference copy, sharded like the "
+            "policy, runs beside it at every step.",
+        },
+    )
+
+    @property
+    def is_dpo(self) -> bool:
+        return self.objective == "dpo"
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether any loss type compares the policy with a reference model."""
+        return self.is_dpo and not set(self.loss_type) <= set(REFERENCE_FREE)
+
+    def check_objective(self) -> None:
+        """Refuse an unknown objective or loss type, weights that do not match, a smoothing out of its range."""
+        if self.objective not in OBJECTIVES:
+            raise UsageError(f"--objective {self.objective!r} is unknown: use one of {', '.join(OBJECTIVES)}.")
+        unknown = [t for t in self.loss_type if t not in LOSS_TYPES]
+        if unknown or not self.loss_type:
+            raise UsageError(
+                f"--loss_type {','.join(unknown) or '(none)'} is unknown: use one or more of {', '.join(LOSS_TYPES)}."
+            )
+        if self.loss_weights is not None:
+            self.loss_weights = [_number("loss_weights", w) for w in self.loss_weights]
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise UsageError(
+                f"--loss_weights {','.join(f'{w:g}' for w in self.loss_weights)}: give one weight per --loss_type "
+                f"({len(self.loss_type)}: {','.join(self.loss_type)}), e.g. {','.join(['1'] * len(self.loss_type))}."
+            )
+        if self.beta <= 0:
+            raise UsageError(f"--beta {self.beta} must be positive, e.g. 0.1.")
+        if "robust" in self.loss_type and not 0 <= self.label_smoothing < 0.5:
+            raise UsageError(f"--label_smoothing {self.label_smoothing} must be in [0, 0.5) for robust, e.g. 0.1.")
+        if "exo_pair" in self.loss_type and not 0 < self.label_smoothing < 1:
+            raise UsageError(f"--label_smoothing {self.label_smoothing} must be in (0, 1) for exo_pair, e.g. 1e-3.")
+
+    def weights(self) -> list[float]:
+        return list(self.loss_weights) if self.loss_weights is not None else [1.0] * len(self.loss_type)
+
+
+def _number(name: str, word: str | float) -> float:
+    import math
+
+    try:
+        value = float(word)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise UsageError(f"--{name} {word!r} is not a number: give one per --loss_type, e.g. 1,0.5.")
+    return value
+
+
+def check_with_model(model_args, data_args, train_args) -> None:
+    """What --objective dpo asks of the other arguments (before any work)."""
+    if not train_args.is_dpo:
+        return
+    locate.check_pretrained("--ref_model_name_or_path", train_args.ref_model_name_or_path, ("config.json",))
+    if not model_args.model_name_or_path:
+        raise UsageError(
+            "--objective dpo needs --model_name_or_path: preference training starts from a pretrained (usually "
+            "instruction-tuned) model; train one first with the default --objective lm."
+        )
+    if train_args.global_batch_tokens is not None:
+        raise UsageError(
+            f"--global_batch_tokens {train_args.global_batch_tokens} with --objective dpo: a step is a number of "
+            "pairs, give --global_batch_size (pairs per step) instead."
+        )
+    if train_args.auto_micro_batch:
+        raise UsageError(
+            "--per_device_train_batch_size auto with --objective dpo: the probe measures language-model batches; "
+            "give a number of pairs per device, e.g. --per_device_train_batch_size 2 (anygpu plan --objective dpo "
+            "estimates what fits)."
+        )
+    if train_args.cp > 1:
+        raise UsageError(
+            f"--cp {train_args.cp} with --objective dpo: context parallelism is not wired into preference training "
+            "(a pair's log-probs are summed over whole sequences); use --cp 1."
+        )

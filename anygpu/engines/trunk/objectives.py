@@ -1,0 +1,89 @@
+"""The run's objective, both engines: None for the language model (the engines' own token-mean loss), a
+`DPOObjective` for --objective dpo, whose reference is settled here before training starts (before a resumed
+checkpoint is loaded: the policy still holds the starting weights the default reference is)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+from anygpu.model import lora
+from anygpu.train import dpo, reference
+
+# The engine's frozen reference model, built when needed: (the model, what runs its forward).
+BuildReference = Callable[[], tuple[object, Callable]]
+
+
+def precision_of(train_args) -> str:
+    """The numerics a table of the reference's log-probs was computed in (part of its cache key)."""
+    precision = "bf16" if train_args.bf16 else "fp16" if train_args.fp16 else "fp32"
+    fp8 = getattr(train_args, "fp8", None)
+    return f"{precision}+fp8 {fp8}" if fp8 else precision
+
+
+def selection_of(prep, data_args) -> str:
+    """The rows a run uses of the prepared pairs (they decide which pairs the cached table holds)."""
+    return (
+        f"train {len(prep.datasets['train'])}/{data_args.max_train_samples} "
+        f"validation {len(prep.datasets['validation'])}/{data_args.max_eval_samples}/{data_args.validation_split_percentage}"
+    )
+
+
+def build(
+    prep, model, call: Callable, model_args, data_args, train_args, info, frozen_reference: BuildReference
+) -> dpo.DPOObjective | None:
+    """The objective; with a precomputed reference, `prep.datasets` gain the reference's log-prob columns."""
+    if not train_args.is_dpo:
+        return None
+    cfg = dpo.LossConfig.of(train_args)
+    if not train_args.needs_reference:
+        return dpo.DPOObjective(cfg, None, f"reference: none (--loss_type {','.join(cfg.loss_type)}: reference-free)")
+    ref_path = train_args.ref_model_name_or_path
+    adapter = lora.is_peft(model) and ref_path is None  # LoRA's base: the policy with its adapter disabled
+    if train_args.precompute_ref_log_probs:
+        path = reference.cache_file(
+            data_args.data_cache_dir,
+            prep.pairs_key,
+            reference.identity(ref_path or model_args.model_name_or_path),
+            precision_of(train_args),
+            selection_of(prep, data_args),
+        )
+
+        @contextlib.contextmanager
+        def source() -> Iterator[reference.RefForward]:
+            if ref_path is None:  # the policy as it starts
+                yield reference.forward_of(model, call, disable_adapter=adapter)
+                return
+            ref_model, ref_call = frozen_reference()  # built for the pass alone, freed after it
+            yield reference.forward_of(ref_model, ref_call)
+
+        splits, line = reference.precompute_or_read(
+            dict(prep.datasets), prep.collator, source, info, train_args.per_device_eval_batch_size, path
+        )
+        prep.datasets.update(splits)
+        return dpo.DPOObjective(cfg, None, line)
+    if adapter:
+        forward = reference.forward_of(model, call, disable_adapter=True)
+        return dpo.DPOObjective(cfg, forward, "reference: the base model (the LoRA adapter disabled), at every step")
+    ref_model, ref_call = frozen_reference()
+    name = ref_path or model_args.model_name_or_path
+    return dpo.DPOObjective(
+        cfg, reference.forward_of(ref_model, ref_call), f"reference: a frozen copy of {name}, at every step"
+    )
+
+
+def logged(objective: dpo.DPOObjective | None) -> dict[str, float]:
+    """A logging step's metrics beyond the loss (a collective under --objective dpo: every rank calls it)."""
+    return objective.logged() if objective is not None else {}
+
+
+def describe(objective: dpo.DPOObjective | None) -> list[str]:
+    """The banner's lines on the objective (none for the language model)."""
+    if objective is None:
+        return []
+    cfg = objective.cfg
+    losses = " + ".join(f"{w:g}·{t}" if len(cfg.loss_type) > 1 else t for t, w in zip(cfg.loss_type, cfg.weights))
+    return [
+        f"objective: dpo, loss {losses}, beta {cfg.beta:g}; the global batch counts pairs; dropout off",
+        objective.reference_line,
+    ]
