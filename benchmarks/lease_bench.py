@@ -43,10 +43,16 @@ import anygpu  # noqa: E402
 anygpu.set_offline_defaults()
 anygpu.quiet_library_warnings()
 
-import torch  # noqa: E402
 
-# The shapes: the GPU's where there is one, else the rehearsal's; LEASE_SHAPES=gpu|cpu chooses (a plan, a quick check)
-GPU = {"gpu": True, "cpu": False}.get(os.environ.get("LEASE_SHAPES", ""), torch.cuda.is_available())
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# The shapes: the GPU's where there is one, else the rehearsal's; LEASE_SHAPES=gpu|cpu chooses them (a plan, a quick
+# check: torch is then imported only where a row, a kernel or the facts need it)
+GPU = {"gpu": True, "cpu": False}[os.environ["LEASE_SHAPES"]] if os.environ.get("LEASE_SHAPES") else _has_gpu()
 WORK = Path(os.environ.get("LEASE_WORK", "/tmp/anygpu-lease"))
 
 # Llama-3-8B's layer and vocabulary (anygpu/config/presets/llama-8b.json), or the rehearsal's shrunken ones.
@@ -165,7 +171,11 @@ def prepare() -> None:
     preset = json.loads((ROOT / "anygpu/config/presets/llama-8b.json").read_text())
     for layers in sorted({r.layers for r in ROWS}):
         config = {**preset, **SHAPE, "num_hidden_layers": layers, "max_position_embeddings": max(BLOCK, 8192)}
-        config_path(layers).write_text(json.dumps(config, indent=1))
+        text = json.dumps(config, indent=1)
+        if not config_path(layers).exists() or config_path(layers).read_text() != text:
+            tmp = config_path(layers).with_suffix(f".{os.getpid()}.tmp")  # rows start side by side in the rehearsal
+            tmp.write_text(text)
+            os.replace(tmp, config_path(layers))
     if not (WORK / "tokenizer" / "tokenizer.json").exists():
         padded_tokenizer(WORK / "tokenizer", SHAPE["vocab_size"])
     if not (WORK / "sft.jsonl").exists():
@@ -270,6 +280,8 @@ def run_row(row: Row) -> dict:
 # ------------------------------------------------------------------------------------------------ kernels
 def timed(fn, repeat: int) -> float:
     """Seconds per call (after two warm-up calls), CUDA events on a GPU."""
+    import torch
+
     for _ in range(2):
         fn()
     if GPU:
@@ -288,6 +300,8 @@ def timed(fn, repeat: int) -> float:
 
 def gemm() -> dict:
     """The matmul ceilings: bf16, and FP8 (e4m3) with a tensor-wide and with row-wise scales (`torch._scaled_mm`)."""
+    import torch
+
     n = 8192 if GPU else 512
     device = "cuda" if GPU else "cpu"
     a, b = (
@@ -316,6 +330,8 @@ def cp_kernels() -> list[dict]:
     times what one rank of C computes; the all-to-all and all-gather need C GPUs): Ulysses (the whole sequence,
     H/C heads, causal) for C = 1, 2, 4, 8, and the gathered path (T/C queries, every head, against the gathered keys
     and values under a boolean mask: heads C does not divide) for C = 8."""
+    import torch
+
     heads, kv, d, t = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"], 128 if GPU else 32, CP_TOKENS
     device, dtype = ("cuda", torch.bfloat16) if GPU else ("cpu", torch.float32)
     out = []
@@ -336,6 +352,8 @@ def cp_kernels() -> list[dict]:
 def _attention_step(hq: int, hk: int, queries: int, t: int, d: int, gathered: bool, device, dtype):
     """sdpa forward + backward on [1, heads, tokens, d]; gathered: this rank's rows of the causal mask (the last
     rank's, the most work) as a boolean mask, as `anygpu.runtime.context_parallel` passes it."""
+    import torch
+
     import torch.nn.functional as F
 
     q = torch.randn(1, hq, queries, d, device=device, dtype=dtype, requires_grad=True)
@@ -355,6 +373,8 @@ def _attention_step(hq: int, hk: int, queries: int, t: int, d: int, gathered: bo
 
 # ------------------------------------------------------------------------------------------------ report
 def facts() -> str:
+    import torch
+
     import platform
     from importlib import metadata
 
@@ -402,6 +422,8 @@ def projection(rows: list[dict], name: str) -> str | None:
 
 
 def peak_flops() -> float | None:
+    import torch
+
     if not torch.cuda.is_available():
         return None
     from anygpu.runtime import hardware
@@ -465,6 +487,7 @@ def main() -> None:
     elif a.what == "prepare":
         prepare()
     elif a.what == "row":
+        prepare()  # done by the part already: a row run alone prepares what it reads
         print("LEASE_ROW " + json.dumps({"kind": "row", **run_row(row_by_id(a.arg[0]))}), flush=True)
     elif a.what == "gemm":
         print("LEASE_GEMM " + json.dumps({"kind": "gemm", **gemm()}), flush=True)

@@ -20,6 +20,7 @@ anygpu.set_offline_defaults()
 from anygpu.checkpoint import export
 from anygpu.config.args import parse_args  # noqa: E402
 from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
+from anygpu.data.collate import Collator
 from anygpu.engines.trunk import finish
 from anygpu.model import hub_weights, modeling
 from anygpu.runtime import distributed
@@ -64,7 +65,7 @@ for config_path in configs:
     )
     info = distributed.init_distributed()
     config = modeling.resolve_config(model_args)
-    prep = SimpleNamespace(config=config, from_scratch=not pretrained)
+    prep = SimpleNamespace(config=config, from_scratch=not pretrained, collator=Collator(pad_token_id=0))  # raw text
     reads["elements"] = 0
     initial = fsdp_engine.build_model(prep, model_args, train_args, info)
     if pretrained:  # what this rank read of the checkpoint: its shards' elements, not the whole model's
