@@ -98,7 +98,12 @@ ROWS = (
     Row("compiled + FP8 tensorwise", 2, 4, (*COMPILE, "--fp8", "tensorwise"), seconds=60),
     Row("compiled + FP8 rowwise", 2, 2, (*COMPILE, "--fp8", "rowwise"), seconds=60, late=True),
     Row(
-        "compiled + selective checkpointing", 2, 4, (*COMPILE, "--gradient_checkpointing_policy", "selective"), 70, True
+        "compiled + selective checkpointing",
+        2,
+        4,
+        (*COMPILE, "--gradient_checkpointing_policy", "selective"),
+        seconds=70,
+        late=True,
     ),
 )
 
