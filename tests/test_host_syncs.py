@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import warnings
 
 import pytest
 import torch
@@ -30,6 +31,26 @@ def test_the_counter_sees_what_would_wait_for_a_gpu_and_nothing_else():
     assert none.count == 0, none.where
     assert some.count == 4, some.where
     assert "test_host_syncs.py" in some.summary()
+
+
+def test_cuda_sync_warnings_count_each_at_its_caller(monkeypatch):
+    """CUDA's sync debug mode speaks through warnings: other warnings (one mentioning synchronization too) are
+    not syncs, and each sync is put at the nearest frame outside torch, not at the torch call it returned from."""
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)  # no CUDA here: the mode switch alone
+    with host_syncs.count(torch.device("cuda")) as seen:
+        warnings.warn(host_syncs.CUDA_SYNC_TEXT)
+        warnings.warn("set_sync_debug_mode: not all synchronizing operations are caught")
+        warnings.warn(host_syncs.CUDA_SYNC_TEXT)
+    assert modes == ["warn", "default"]
+    assert seen.count == 2, seen.where
+    assert (
+        all(
+            w.startswith("test_host_syncs.py:") and w.endswith(" test_cuda_sync_warnings_count_each_at_its_caller")
+            for w in seen.where
+        )
+        and len(seen.where) == 2
+    ), seen.where
 
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()

@@ -43,7 +43,11 @@ class Syncs:
 
 def _caller() -> str:
     for frame in reversed(traceback.extract_stack()):
-        if "/torch/" not in frame.filename and frame.filename != __file__:
+        if (
+            "/torch/" not in frame.filename
+            and frame.filename != __file__
+            and not frame.filename.endswith("warnings.py")
+        ):
             return f"{frame.filename.rsplit('/', 2)[-1]}:{frame.lineno} {frame.name}"
     return "torch"
 
@@ -61,6 +65,29 @@ class _Counter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+CUDA_SYNC_TEXT = "called a synchronizing CUDA operation"  # c10's warn_or_error_on_sync
+
+
+@contextlib.contextmanager
+def _cuda_sync_warnings(syncs: Syncs) -> Iterator[None]:
+    """Count CUDA's sync warnings, each at the nearest frame outside torch of the stack that raised it (a warning's
+    own file and line name the torch function that returned to Python, not the caller)."""
+
+    def seen(message, category, filename, lineno, file=None, line=None) -> None:
+        if CUDA_SYNC_TEXT in str(message):
+            syncs.count += 1
+            syncs.where[_caller()] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
 def _bool_index(args) -> bool:
     indices = args[1] if len(args) > 1 else ()
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
@@ -72,17 +99,8 @@ def count(device: torch.device) -> Iterator[Syncs]:
     would sync there."""
     syncs = Syncs()
     if device.type == "cuda":
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                yield syncs
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        for w in seen:
-            if "synchroniz" in str(w.message):
-                syncs.count += 1
-                syncs.where[f"{w.filename.rsplit('/', 2)[-1]}:{w.lineno}"] += 1
+        with _cuda_sync_warnings(syncs):
+            yield syncs
         return
     with _Counter(syncs):
         yield syncs
