@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The GPU lease: everything anygpu wants measured on a lent GPU, in two device calls of ~5 minutes each, ready before
-# the GPU comes (docs/benchmarks.md#the-gpu-lease says when and how to run it, and what each row means).
+# The GPU lease: everything anygpu wants measured on a lent GPU, in three device calls of under 5 minutes each, ready
+# before the GPU comes (docs/benchmarks.md#the-gpu-lease says when and how to run it, and what each row means).
 #
 #   bash benchmarks/gpu_lease.sh fetch     # here (package registries): the wheels the device lacks, into .whl/
 #   bash benchmarks/gpu_lease.sh plan      # what it installs, runs and writes; no GPU, no install, no run
 #   bash benchmarks/gpu_lease.sh 1         # there, call 1: machine facts, matmul ceilings, the eager rows, CP kernels
-#   bash benchmarks/gpu_lease.sh 2         # there, call 2: the compiled and FP8 rows, the GPU tests, then the rows left
-#   bash benchmarks/gpu_lease.sh           # both calls' work; without a GPU: the rehearsal (below)
+#   bash benchmarks/gpu_lease.sh 2         # there, call 2: the compiled, FP8 and SFT rows
+#   bash benchmarks/gpu_lease.sh 3         # there, call 3: the GPU tests (pytest -m gpu), the ones no lease passed first
+#   bash benchmarks/gpu_lease.sh           # the three calls' work; without a GPU: the rehearsal (below)
 #   bash benchmarks/gpu_lease.sh venv      # here: the device-like venv the rehearsal runs in
+#   bash benchmarks/gpu_lease.sh test-order   # the order part 3 runs the GPU tests in
 #
 # Without a GPU the same parts run as a rehearsal with shrunken shapes on the CPU, in a venv built like the device's
 # Python (Python 3.12, torch 2.11 from PyPI, transformers 5.17 and the image's other packages from
@@ -16,26 +18,27 @@
 # (no time budget) and collects the GPU tests (each skips without a GPU).
 #
 # Each part installs .whl/ into $SITE with --target, writes only small files to $OUT (lease-N.md: the table;
-# lease-N.jsonl: the rows; lease-N.log: every command's output; part 2 also gpu-tests.log), never a checkpoint, and on
-# a GPU skips what would not fit its time budget (BUDGET seconds, default 285; part 2 keeps LATE_RESERVE, default 60,
-# of it from the GPU tests for its last rows).
-# Knobs: JOBS (rows at once in the rehearsal, default 2; one on a GPU), OUT (default outputs/lease), PYTHON (default .venv/bin/python where there is one, else python3: the
-# device image's), BUDGET, LATE_RESERVE, ROW_LIMIT (seconds per row, default 150), SITE (default
-# /tmp/anygpu-lease-site), LEASE_WORK (default /tmp/anygpu-lease), LEASE_VENV (default ~/.cache/anygpu/lease-venv),
-# PYTHON312 (the rehearsal venv's interpreter; default: python3.12 or pyenv's).
+# lease-N.jsonl: the rows; lease-N.log: every command's output; part 3: lease-3.md and gpu-tests.log), never a
+# checkpoint, and on a GPU skips what would not fit its time budget (BUDGET seconds, default 255: three calls of
+# 280 s fit 15 minutes of device time with the machine's start). The GPU tests that a lease passed are listed in
+# benchmarks/lease_gpu_tests_passed.txt; part 3 runs the others first.
+# Knobs: JOBS (rows at once in the rehearsal, default 2; one on a GPU), OUT (default outputs/lease), PYTHON (default
+# .venv/bin/python where there is one, else python3: the device image's), BUDGET, ROW_LIMIT (seconds per row,
+# default 150), SITE (default /tmp/anygpu-lease-site), LEASE_WORK (default /tmp/anygpu-lease), LEASE_VENV (default
+# ~/.cache/anygpu/lease-venv), PYTHON312 (the rehearsal venv's interpreter; default: python3.12 or pyenv's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-outputs/lease}
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-BUDGET=${BUDGET:-285}
+BUDGET=${BUDGET:-255}
 ROW_LIMIT=${ROW_LIMIT:-150}
 SITE=${SITE:-/tmp/anygpu-lease-site}
 LEASE_VENV=${LEASE_VENV:-$HOME/.cache/anygpu/lease-venv}
 WHEELS=.whl
 WHEEL_LIST=benchmarks/lease_wheels.txt
 DEVICE_PACKAGES=benchmarks/lease_device_packages.txt
-LATE_RESERVE=${LATE_RESERVE:-60}   # part 2: seconds kept from the GPU tests for the rows after them
+PASSED_TESTS=benchmarks/lease_gpu_tests_passed.txt
 MAX_WHEELS_MB=48   # the device takes a working tree of 64 MiB, the repository's ~2 MB included
 export LEASE_WORK=${LEASE_WORK:-/tmp/anygpu-lease}
 
@@ -118,8 +121,28 @@ run_rows() {  # part, phase (main: before the GPU tests; late: after them), json
   done
 }
 
+test_order() {  # the GPU tests' ids, those $PASSED_TESTS does not list first
+  local ids proven
+  ids=$("$PYTHON" -m pytest -m gpu -n 0 -q -p no:cacheprovider --collect-only tests 2>/dev/null | grep '::' || true)
+  proven=$(grep -v '^#' "$PASSED_TESTS" || true)
+  grep -vxF -e "${proven:-#}" <<<"$ids" || true
+  [ -z "$proven" ] || grep -xF -e "$proven" <<<"$ids" || true
+}
+
+gpu_tests() {  # the GPU tests in the part's time, the unproven first (-v: a cut-short run still says what passed)
+  local ids=() left status=0
+  mapfile -t ids < <(test_order)  # one id per line: a parametrized id may hold spaces
+  [ "${#ids[@]}" -gt 0 ] && [ -n "${ids[0]}" ] || ids=(tests)
+  left=$((BUDGET - (SECONDS - START)))
+  if [ "$GPU" = 1 ] && [ "$left" -lt 30 ]; then echo "- GPU tests: skipped (time budget)"; return; fi
+  say "GPU tests (pytest -m gpu, ${#ids[@]} collected, the unproven first), $left s"
+  timeout --kill-after 10 "$([ "$GPU" = 1 ] && echo "$left" || echo 600)" "$PYTHON" -m pytest -m gpu -n 0 -v \
+    -p no:cacheprovider -rs --durations 10 "${ids[@]}" >"$OUT/gpu-tests.log" 2>&1 || status=$?
+  echo "- GPU tests (\`pytest -m gpu\`, gpu-tests.log): $(tail -n 1 "$OUT/gpu-tests.log") (exit $status); passed: $(grep -c ' PASSED' "$OUT/gpu-tests.log" || true)"
+}
+
 part() {
-  local n=$1 log rows
+  local n=$1 log rows tests=""
   START=$SECONDS
   install
   GPU=$("$PYTHON" -c 'import torch; print(int(torch.cuda.is_available()))')  # the rehearsal runs every row
@@ -127,33 +150,28 @@ part() {
   log=$OUT/lease-$n.log rows=$OUT/lease-$n.jsonl
   : >"$log"; : >"$rows"
   bench facts | tee -a "$log" >"$OUT/facts-$n.md"
-  bench prepare >>"$log" 2>&1
-  if [ "$n" = 1 ]; then
-    say "matmul ceilings"
-    bench gemm 2>>"$log" | grep '^LEASE_GEMM ' | cut -d' ' -f2- >>"$rows" || say "gemm failed (see $log)"
-  fi
-  run_rows "$n" main "$rows" "$log"
-  if [ "$n" = 1 ]; then
-    say "context-parallel attention kernels"
-    bench cp 2>>"$log" | grep '^LEASE_CP ' | cut -d' ' -f2- >>"$rows" || say "cp kernels failed (see $log)"
-  fi
-  tests=""
-  if [ "$n" = 2 ]; then
-    left=$((BUDGET - (SECONDS - START) - LATE_RESERVE))
-    say "GPU tests (pytest -m gpu), $left s"
-    if [ "$GPU" = 0 ] || [ "$left" -gt 20 ]; then
-      status=0
-      # -v: each test's verdict as it ends, so a run the time limit cuts short still says what passed
-      timeout --kill-after 10 "$((left > 20 ? left : 600))" "$PYTHON" -m pytest -m gpu -n 0 -v -p no:cacheprovider -rs \
-        --durations 10 tests >"$OUT/gpu-tests.log" 2>&1 || status=$?
-      tests="- GPU tests (\`pytest -m gpu\`, gpu-tests.log): $(tail -n 1 "$OUT/gpu-tests.log") (exit $status)"
-    else
-      tests="- GPU tests: skipped (time budget)"
+  if [ "$n" = 3 ]; then
+    tests=$(gpu_tests)
+  else
+    bench prepare >>"$log" 2>&1
+    if [ "$n" = 1 ]; then
+      say "matmul ceilings"
+      bench gemm 2>>"$log" | grep '^LEASE_GEMM ' | cut -d' ' -f2- >>"$rows" || say "gemm failed (see $log)"
+    fi
+    run_rows "$n" main "$rows" "$log"
+    if [ "$n" = 1 ]; then
+      say "context-parallel attention kernels"
+      bench cp 2>>"$log" | grep '^LEASE_CP ' | cut -d' ' -f2- >>"$rows" || say "cp kernels failed (see $log)"
     fi
     run_rows "$n" late "$rows" "$log"
   fi
-  { echo "## GPU lease, part $n ($(date -u +%Y-%m-%d))"; echo; cat "$OUT/facts-$n.md"; echo; bench table "$n" "$rows"; echo "$tests"; } >"$OUT/lease-$n.md"
+  {
+    echo "## GPU lease, part $n ($(date -u +%Y-%m-%d))"; echo; cat "$OUT/facts-$n.md"; echo
+    [ "$n" = 3 ] || bench table "$n" "$rows"
+    echo "$tests"
+  } >"$OUT/lease-$n.md"
   rm -f "$OUT/facts-$n.md"
+  [ "$n" != 3 ] || rm -f "$log" "$rows"
   cat "$OUT/lease-$n.md"
   say "part $n done in $((SECONDS - START)) s: $OUT/lease-$n.md"
 }
@@ -180,24 +198,24 @@ plan() {
     echo "  $spec${have:+ ($(du -k "$have" | cut -f1) kB in $WHEELS/)}"
   done
   echo "device calls (docs/benchmarks.md):"
-  echo "  run(command='bash benchmarks/gpu_lease.sh 1', carry=['.whl'], timeout_s=330)"
-  echo "  run(command='bash benchmarks/gpu_lease.sh 2', carry=['.whl'], timeout_s=330)"
-  echo "each part: facts, then (part 1) matmul ceilings, its rows, CP kernels; (part 2) its rows, then pytest -m gpu"
+  for n in 1 2 3; do echo "  run(command='bash benchmarks/gpu_lease.sh $n', carry=['.whl'], timeout_s=280)"; done
+  echo "each part: facts, then (part 1) matmul ceilings, its rows, CP kernels; (part 2) its rows; (part 3) pytest -m gpu"
   for n in 1 2; do
     echo "part $n rows (python benchmarks/lease_bench.py row ID):"
     bench plan --part "$n" --commands
   done
-  echo "writes under \$OUT: lease-1.md lease-1.jsonl lease-1.log lease-2.md lease-2.jsonl lease-2.log gpu-tests.log"
+  echo "writes under \$OUT: lease-1.md lease-1.jsonl lease-1.log lease-2.md lease-2.jsonl lease-2.log lease-3.md gpu-tests.log"
 }
 
 case "${1:-all}" in
   fetch) fetch ;;
   plan) plan ;;
   venv) venv ;;
-  1|2) part "$1" ;;
+  1|2|3) part "$1" ;;
+  test-order) test_order ;;
   all)
     if "$PYTHON" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-      part 1 && part 2
+      part 1 && part 2 && part 3
     else
       say "no GPU: the rehearsal (shrunken shapes, CPU) in the device-like venv $LEASE_VENV"
       venv
@@ -205,9 +223,10 @@ case "${1:-all}" in
       t0=$SECONDS
       PYTHON="$LEASE_VENV/bin/python3" OUT=${OUT%/}-rehearsal bash "$0" 1
       PYTHON="$LEASE_VENV/bin/python3" OUT=${OUT%/}-rehearsal bash "$0" 2
+      PYTHON="$LEASE_VENV/bin/python3" OUT=${OUT%/}-rehearsal bash "$0" 3
       say "rehearsal done in $((SECONDS - t0)) s (both parts; the venv's build not counted)"
     fi
     ;;
-  -h|--help) sed -n "2,25p" "$0" ;;
-  *) echo "gpu_lease.sh: unknown command '$1' (valid: fetch, plan, 1, 2, venv, or none)" >&2; exit 2 ;;
+  -h|--help) sed -n "2,28p" "$0" ;;
+  *) echo "gpu_lease.sh: unknown command '$1' (valid: fetch, plan, 1, 2, 3, venv, test-order, or none)" >&2; exit 2 ;;
 esac

@@ -165,6 +165,17 @@ def test_a_bad_chunk_size_is_refused(monkeypatch):
         lean_loss.install(_model("llama"), True)
 
 
+def test_a_gpu_chunk_holds_eight_times_the_logits_and_the_variable_sets_both(monkeypatch):
+    """A GPU sums the head's fp32 gradient once per chunk, a memory-bound pass a CPU does not feel: its chunk is
+    1 GiB of fp32 logits (2,092 tokens at 128k: 4 chunks per 8192 tokens instead of 32), a CPU's 128 MiB."""
+    monkeypatch.delenv(lean_loss.CHUNK_TOKENS_ENV, raising=False)
+    assert lean_loss.chunk_rows(128256, "cuda") == 2092
+    assert lean_loss.chunk_rows(128256, "cpu") == lean_loss.chunk_rows(128256) == 261
+    assert lean_loss.chunk_rows(10**9, "cuda") == 1  # a vocabulary past a chunk's bytes still moves on
+    monkeypatch.setenv(lean_loss.CHUNK_TOKENS_ENV, "300")
+    assert lean_loss.chunk_rows(128256, "cuda") == lean_loss.chunk_rows(128256, "cpu") == 300
+
+
 def test_outside_active_the_model_is_untouched():
     """Without `active` (exports, generation) the model gives full logits and its own loss."""
     model = _model("llama")

@@ -209,7 +209,7 @@ def test_the_lean_loss_holds_one_chunk_of_logits_not_all():
     chunk's logits; at a 128k vocabulary and 8 × 4096 tokens that is gigabytes less."""
     from anygpu.model import lean_loss
 
-    assert memory_plan.LEAN_CHUNK_BYTES == lean_loss.CHUNK_BYTES
+    assert memory_plan.LEAN_CHUNK_BYTES == lean_loss.GPU_CHUNK_BYTES
     shapes, _, _ = plan_tool.load_shapes(None, "llama-1b")
     shapes = dataclasses.replace(shapes, vocab_size=128256)
     own = memory_plan.activation_bytes(shapes, 8, 4096, "bf16", True, lean_loss=False)

@@ -3,8 +3,8 @@
 The model's own loss computes the logits of every token, (tokens × vocabulary), upcasts them to fp32
 and keeps them (and their gradient) for the backward: at a 128k-256k vocabulary the largest tensors
 of a step. Here the output projection (`lm_head`, whatever wraps it: tied weights, a LoRA adapter, a
-module to save, FSDP2's unsharded parameter) runs on `CHUNK_BYTES` worth of tokens at a time, and each
-chunk's gradients (to its hidden states and to the head's parameters) are taken at once, while its
+module to save, FSDP2's unsharded parameter) runs on `chunk_bytes` worth of tokens at a time (fp32 logits of
+128 MiB on a CPU, 1 GiB on a GPU), and each chunk's gradients (to its hidden states and to the head's parameters) are taken at once, while its
 logits exist (Liger's fused linear cross-entropy does the same on GPUs): at most one chunk of fp32
 logits exists at any moment, and none is recomputed (`_ChunkedCrossEntropy` says why).
 
@@ -36,18 +36,29 @@ from anygpu.errors import UsageError
 
 
 IGNORE_INDEX = -100
-CHUNK_BYTES = 128 << 20  # fp32 logits of one chunk: 256 tokens at a 128k vocabulary
+CHUNK_BYTES = 128 << 20  # fp32 logits of one chunk on a CPU: 261 tokens at a 128k vocabulary
+# On a GPU each chunk sums the head's (vocabulary × hidden) gradient into an fp32 buffer: ~5 bytes of memory traffic
+# per weight, 2.6 GB at 128k × 4096, which an H100 moves in ~1.6 ms, as long as ~200 tokens' matmuls take. At
+# 128 MiB chunks the H100 lease measured the lean loss at 0.71x the model's own tokens/s (docs/lean-loss.md); 1 GiB
+# chunks (2,092 tokens at 128k) make that sum ~8% of the head's time; at 8192 tokens the step still holds ~7 GiB
+# less than with the model's own loss (10.2 GiB less at 128 MiB, measured).
+GPU_CHUNK_BYTES = 1 << 30
 CHUNK_TOKENS_ENV = "ANYGPU_LEAN_LOSS_CHUNK_TOKENS"  # tokens per chunk instead (tuning; the tests' many small chunks)
 
 
-def chunk_rows(vocab_size: int) -> int:
-    """Tokens per chunk: `CHUNK_BYTES` of fp32 logits, or $ANYGPU_LEAN_LOSS_CHUNK_TOKENS."""
+def chunk_bytes(device_type: str) -> int:
+    """The fp32 logits of one chunk on this kind of device (`GPU_CHUNK_BYTES` on CUDA and ROCm, else `CHUNK_BYTES`)."""
+    return GPU_CHUNK_BYTES if device_type == "cuda" else CHUNK_BYTES
+
+
+def chunk_rows(vocab_size: int, device_type: str = "cpu") -> int:
+    """Tokens per chunk: `chunk_bytes(device_type)` of fp32 logits, or $ANYGPU_LEAN_LOSS_CHUNK_TOKENS."""
     given = os.environ.get(CHUNK_TOKENS_ENV)
     if given:
         if not given.isdigit() or int(given) < 1:
             raise UsageError(f"{CHUNK_TOKENS_ENV}={given!r}: give a positive number of tokens, e.g. 256")
         return int(given)
-    return max(1, CHUNK_BYTES // (4 * vocab_size))
+    return max(1, chunk_bytes(device_type) // (4 * vocab_size))
 
 
 def _softcap(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -200,9 +211,12 @@ def _install(model: nn.Module, enabled: bool, off_reason: str | None) -> str:
     head.forward = capture  # an instance attribute: the module's class (FSDP2 swaps it) is left alone
     base.loss_function = loss_function  # PreTrainedModel's setter: this model's loss, not the family's
     base._anygpu_lean = state
-    size = f"{chunk_rows(base.config.vocab_size)} tokens"
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"  # where the engines train
+    size = f"{chunk_rows(base.config.vocab_size, device_type)} tokens"
     size += (
-        f" (${CHUNK_TOKENS_ENV})" if os.environ.get(CHUNK_TOKENS_ENV) else f" ({CHUNK_BYTES >> 20} MiB of fp32 logits)"
+        f" (${CHUNK_TOKENS_ENV})"
+        if os.environ.get(CHUNK_TOKENS_ENV)
+        else f" ({chunk_bytes(device_type) >> 20} MiB of fp32 logits)"
     )
     return f"loss: lean (chunked cross-entropy, {size} at a time; --lean_loss false: the model's own)"
 
@@ -256,7 +270,7 @@ def token_log_probs(
     chunk is checkpointed instead, its logits recomputed in the backward (the head's FLOPs once more), never kept."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1).to(hidden.device)
-    rows = chunk_rows(vocab_size)
+    rows = chunk_rows(vocab_size, hidden.device.type)
     pieces = []
     for s in range(0, hidden.shape[0], rows):
         h, y = hidden[s : s + rows], labels[s : s + rows]
@@ -372,10 +386,10 @@ def token_loss_sum(
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of the token losses, number of target tokens) of hidden (…, H) against already shifted labels (…),
-    computing `CHUNK_BYTES` of fp32 logits at a time; `head_forward` is `head`'s own forward."""
+    computing `chunk_bytes` of fp32 logits at a time; `head_forward` is `head`'s own forward."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     labels = labels.reshape(-1).to(hidden.device)
-    rows = chunk_rows(vocab_size)
+    rows = chunk_rows(vocab_size, hidden.device.type)
     count = (labels != ignore_index).sum()
     if not torch.is_grad_enabled():  # evaluation: the chunks' losses alone
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)

@@ -237,7 +237,9 @@ def reference_bytes(shapes: Shapes, strategy: str, precision: str, world: int, r
     return e * shapes.num_params
 
 
-LEAN_CHUNK_BYTES = 128 << 20  # anygpu.model.lean_loss.CHUNK_BYTES (this module stays free of torch)
+LEAN_CHUNK_BYTES = (
+    1 << 30
+)  # anygpu.model.lean_loss.GPU_CHUNK_BYTES: plans are for GPUs (this module stays free of torch)
 
 
 def activation_bytes(
