@@ -78,10 +78,11 @@ else
   fi
 fi
 
-# Pin the torch we have so no later requirement can swap it for another build.
+# Pin the torch we have so no later requirement can swap it for another build: by its distribution's version, which
+# pip matches (PyPI's CUDA wheel is distribution 2.11.0 while torch.__version__ says 2.11.0+cu130, a pin pip cannot meet).
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-echo "torch==$("$PY" -c 'import torch; print(torch.__version__)')" >"$constraints"
+echo "torch==$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')" >"$constraints"
 if [ -n "$CONSTRAINTS" ]; then
   log "versions from $CONSTRAINTS (the ones the test suite passed with)"
   cat "$CONSTRAINTS" >>"$constraints"

@@ -6,6 +6,7 @@ allows (fake smi tools, --dry-run, real gloo ranks); the transport on GPUs is a 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -253,6 +254,23 @@ def test_setup_installs_a_rocm_torch_that_requirements_accept():
         assert re.fullmatch(r"https://download\.pytorch\.org/whl/rocm\d+\.\d+(\.\d+)?", index), index
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert "rocm_torch_index.tsv" in setup and not re.search(r"whl/rocm\d", setup)  # one table, no second copy
+
+
+def test_setup_pins_the_installed_torch_as_pip_knows_it(tmp_path):
+    """PyPI's CUDA wheel (what setup.sh installs on an NVIDIA machine, and the GPU lease's device has) is distribution
+    2.11.0 whose torch.__version__ says 2.11.0+cu130: the pin must be the distribution's, or pip refuses to resolve."""
+    fake = tmp_path / "site"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text('__version__ = "2.11.0+cu130"\n')
+    (fake / "torch-2.11.0.dist-info").mkdir()
+    (fake / "torch-2.11.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0\n")
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    snippet = re.search(r'echo "torch==\$\("\$PY" -c \'([^\']+)\'\)" >"\$constraints"', setup)[1]
+    pin = subprocess.run(
+        [sys.executable, "-c", snippet], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(fake)}
+    )
+    assert pin.stdout.strip() == "2.11.0", pin.stderr
+    assert Requirement(f"torch=={pin.stdout.strip()}").specifier.contains(Version("2.11.0"))
 
 
 # ------------------------------------------------------------------ 18. vendor presets
