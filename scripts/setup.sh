@@ -85,7 +85,7 @@ trap 'rm -f "$constraints"' EXIT
 echo "torch==$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')" >"$constraints"
 if [ -n "$CONSTRAINTS" ]; then
   log "versions from $CONSTRAINTS (the ones the test suite passed with)"
-  cat "$CONSTRAINTS" >>"$constraints"
+  "$PY" scripts/constraints_for_torch.py "$CONSTRAINTS" >>"$constraints"   # less any pin this torch excludes
 fi
 
 # setup.py of DeepSpeed imports torch: build it against the torch above, not a fresh

@@ -273,6 +273,28 @@ def test_setup_pins_the_installed_torch_as_pip_knows_it(tmp_path):
     assert Requirement(f"torch=={pin.stdout.strip()}").specifier.contains(Version("2.11.0"))
 
 
+def test_setup_leaves_out_the_pins_the_installed_torch_excludes(tmp_path):
+    """The constraints were frozen beside one torch; a machine's own torch (PyPI's 2.11 requires setuptools<82, the
+    freeze has 84) must not make pip refuse the install: that pin is left to torch, every other pin stays."""
+    fake = tmp_path / "site"
+    (fake / "torch-2.11.0.dist-info").mkdir(parents=True)
+    (fake / "torch-2.11.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0\nRequires-Dist: setuptools<82\n"
+        "Requires-Dist: sympy>=1.13.3\nRequires-Dist: nvidia-nccl-cu13==2.28.9; platform_system == 'Linux'\n"
+    )
+    pins = tmp_path / "constraints.txt"
+    pins.write_text("# frozen\nsetuptools==84.0.0\nsympy==1.14.0\ntransformers==5.23.0\n")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "constraints_for_torch.py"), str(pins)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(fake)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["# frozen", "sympy==1.14.0", "transformers==5.23.0"]
+    assert "setuptools==84.0.0 left to torch's own requirement setuptools<82" in out.stderr
+
+
 # ------------------------------------------------------------------ 18. vendor presets
 @pytest.mark.parametrize(
     "vendor, kwargs", [(NVIDIA, {}), (AMD, {"rocm_version": (7, 0), "gpu_names": ["AMD Instinct MI300X"] * 8})]
