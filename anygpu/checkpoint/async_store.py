@@ -32,6 +32,10 @@ from torch import nn
 from anygpu.checkpoint import store
 from anygpu.runtime import distributed, faults, parallel, progress
 
+# torch before 2.13 closes a DefaultStager's copier after each staging (its copy table emptied: the next staging
+# fails on the first OrderedDict, with KeyError: <class 'type'>), so there a stager serves one save.
+STAGER_REUSABLE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
 logger = logging.getLogger(__name__)
 
 
@@ -67,13 +71,13 @@ class AsyncCheckpointer:
         # first save (every rank saves at the same step), so a run that never saves holds no extra group.
         self.group = None
         gpu = device.type == "cuda"
-        # One stager for the run: on a GPU its pinned host buffers are allocated once and reused.
-        self.stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=gpu
-            )
+        self.options = StagingOptions(
+            use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=gpu
         )
+        # One stager for the run where torch allows it: on a GPU its pinned host buffers are allocated once.
+        self.stager = DefaultStager(self.options)
         self.pending: _Pending | None = None
+        self.saves_started = 0  # saves started with this saver
         self.stalls: list[float] = []  # seconds training stopped per save (staging + waiting for the previous one)
 
     def save(
@@ -97,6 +101,9 @@ class AsyncCheckpointer:
             if self.group is None:
                 self.group = dist.new_group(backend="gloo")
                 distributed.keep_timeout(self.group)  # a write may outlast the training steps' short timeout
+            if not STAGER_REUSABLE and self.saves_started:
+                self.stager = type(self.stager)(self.options)
+            self.saves_started += 1
             future = dcp.async_save(
                 state_dict, checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager
             )
