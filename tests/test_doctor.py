@@ -43,6 +43,7 @@ def test_cpu_machine_passes_and_says_no_gpu(capsys, tmp_path, monkeypatch):
     assert report["launchers"]["fsdp"]["command"].endswith(" -m anygpu.engines.run_fsdp")
 
 
+@pytest.mark.slow  # two doctor runs with the launchers' dry runs
 def test_fake_smi_gpus_are_reported_with_the_launchers_commands(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{FAKES}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_NVIDIA", "ok")

@@ -103,7 +103,16 @@ def assert_lock_released(output_dir: Path) -> None:
     assert not (output_dir / LOCK).exists(), "the exit left the output_dir lock behind"
 
 
-@pytest.mark.parametrize("mode", ["long-step", "long-save", "usr1", "long-backward", "long-optimizer-step"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "long-step",
+        *(  # the same boundary from each other place a signal can land: the quick tier keeps one
+            pytest.param(m, marks=pytest.mark.slow)
+            for m in ("long-save", "usr1", "long-backward", "long-optimizer-step")
+        ),
+    ],
+)
 def test_a_healthy_job_always_reaches_its_step_boundary(mode, tmp_path):
     proc, _ = run(mode, tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -219,6 +219,7 @@ def transport_check(tmp_path, nproc: int = 2, **extra: str) -> tuple[str, float]
     return "\n".join(lines) or proc.stdout + proc.stderr[-2000:], time.time() - start
 
 
+@pytest.mark.slow  # waits out a connect timeout
 def test_the_transport_check_names_the_rank_that_never_joins(tmp_path):
     """Rank 1 passes the barrier but its all-reduce never comes (as over a wrong interface): rank 0 names it
     within the check's timeout instead of waiting for the collective's own."""
