@@ -4,9 +4,10 @@ The model's own loss computes the logits of every token, (tokens × vocabulary),
 and keeps them (and their gradient) for the backward: at a 128k-256k vocabulary the largest tensors
 of a step. Here the output projection (`lm_head`, whatever wraps it: tied weights, a LoRA adapter, a
 module to save, FSDP2's unsharded parameter) runs on `chunk_bytes` worth of tokens at a time (fp32 logits of
-128 MiB on a CPU, 1 GiB on a GPU), and each chunk's gradients (to its hidden states and to the head's parameters) are taken at once, while its
-logits exist (Liger's fused linear cross-entropy does the same on GPUs): at most one chunk of fp32
-logits exists at any moment, and none is recomputed (`_ChunkedCrossEntropy` says why).
+128 MiB on a CPU, 1 GiB on a GPU), and each chunk's gradients (to its hidden states and to the head's
+parameters) are taken at once, while its logits exist (Liger's fused linear cross-entropy does the same on
+GPUs): at most one chunk of fp32 logits exists at any moment, and none is recomputed (`_ChunkedCrossEntropy`
+says why).
 
 How it enters the model's forward (the same in both engines, so FSDP2/DDP hooks see a normal forward):
 under `active(model)` the `lm_head` records its input and returns empty logits (…, 0); the model then

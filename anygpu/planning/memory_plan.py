@@ -237,9 +237,8 @@ def reference_bytes(shapes: Shapes, strategy: str, precision: str, world: int, r
     return e * shapes.num_params
 
 
-LEAN_CHUNK_BYTES = (
-    1 << 30
-)  # anygpu.model.lean_loss.GPU_CHUNK_BYTES: plans are for GPUs (this module stays free of torch)
+# anygpu.model.lean_loss.GPU_CHUNK_BYTES: plans are for GPUs (this module stays free of torch)
+LEAN_CHUNK_BYTES = 1 << 30
 
 
 def activation_bytes(
