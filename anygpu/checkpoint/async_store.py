@@ -77,7 +77,6 @@ class AsyncCheckpointer:
         # One stager for the run where torch allows it: on a GPU its pinned host buffers are allocated once.
         self.stager = DefaultStager(self.options)
         self.pending: _Pending | None = None
-        self.saves_started = 0  # saves started with this saver
         self.stalls: list[float] = []  # seconds training stopped per save (staging + waiting for the previous one)
 
     def save(
@@ -101,9 +100,8 @@ class AsyncCheckpointer:
             if self.group is None:
                 self.group = dist.new_group(backend="gloo")
                 distributed.keep_timeout(self.group)  # a write may outlast the training steps' short timeout
-            if not STAGER_REUSABLE and self.saves_started:
+            if not STAGER_REUSABLE:  # a fresh one per save (making one allocates nothing)
                 self.stager = type(self.stager)(self.options)
-            self.saves_started += 1
             future = dcp.async_save(
                 state_dict, checkpoint_id=str(tmp), process_group=self.group, async_stager=self.stager
             )
