@@ -24,7 +24,8 @@
 # benchmarks/lease_gpu_tests_passed.txt; part 3 runs the others first.
 # Knobs: JOBS (rows at once in the rehearsal, default 2; one on a GPU), OUT (default outputs/lease), PYTHON (default
 # .venv/bin/python where there is one, else python3: the device image's), BUDGET, ROW_LIMIT (seconds per row,
-# default 150), SITE (default /tmp/anygpu-lease-site), LEASE_WORK (default /tmp/anygpu-lease), LEASE_VENV (default
+# default 150), TEST_LIMIT (seconds per GPU test in part 3, its module's shared runs included; default 150), SITE
+# (default /tmp/anygpu-lease-site), LEASE_WORK (default /tmp/anygpu-lease), LEASE_VENV (default
 # ~/.cache/anygpu/lease-venv), PYTHON312 (the rehearsal venv's interpreter; default: python3.12 or pyenv's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,7 @@ OUT=${OUT:-outputs/lease}
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 BUDGET=${BUDGET:-255}
 ROW_LIMIT=${ROW_LIMIT:-150}
+TEST_LIMIT=${TEST_LIMIT:-150}
 SITE=${SITE:-/tmp/anygpu-lease-site}
 LEASE_VENV=${LEASE_VENV:-$HOME/.cache/anygpu/lease-venv}
 WHEELS=.whl
@@ -139,8 +141,9 @@ gpu_tests() {  # the GPU tests in the part's time, the unproven first (-v: a cut
   left=$((BUDGET - (SECONDS - START)))
   if [ "$GPU" = 1 ] && [ "$left" -lt 30 ]; then echo "- GPU tests: skipped (time budget)"; return; fi
   say "GPU tests (pytest -m gpu; on a GPU the unproven first), $left s"
+  # --timeout: one slow test fails alone instead of taking the others' minutes (the FP8 test took a whole call once)
   timeout --kill-after 10 "$([ "$GPU" = 1 ] && echo "$left" || echo 600)" "$PYTHON" -m pytest -m gpu -n 0 -v \
-    -p no:cacheprovider -rs --durations 10 "${ids[@]}" >"$OUT/gpu-tests.log" 2>&1 || status=$?
+    -p no:cacheprovider -rs --durations 10 --timeout "$TEST_LIMIT" "${ids[@]}" >"$OUT/gpu-tests.log" 2>&1 || status=$?
   echo "- GPU tests (\`pytest -m gpu\`, gpu-tests.log): $(tail -n 1 "$OUT/gpu-tests.log") (exit $status); passed: $(grep -c ' PASSED' "$OUT/gpu-tests.log" || true)"
 }
 
