@@ -1,5 +1,5 @@
-"""--objective dpo keeps the same curve: 1, 2, 3 and 4 ranks (HSDP 2 × 2), micro-batches of 1 to 12 pairs, packed
-and padded rows, both engines, the reference's log-probs computed, read from the cache or from a frozen copy at every
+"""--objective dpo keeps the same curve: 1, 2, 3 and 4 ranks (HSDP 2 × 2, context parallelism --cp 2), micro-batches
+of 1 to 12 pairs, packed and padded rows, both engines, the reference's log-probs computed, read from the cache or from a frozen copy at every
 step, LoRA (its base as the reference), and a resume on another world size and mesh. Five launches share the runs."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def dpo(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("dpo")
     base, ref = build_models(root)
     files = write_kinds(root, train=24, validation=8)
-    out = {name: root / name for name in "abcdefgh"}
+    out = {name: root / name for name in "abcdefghijk"}
     said = {}
     # 1 rank: the reference run (the reference's log-probs computed), a frozen reference copy with padded rows and
     # micro-batches of 3, LoRA (its base's log-probs computed)
@@ -56,13 +56,19 @@ def dpo(tmp_path_factory) -> dict:
             job(base, None, files, out["c"], *LORA),
         ],
     )  # fmt: skip
-    # 2 ranks: micro-batches of 1 reading the cache; LoRA with the adapter disabled as the reference at every step
+    # 2 ranks: micro-batches of 1 reading the cache; LoRA with the adapter disabled as the reference at every step;
+    # one CP group of 2 (each sequence cut in two): the cache read, a frozen reference copy split like the policy
+    # over padded rows, LoRA's base
     two = fsdp_runs(
         2,
         [
             job(base, ref, files, out["d"], "--per_device_train_batch_size", "1"),
             job(base, None, files, out["e"], *LORA, "--precompute_ref_log_probs", "false",
                 "--per_device_train_batch_size", "3"),
+            job(base, ref, files, out["i"], "--cp", "2", "--per_device_train_batch_size", "4"),
+            job(base, ref, files, out["j"], "--cp", "2", "--precompute_ref_log_probs", "false", "--packing", "false",
+                "--per_device_train_batch_size", "3"),
+            job(base, None, files, out["k"], *LORA, "--cp", "2", "--precompute_ref_log_probs", "false"),
         ],
     )  # fmt: skip
     # 3 ranks, stopped after step 2; resumed on 4 ranks as HSDP 2 × 2, after a run of its own there
@@ -78,7 +84,7 @@ def dpo(tmp_path_factory) -> dict:
     )
     # the HF engine, DDP over 2 processes
     hf_runs(2, [job(base, ref, files, out["h"], "--per_device_train_batch_size", "2")])
-    said.update(a=one[0], c=one[2], d=two[0], e=two[1], f=four[1])
+    said.update(a=one[0], c=one[2], d=two[0], e=two[1], f=four[1], i=two[2], j=two[3], k=two[4])
     return {"out": out, "said": said, "base": base, "ref": ref, "files": files, "root": root}
 
 
@@ -109,6 +115,8 @@ def assert_same(a: list[dict], b: list[dict], what: str) -> None:
         ("d", "2 ranks, micro-batches of 1, the cache read"),
         ("g", "4 ranks, HSDP 2 × 2"),
         ("h", "the HF engine, DDP over 2 processes"),
+        ("i", "one CP group of 2 ranks (--cp 2), the cache read"),
+        ("j", "--cp 2, a frozen reference copy split like the policy, padded rows, micro-batches of 3"),
         ("f", "3 ranks, resumed after step 2 on 4 ranks as HSDP 2 × 2"),
     ],
 )
@@ -125,6 +133,8 @@ def test_lora_on_one_and_two_ranks(dpo):
     assert "reference: the base model (the LoRA adapter disabled), at every step" in dpo["said"]["e"]
     assert sorted(losses(dpo["out"]["c"])) == [1, 2, 3]
     assert_same(records(dpo["out"]["e"]), records(dpo["out"]["c"]), "LoRA, 2 ranks")
+    assert "reference: the base model (the LoRA adapter disabled), at every step" in dpo["said"]["k"]
+    assert_same(records(dpo["out"]["k"]), records(dpo["out"]["c"]), "LoRA, --cp 2")
     first = records(dpo["out"]["c"])[0]
     assert first["step"] == 0 and abs(first["eval_loss"] - 0.6931472) < 1e-6  # the policy starts as its reference
 

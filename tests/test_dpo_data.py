@@ -216,7 +216,6 @@ def test_data_and_objective_must_match(folders, tmp_path, capsys):
         (["--loss_type", "sigmoid,kto"], "--loss_type kto is unknown: use one or more of sigmoid, hinge, ipo"),
         (["--loss_type", "sigmoid,sft", "--loss_weights", "1"], "--loss_weights 1: give one weight per --loss_type"),
         (["--loss_type", "robust", "--label_smoothing", "0.5"], "--label_smoothing 0.5 must be in [0, 0.5)"),
-        (["--cp", "2"], "--cp 2 with --objective dpo"),
         (
             ["--global_batch_tokens", "128"],
             "--global_batch_tokens 128 with --objective dpo",
@@ -254,11 +253,3 @@ def test_the_hf_engine_trains_pairs_under_ddp_only(monkeypatch):
     m, d, t, e = parse_args(["--model_name_or_path", "/tmp", "--objective", "dpo"], extra=(HFEngineArguments,))
     with pytest.raises(UsageError, match="--objective dpo with the HF engine under .*use the FSDP2 engine"):
         engine.refuse_early(m, t, e)
-
-
-def test_verify_refuses_context_parallelism_for_a_dpo_job(folders, tmp_path, capsys):
-    from anygpu.tools import verify
-
-    job = dpo_args(folders, edited(tmp_path, 0), tmp_path)
-    assert verify.main(["--world_sizes", "1,2", "--cp", "2", "--", *job]) == 2
-    assert "--cp 2: the job trains preference pairs (--objective dpo)" in capsys.readouterr().err

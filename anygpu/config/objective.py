@@ -161,8 +161,3 @@ def check_with_model(model_args, data_args, train_args) -> None:
             "give a number of pairs per device, e.g. --per_device_train_batch_size 2 (anygpu plan --objective dpo "
             "estimates what fits)."
         )
-    if train_args.cp > 1:
-        raise UsageError(
-            f"--cp {train_args.cp} with --objective dpo: context parallelism is not wired into preference training "
-            "(a pair's log-probs are summed over whole sequences); use --cp 1."
-        )

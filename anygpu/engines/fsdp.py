@@ -172,7 +172,7 @@ def train_step(
             context_parallel.split(model, batch, cp) as inputs,
         ):
             if objective is not None:
-                loss = objective.loss(model, model, batch, num_targets)
+                loss = objective.loss(model, model, batch, num_targets, inputs, cp)
             else:  # no KV cache: transformers confines attention to packed samples only without one
                 out = model(**inputs, use_cache=False, num_items_in_batch=num_targets)
                 loss = moe.global_batch_loss(model, out, batch, prep.plan.global_batch_size, cp)

@@ -313,6 +313,27 @@ def split(model: nn.Module, batch: dict[str, torch.Tensor], cp: CPGroup) -> Iter
         )
 
 
+def part_of(full: torch.Tensor, cp: CPGroup, pad_value: int) -> torch.Tensor:
+    """This rank's part of a per-position tensor of the full rows [b, T] (padded to a multiple of C as `split`
+    pads the rows: a per-position value cut the same way as the tokens it belongs to)."""
+    padded = F.pad(full, (0, -full.shape[-1] % cp.size), value=pad_value)
+    part = padded.shape[-1] // cp.size
+    return padded[..., cp.index * part : (cp.index + 1) * part]
+
+
+def sum_over_group(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """`x` summed over the CP group, every rank the same (autograd: each rank's `x` gets the gradient of the sum,
+    summed over the group: a loss that every rank of a group computes from the sum counts C times)."""
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(x, group=cp.group)
+
+
+def is_split(model: nn.Module) -> bool:
+    """The model's attention is split now (the forward of a micro-batch's part runs inside `split`)."""
+    return getattr(model.config, "_attn_implementation", None) == ATTENTION
+
+
 def gather_tokens(x: torch.Tensor, cp: CPGroup, rows: int) -> torch.Tensor:
     """A per-token tensor of this rank's part of `rows` rows, [rows·T/C, E] → the full rows' [rows·T, E], every
     rank the same (autograd: each part's gradient, summed over the CP group, goes back to its rank)."""

@@ -487,13 +487,15 @@ def recommend(
 
 
 def runners_up(result: PlanResult, lora: bool, limit: int = 3) -> list[tuple[Row, int]]:
-    """The best fitting setting of each other strategy (bf16 and no checkpointing first, largest micro-batch),
-    with its accumulation steps, in the planner's order of preference."""
-    rec, n = result.recommended, max(1, result.machine.num_gpus)
-    share = result.global_batch_size // n
+    """The best fitting setting of each other strategy the plan weighed (--objective dpo and --cp leave some out;
+    bf16 and no checkpointing first, largest micro-batch), with its accumulation steps, in the planner's order of
+    preference."""
+    rec, cp = result.recommended, result.cp
+    share = result.global_batch_size // max(1, result.machine.num_gpus // cp)
+    weighed = {r.strategy for r in result.rows}
     out = []
     for strategy in memory_plan.PREFERENCE:
-        if rec is not None and strategy == rec.strategy:
+        if (rec is not None and strategy == rec.strategy) or strategy not in weighed:
             continue
         for precision, ckpt in (("bf16", False), ("bf16", True), ("fp32", False), ("fp32", True)):
             row = next(
@@ -502,7 +504,7 @@ def runners_up(result: PlanResult, lora: bool, limit: int = 3) -> list[tuple[Row
                     for m in reversed(memory_plan.divisors(share))
                     if (
                         r := memory_plan.row_for(
-                            result.shapes, result.machine, strategy, precision, ckpt, lora, m, result.block_size
+                            result.shapes, result.machine, strategy, precision, ckpt, lora, m, result.block_size, cp=cp
                         )
                     ).fits
                 ),

@@ -210,11 +210,6 @@ def check_job(job: list[str], engines: list[str], sizes: list[int], cps: list[in
         )
     parsed = parse_args(job, extra=extra)
     train = parsed[2]
-    if cps and train.is_dpo:
-        raise UsageError(
-            f"--cp {','.join(map(str, cps))}: the job trains preference pairs (--objective dpo), which context "
-            "parallelism does not split: leave --cp out"
-        )
     for name in JOB_OWNED:
         if getattr(train, name) is not None:
             raise UsageError(

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from anygpu.config.objective import PAIR_LOSSES
 from anygpu.data.collate import batch_to
 from anygpu.data.order import eval_shards
-from anygpu.data.pair_batches import model_inputs
 from anygpu.model import sequence_log_probs
-from anygpu.runtime import distributed
+from anygpu.runtime import context_parallel, distributed
+from anygpu.runtime.context_parallel import CPGroup
 
 METRICS = (
     "rewards/chosen",
@@ -158,16 +158,23 @@ Forward = Callable[..., Any]
 RefLogps = Callable[[dict[str, torch.Tensor]], torch.Tensor]  # a batch → the reference's (2m,) sequence log-probs
 
 
-def pair_logps(model, call: Forward, batch: dict[str, torch.Tensor], reference: RefLogps | None) -> PairLogps:
-    """The policy's sequence log-probs of a batch's pairs (one forward: `call`), with the reference's."""
+def pair_logps(
+    model,
+    call: Forward,
+    batch: dict[str, torch.Tensor],
+    reference: RefLogps | None,
+    part: dict[str, torch.Tensor] | None = None,
+    cp: CPGroup = context_parallel.NONE,
+) -> PairLogps:
+    """The policy's sequence log-probs of a batch's pairs (one forward: `call`), with the reference's; under CP from
+    this rank's `part` of the rows, the sums added over the group."""
     n = batch["completion_tokens"].numel()
     m = n // 2
-    values, _ = sequence_log_probs.token_log_probs(model, call, model_inputs(batch), batch["labels"])
-    seq = sequence_log_probs.sequence_sums(values, batch["segment"], n)
+    seq = sequence_log_probs.pair_sequence_log_probs(model, call, batch, part, cp)
     if "ref_logps" in batch:
         ref = batch["ref_logps"].to(seq.device, seq.dtype)
     elif reference is not None:
-        ref = reference(batch).to(seq.device, seq.dtype)
+        ref = reference(batch, part, cp).to(seq.device, seq.dtype)
     else:
         ref = torch.zeros_like(seq)
     completion = batch["completion_tokens"].to(seq.device, seq.dtype)
@@ -186,15 +193,27 @@ class DPOObjective:
         """A step starts; `counts`: its global [pairs, chosen tokens] (all-reduced)."""
         self._sums, self._pairs = None, counts[0]
 
-    def loss(self, model, call: Forward, batch: dict[str, torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+    def loss(
+        self,
+        model,
+        call: Forward,
+        batch: dict[str, torch.Tensor],
+        counts: torch.Tensor,
+        part: dict[str, torch.Tensor] | None = None,
+        cp: CPGroup = context_parallel.NONE,
+    ) -> torch.Tensor:
         """This micro-batch's share of the step's loss (its pair terms over the global pairs, its chosen tokens'
-        NLL over the global chosen tokens): the shares of every micro-batch of every rank sum to the step's loss."""
-        p = pair_logps(model, call, batch, self.reference)
+        NLL over the global chosen tokens): the shares of every micro-batch of every rank sum to the step's loss.
+        Under CP each of the group's C ranks computes the same pairs' terms from the group's sums: a 1/C share each
+        (the sums' backward brings every rank's part the whole gradient of the group's terms)."""
+        p = pair_logps(model, call, batch, self.reference, part, cp)
         counts = counts.to(p.chosen.device)
         loss = pair_terms(self.cfg, p).sum() / counts[0]
         if self.cfg.sft_weight:
             loss = loss + self.cfg.sft_weight * -p.chosen.sum() / counts[1].clamp(min=1)
         sums = metric_sums(self.cfg, p)
+        if cp.size > 1:
+            loss, sums = loss / cp.size, sums / cp.size
         self._sums = sums if self._sums is None else self._sums + sums
         return loss
 

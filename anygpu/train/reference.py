@@ -30,14 +30,15 @@ from datasets import Dataset
 
 from anygpu.data.collate import batch_to
 from anygpu.data.order import eval_shards
-from anygpu.data.pair_batches import REF_COLUMNS, model_inputs
+from anygpu.data.pair_batches import REF_COLUMNS
 from anygpu.model import hub_weights, sequence_log_probs
-from anygpu.runtime import distributed
+from anygpu.runtime import context_parallel, distributed
+from anygpu.runtime.context_parallel import CPGroup
 from anygpu.runtime.distributed import DistInfo
 
 logger = logging.getLogger(__name__)
 REF_VERSION = "1"
-RefForward = Callable[[dict[str, torch.Tensor]], torch.Tensor]  # a batch → its sequences' log-probs (2m,)
+RefForward = Callable[..., torch.Tensor]  # a batch (and under CP the rank's part, the group) → its sequences' (2m,)
 
 
 def identity(path: str) -> str:
@@ -57,20 +58,29 @@ def cache_file(cache_dir: str, pairs_key: str, reference: str, precision: str, s
 
 def forward_of(model, call: Callable, disable_adapter: bool = False) -> RefForward:
     """The reference's log-probs of a batch from `model` (forward through `call`), under no_grad; `disable_adapter`:
-    the PEFT model's base (peft's `disable_adapter`)."""
+    the PEFT model's base (peft's `disable_adapter`). Under CP (`part`, `cp`: the policy's part of the rows, inside
+    its `context_parallel.split`) from the same part: the policy itself is split already, a frozen copy is split
+    for its forward."""
 
-    def forward(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        batch: dict[str, torch.Tensor], part: dict[str, torch.Tensor] | None = None, cp: CPGroup = context_parallel.NONE
+    ) -> torch.Tensor:
         off = model.disable_adapter() if disable_adapter else contextlib.nullcontext()
+        own = cp.size > 1 and not context_parallel.is_split(model)
         was_training = model.training
         model.eval()  # the policy itself (the starting model, or LoRA's base): no checkpointing, no training-only paths
         try:
-            with torch.no_grad(), off:
-                values, _ = sequence_log_probs.token_log_probs(model, call, model_inputs(batch), batch["labels"])
+            with torch.no_grad(), off, context_parallel.split(model, batch, cp) if own else _as_is(part) as mine:
+                return sequence_log_probs.pair_sequence_log_probs(model, call, batch, mine, cp)
         finally:
             model.train(was_training)
-        return sequence_log_probs.sequence_sums(values, batch["segment"], batch["completion_tokens"].numel())
 
     return forward
+
+
+@contextlib.contextmanager
+def _as_is(part):
+    yield part
 
 
 def compute(dataset: Dataset, collator, forward: RefForward, info: DistInfo, batch_size: int) -> torch.Tensor:
