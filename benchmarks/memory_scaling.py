@@ -70,7 +70,12 @@ def train_args(out: Path, name: str, global_batch: int, steps: int) -> list[str]
 
 
 def runs(
-    ranks: int, out: Path, steps: int, native_steps: int | None = None, accumulation: bool = True
+    ranks: int,
+    out: Path,
+    steps: int,
+    native_steps: int | None = None,
+    accumulation: bool = True,
+    hf_checkpoint: bool = True,
 ) -> list[tuple[str, str, list[str]]]:
     """(label, engine, arguments) of one launch; on several ranks also 4 accumulation steps, before the 1-step run (what
     one training leaves behind in the process can only lower the next one's figure: the one subtracted)."""
@@ -87,7 +92,8 @@ def runs(
     if ranks > 1 and accumulation:
         acc4 = train_args(out, f"fsdp-acc4-{tag}", 4 * ranks, native_steps) + no_checkpoint
         native.insert(0, ("fsdp_acc4", "fsdp", acc4))
-    hf = [("warm_hf", "hf", warm("hf")), ("hf", "hf", train_args(out, f"hf-{tag}", ranks, steps))]
+    hf_args = train_args(out, f"hf-{tag}", ranks, steps) + ([] if hf_checkpoint else no_checkpoint)
+    hf = [("warm_hf", "hf", warm("hf")), ("hf", "hf", hf_args)]
     return [("warm_fsdp", "fsdp", warm("fsdp")), *native, *hf]  # the native engine's first (see RANK_SCRIPT)
 
 
@@ -132,6 +138,7 @@ def measure(
     env: dict | None = None,
     native_steps: int | None = None,
     accumulation: bool = True,
+    hf_checkpoint: bool = True,
 ) -> dict:
     """The figures; `native_steps`: the native engine's runs' optimizer steps, if not `steps` (its peak is reached in
     the first step, where AdamW makes its states: the test takes 1, the 4 gloo ranks' longest part halved);
@@ -139,10 +146,14 @@ def measure(
     gradient bytes a rank holds after each micro-batch, exact and a fraction of its time)."""
     with tempfile.TemporaryDirectory(prefix="anygpu-memory-") as tmp, ThreadPoolExecutor(1) as pool:
         # both launches at once (a process's peak is its own): the 1-rank one leaves a core idle otherwise
-        single = pool.submit(launch, 1, runs(1, Path(tmp), steps, native_steps, accumulation), launcher, env)
+        single = pool.submit(
+            launch, 1, runs(1, Path(tmp), steps, native_steps, accumulation, hf_checkpoint), launcher, env
+        )
         many = {
             k: max(v)
-            for k, v in launch(ranks, runs(ranks, Path(tmp), steps, native_steps, accumulation), launcher, env).items()
+            for k, v in launch(
+                ranks, runs(ranks, Path(tmp), steps, native_steps, accumulation, hf_checkpoint), launcher, env
+            ).items()
         }
         one = {k: max(v) for k, v in single.result().items()}
     size = model_bytes()

@@ -305,22 +305,25 @@ def assert_close(a: dict[int, float], b: dict[int, float], rel: float, steps=Non
 
 # The files that take longest (`pytest --durations=0` on 2 cores, summed per file), longest first: handed out
 # first, so neither worker starts one of them near the end while the other idles.
-LONGEST_FILES = (
-    "test_memory_scaling.py",
+LONGEST_FILES = (  # by their measured time on the 2-core machine, 2026-11-26 (--durations)
     "test_faults.py",
-    "test_verify.py",
     "test_launch.py",
+    "test_memory_scaling.py",
     "test_model_families.py",
-    "test_wheel.py",
-    "test_hf_deepspeed.py",
-    "test_dpo.py",
-    "test_sft.py",
-    "test_dpo_trl.py",
-    "test_demo.py",
-    "test_bench.py",
     "test_fsdp_engine.py",
+    "test_verify.py",
+    "test_wheel.py",
+    "test_sft.py",
+    "test_hf_deepspeed.py",
+    "test_fp8.py",
+    "test_dpo.py",
+    "test_preempt.py",
     "test_context_parallel.py",
+    "test_fast_paths.py",
+    "test_demo.py",
     "test_mixture_runs.py",
+    "test_dpo_trl.py",
+    "test_bench.py",
 )
 
 

@@ -24,7 +24,13 @@ def measured() -> dict:
     from conftest import env
 
     got = memory_scaling.measure(
-        2, 1, launcher=[*WARM[:2], "accelerate", "launch"], env=env(), native_steps=1, accumulation=False
+        2,
+        1,
+        launcher=[*WARM[:2], "accelerate", "launch"],
+        env=env(),
+        native_steps=1,
+        accumulation=False,
+        hf_checkpoint=False,
     )
     print("memory_scaling:", got)  # the figures, with -s
     return got
