@@ -80,6 +80,9 @@ def test_a_real_ctrl_c_and_ctrl_d_in_the_real_command():
     while "engine (" not in out:  # the first question is asked: it now blocks in a read
         out += proc.stdout.read(1)
     proc.send_signal(signal.SIGINT)
+    # stdin stays open until it has exited: communicate() closes it at once, and a child that read the EOF before
+    # the signal arrived would take it for Ctrl-D (exit 1; seen once under a loaded CI run)
+    proc.wait(timeout=60)
     rest, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err and "interrupted, nothing launched" in err, err
     eof = subprocess.run(cmd, cwd=ROOT, env=e, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
