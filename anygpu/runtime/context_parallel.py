@@ -290,10 +290,7 @@ def split(model: nn.Module, batch: dict[str, torch.Tensor], cp: CPGroup) -> Iter
     rows, me = _full_rows(batch, cp.size), cp.index
     config = model.config
     base = config._attn_implementation
-    part = rows["input_ids"].shape[1] // cp.size
-    local = {
-        k: rows[k][:, me * part : (me + 1) * part].contiguous() for k in ("input_ids", "position_ids", "shift_labels")
-    }
+    local = {k: _cut(rows[k], cp).contiguous() for k in ("input_ids", "position_ids", "shift_labels")}
     local["labels"] = local["shift_labels"]  # the loss runs when labels are given; it reads shift_labels
     mask = _full_mask(model, rows, cp.compute_dtype)
     split = _Split(
@@ -316,9 +313,13 @@ def split(model: nn.Module, batch: dict[str, torch.Tensor], cp: CPGroup) -> Iter
 def part_of(full: torch.Tensor, cp: CPGroup, pad_value: int) -> torch.Tensor:
     """This rank's part of a per-position tensor of the full rows [b, T] (padded to a multiple of C as `split`
     pads the rows: a per-position value cut the same way as the tokens it belongs to)."""
-    padded = F.pad(full, (0, -full.shape[-1] % cp.size), value=pad_value)
-    part = padded.shape[-1] // cp.size
-    return padded[..., cp.index * part : (cp.index + 1) * part]
+    return _cut(F.pad(full, (0, -full.shape[-1] % cp.size), value=pad_value), cp)
+
+
+def _cut(rows: torch.Tensor, cp: CPGroup) -> torch.Tensor:
+    """This rank's contiguous part of the last dimension of rows already padded to a multiple of C."""
+    part = rows.shape[-1] // cp.size
+    return rows[..., cp.index * part : (cp.index + 1) * part]
 
 
 def sum_over_group(x: torch.Tensor, cp: CPGroup) -> torch.Tensor:

@@ -155,7 +155,7 @@ def scored_tokens(batch: dict[str, torch.Tensor], num_sequences: int) -> torch.T
 
 
 Forward = Callable[..., Any]
-RefLogps = Callable[[dict[str, torch.Tensor]], torch.Tensor]  # a batch → the reference's (2m,) sequence log-probs
+RefLogps = Callable[..., torch.Tensor]  # a batch (under CP: its part, the group) → the reference's (2m,) log-probs
 
 
 def pair_logps(

@@ -70,17 +70,16 @@ def forward_of(model, call: Callable, disable_adapter: bool = False) -> RefForwa
         was_training = model.training
         model.eval()  # the policy itself (the starting model, or LoRA's base): no checkpointing, no training-only paths
         try:
-            with torch.no_grad(), off, context_parallel.split(model, batch, cp) if own else _as_is(part) as mine:
+            with (
+                torch.no_grad(),
+                off,
+                context_parallel.split(model, batch, cp) if own else contextlib.nullcontext(part) as mine,
+            ):
                 return sequence_log_probs.pair_sequence_log_probs(model, call, batch, mine, cp)
         finally:
             model.train(was_training)
 
     return forward
-
-
-@contextlib.contextmanager
-def _as_is(part):
-    yield part
 
 
 def compute(dataset: Dataset, collator, forward: RefForward, info: DistInfo, batch_size: int) -> torch.Tensor:
