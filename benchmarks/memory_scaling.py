@@ -34,10 +34,10 @@ RANK_SCRIPT = "benchmarks/_peak_memory_runs.py"
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
-def train_args(out: Path, name: str, global_batch: int, steps: int) -> list[str]:
+def train_args(out: Path, name: str, global_batch: int, steps: int, model: Path = MODEL) -> list[str]:
     return [
         "--config_name",
-        str(MODEL),
+        str(model),
         "--max_corpus_mb",
         "1",
         "--block_size",
@@ -76,6 +76,7 @@ def runs(
     native_steps: int | None = None,
     accumulation: bool = True,
     hf_checkpoint: bool = True,
+    model: Path = MODEL,
 ) -> list[tuple[str, str, list[str]]]:
     """(label, engine, arguments) of one launch; on several ranks also 4 accumulation steps, before the 1-step run (what
     one training leaves behind in the process can only lower the next one's figure: the one subtracted)."""
@@ -88,11 +89,11 @@ def runs(
     # keep theirs, what a user's run holds. (Its ratio: 0.31; 0.36 while the native runs before it wrote theirs,
     # which left the one-rank process holding more, lowering the figure subtracted from its peak.)
     no_checkpoint = ["--save_strategy", "no"]
-    native = [("fsdp", "fsdp", train_args(out, f"fsdp-{tag}", ranks, native_steps) + no_checkpoint)]
+    native = [("fsdp", "fsdp", train_args(out, f"fsdp-{tag}", ranks, native_steps, model) + no_checkpoint)]
     if ranks > 1 and accumulation:
-        acc4 = train_args(out, f"fsdp-acc4-{tag}", 4 * ranks, native_steps) + no_checkpoint
+        acc4 = train_args(out, f"fsdp-acc4-{tag}", 4 * ranks, native_steps, model) + no_checkpoint
         native.insert(0, ("fsdp_acc4", "fsdp", acc4))
-    hf_args = train_args(out, f"hf-{tag}", ranks, steps) + ([] if hf_checkpoint else no_checkpoint)
+    hf_args = train_args(out, f"hf-{tag}", ranks, steps, model) + ([] if hf_checkpoint else no_checkpoint)
     hf = [("warm_hf", "hf", warm("hf")), ("hf", "hf", hf_args)]
     return [("warm_fsdp", "fsdp", warm("fsdp")), *native, *hf]  # the native engine's first (see RANK_SCRIPT)
 
@@ -120,12 +121,12 @@ def launch(
     return peaks
 
 
-def model_bytes() -> int:
+def model_bytes(model: Path = MODEL) -> int:
     """The model's fp32 size (4 bytes per parameter), from its shapes on the meta device."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    data = json.loads(MODEL.read_text())
+    data = json.loads(model.read_text())
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(data.pop("model_type"), **data))
     return 4 * sum(p.numel() for p in model.parameters())
@@ -139,24 +140,24 @@ def measure(
     native_steps: int | None = None,
     accumulation: bool = True,
     hf_checkpoint: bool = True,
+    layers: int | None = None,
 ) -> dict:
     """The figures; `native_steps`: the native engine's runs' optimizer steps, if not `steps` (its peak is reached in
     the first step, where AdamW makes its states: the test takes 1, the 4 gloo ranks' longest part halved);
     `accumulation`: also the 4-accumulation-step run (the test leaves it to tests/test_fsdp_engine.py's count of the
-    gradient bytes a rank holds after each micro-batch, exact and a fraction of its time)."""
+    gradient bytes a rank holds after each micro-batch, exact and a fraction of its time); `layers`: the model with
+    that many decoder layers instead of its 24 (the test's 8: 34M parameters, whose state still dominates)."""
     with tempfile.TemporaryDirectory(prefix="anygpu-memory-") as tmp, ThreadPoolExecutor(1) as pool:
+        model = MODEL
+        if layers is not None:
+            model = Path(tmp) / "model.json"
+            model.write_text(json.dumps({**json.loads(MODEL.read_text()), "num_hidden_layers": layers}))
+        planned = lambda n: runs(n, Path(tmp), steps, native_steps, accumulation, hf_checkpoint, model)  # noqa: E731
         # both launches at once (a process's peak is its own): the 1-rank one leaves a core idle otherwise
-        single = pool.submit(
-            launch, 1, runs(1, Path(tmp), steps, native_steps, accumulation, hf_checkpoint), launcher, env
-        )
-        many = {
-            k: max(v)
-            for k, v in launch(
-                ranks, runs(ranks, Path(tmp), steps, native_steps, accumulation, hf_checkpoint), launcher, env
-            ).items()
-        }
+        single = pool.submit(launch, 1, planned(1), launcher, env)
+        many = {k: max(v) for k, v in launch(ranks, planned(ranks), launcher, env).items()}
         one = {k: max(v) for k, v in single.result().items()}
-    size = model_bytes()
+        size = model_bytes(model)
     return {
         "ranks": ranks,
         "model_fp32_bytes": size,

@@ -304,26 +304,29 @@ def assert_close(a: dict[int, float], b: dict[int, float], rel: float, steps=Non
 
 
 # The files that take longest (`pytest --durations=0` on 2 cores, summed per file), longest first: handed out
-# first, so neither worker starts one of them near the end while the other idles.
-LONGEST_FILES = (  # by their measured time on the 2-core machine, 2026-11-26 (--durations)
-    "test_faults.py",
+# first, so no worker starts one of them near the end while the others idle.
+LONGEST_FILES = (  # by their measured time on the 2-core machine, 3 workers, 2026-11-26 (--durations)
     "test_launch.py",
-    "test_memory_scaling.py",
+    "test_faults.py",
     "test_model_families.py",
-    "test_fsdp_engine.py",
-    "test_verify.py",
     "test_wheel.py",
+    "test_fsdp_engine.py",
+    "test_fp8.py",
     "test_sft.py",
     "test_hf_deepspeed.py",
-    "test_fp8.py",
     "test_dpo.py",
+    "test_memory_scaling.py",
+    "test_verify.py",
     "test_preempt.py",
-    "test_context_parallel.py",
-    "test_fast_paths.py",
+    "test_cli.py",
+    "test_interactive_launch.py",
     "test_demo.py",
+    "test_doctor.py",
+    "test_lean_loss.py",
+    "test_fast_paths.py",
+    "test_context_parallel.py",
+    "test_gpu_lease.py",
     "test_mixture_runs.py",
-    "test_dpo_trl.py",
-    "test_bench.py",
 )
 
 
@@ -333,9 +336,19 @@ def file_order(path: Path, slow_files: set[Path]) -> tuple[bool, int]:
     return path not in slow_files, longest
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject.toml): one worker per core for the quick tier (`-m "not slow"`, CPU-bound: a third
+    worker on 2 cores made it 133 s instead of 119), half as many again for the whole suite, whose launcher and
+    fault tests wait much of their time (a rendezvous, a grace period, a timeout they provoke): on 2 cores 3
+    workers took 821 s where 2 took 930 (docs/tests.md). At most 8: each worker's tests start up to 4 processes."""
+    cores = len(os.sched_getaffinity(0))
+    quick = "not slow" in (config.getoption("markexpr", "") or "")
+    return max(1, min(8, cores if quick else cores + cores // 2))
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Files in `file_order`: xdist hands out whole files (--dist loadfile, --no-loadscope-reorder) in this
-    order, so the last minute of the run is quick files filling both workers rather than one long file
-    keeping one worker busy while the other idles."""
+    order, so the last minute of the run is quick files filling every worker rather than one long file
+    keeping one worker busy while the others idle."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: file_order(item.path, slow_files))  # stable: test order kept within a file

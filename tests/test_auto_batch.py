@@ -174,6 +174,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # a 2-rank launch
 def test_a_probe_that_fails_on_one_rank_is_agreed_on_by_every_rank(tmp_path):
     """Rank 1's probe runs out of memory at micro-batch 4: every rank takes 2, and the ranks stay in one sequence
     of collectives (no hang); a probe that raises another error on rank 1 stops every rank at that candidate."""

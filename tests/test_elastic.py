@@ -137,10 +137,14 @@ def metrics(output_dir: Path) -> list[dict]:
     return [json.loads(ln) for ln in lines if ln.strip().endswith("}") and '"loss"' in ln]
 
 
-def wait_for(condition, timeout: float, what: str) -> float:
+def wait_for(condition, timeout: float, what: str, nodes: Nodes, pids: list[int]) -> float:
+    """The time `condition` became true; fails at once, with the nodes' logs, if every node has ended first."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        ended = all(pid in nodes.codes for pid in pids)
+        if ended or time.monotonic() > deadline:
+            logs = "\n".join(f"--- node {pid} (exit {nodes.codes.get(pid)}):\n{nodes.log(pid)[-5000:]}" for pid in pids)
+            raise AssertionError(f"{'every node ended' if ended else 'timed out'} waiting for {what}\n{logs}")
         time.sleep(0.05)
     return time.monotonic()
 
@@ -173,11 +177,17 @@ class Job:
             port = launcher_port()
             plan = lambda r: plan_node(r, port, self.out, self.more, **self.extra)  # noqa: E731
             self.pids = [self.nodes.start(f"{self.out.parent.name}-node{r}", *plan(r)) for r in (0, 1)]
-            wait_for(lambda: any(r["step"] >= 5 for r in metrics(self.out)), 180, "step 5")
+            wait_for(lambda: any(r["step"] >= 5 for r in metrics(self.out)), 180, "step 5", self.nodes, self.pids)
             self.before = metrics(self.out)
             self.nodes.kill(self.pids[1])
             killed = time.monotonic()
-            resumed = wait_for(lambda: any(r["world_size"] == 1 for r in metrics(self.out)), 120, "a step on one node")
+            resumed = wait_for(
+                lambda: any(r["world_size"] == 1 for r in metrics(self.out)),
+                120,
+                "a step on one node",
+                self.nodes,
+                self.pids,
+            )
             self.kill_to_step_s = resumed - killed
             if self.comes_back:
                 self.pids.append(self.nodes.start(f"{self.out.parent.name}-node1-again", *plan(1)))

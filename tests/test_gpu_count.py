@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, WARM
 from conftest import env as clean_env
 
 from anygpu.engines.hf.gpu_count import check_processes_per_node, visible_gpus
@@ -50,10 +49,12 @@ def test_two_nodes_name_the_total():
 @pytest.mark.slow
 def test_hf_engine_stops_before_loading_anything(tmp_path):
     out = tmp_path / "out"
+    # accelerate launch with ranks forked from a warm launcher: what is tested is the ranks' check, not the launcher's
     cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
+        WARM[0],
+        str(ROOT / WARM[1]),  # run from tmp_path
+        "accelerate",
+        "launch",
         "--config_file",
         str(ROOT / "accelerate_configs" / "ddp.yaml"),
         "--num_processes",

@@ -34,6 +34,7 @@ def commands(stdout: str) -> dict[str, str]:
     return {lines[i][2:]: lines[i + 1] for i in range(len(lines) - 1) if lines[i].startswith("# ")}
 
 
+@pytest.mark.slow  # the script, its Python processes
 def test_gpu_matrix_without_a_gpu_prints_its_plan_and_exits_0():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the script would run the matrix")

@@ -79,6 +79,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # a process of its own
 def test_fsdp2_dtensors_and_plain_tensors_agree():
     """The FSDP2 engine (DTensors) and one process / DDP (plain tensors) take different paths to the same norm."""
     p = run(

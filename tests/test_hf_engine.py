@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import (
-    BIN,
     LEAN_CHUNKS,
     ROOT,
     TINY,
+    WARM,
     accelerate_launch,
     assert_close,
     env,
@@ -251,7 +251,8 @@ def test_resume_at_the_exact_position_on_another_world_size(ddp):
 def test_sigterm_saves_a_loadable_checkpoint(tmp_path):
     args = [*TINY, "--max_steps", "100000", "--output_dir", str(tmp_path), "--export_final", "false"]
     cmd = [
-        str(BIN / "accelerate"),
+        *WARM,  # accelerate's own launch, the ranks forked from it
+        "accelerate",
         "launch",
         "--config_file",
         "accelerate_configs/ddp.yaml",

@@ -121,6 +121,7 @@ def test_fsdp_config_on_cpu_stops_before_training(tmp_path):
     assert not (out / "metrics.jsonl").exists() and not list(out.glob("checkpoint-*"))  # nothing trained
 
 
+@pytest.mark.slow  # a 2-rank training launch
 def test_fsdp_config_with_explicit_fallback_trains_ddp_and_says_so(tmp_path):
     proc = accelerate(
         "fsdp",

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import BIN, ROOT, TINY, env
+from conftest import ROOT, TINY, WARM, env
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -141,7 +141,8 @@ def test_a_refusal_is_printed_once_not_once_per_rank(tmp_path):
     """Once, even when rank 0 is the last to reach it (torchrun stops every rank at the first exit)."""
     proc = subprocess.run(
         [
-            str(BIN / "torchrun"),
+            *WARM,  # torchrun's agent, the ranks forked from it
+            "torchrun",
             "--standalone",
             "--nproc-per-node=2",
             "run_fsdp_standalone.py",

@@ -68,6 +68,7 @@ def test_ctrl_c_exits_130_without_traceback(monkeypatch, capsys):
     assert "interrupted, nothing launched" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # two real processes of the console command
 def test_a_real_ctrl_c_and_ctrl_d_in_the_real_command():
     """The console command in its own process: a SIGINT while it waits for an answer exits 130, closed input
     (Ctrl-D) exits 1; neither prints a traceback nor a command."""

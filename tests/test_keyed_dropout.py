@@ -133,6 +133,7 @@ def test_model_without_loss_kwargs_is_refused():
         modeling.check_loss_kwargs(NoKwargs())
 
 
+@pytest.mark.slow  # an inductor compile
 def test_compiled_layers_do_not_recompile_after_step_2():
     """--torch_compile compiles each decoder layer (runtime.parallel.shard_model): keyed dropout must not make
     dynamo recompile them at every step (a guard on the step, or on a dropout function made anew for each

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-
+import pytest
 from conftest import ROOT, run
 
 # One bf16 FSDP2 step of the native engine's `train_step` on a real 1-rank gloo group, on a micro-batch
@@ -50,6 +50,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # a process of its own
 def test_bf16_fsdp2_loss_gets_the_exact_target_count():
     p = run(
         [sys.executable, "-c", BF16_STEP], timeout=120, extra_env={"PYTHONPATH": str(ROOT)}
