@@ -93,7 +93,9 @@ def size_zero3_buffers(deepspeed_plugin: Any, model: nn.Module, world_size: int)
       model's gradients until the backward's end;
     - `stage3_max_live_parameters`, `stage3_max_reuse_distance`: DeepSpeed keeps gathered parameters for reuse up to
       these (defaults 1e9 each), so a model below 1e9 parameters stayed gathered whole on every rank from the second
-      step on. Bounded by one rank's share of the parameters (at 8B and up DeepSpeed's 1e9 stays).
+      step on. Bounded by one rank's share of the parameters (at 8B and up DeepSpeed's 1e9 stays), but never below
+      what prefetching needs (`prefetch_floor`): DeepSpeed prefetches only up to the live cap minus what is
+      gathered, so a cap of one rank's share (8B on 64 GPUs: 125M, less than its 525M embedding) turned it off.
     On 4 CPU ranks with an 85M model: 1.74 GB per rank before, 0.76 GB after (docs/memory.md)."""
     config = getattr(deepspeed_plugin, "deepspeed_config", None) or {}
     zero = config.get("zero_optimization", {})
@@ -101,11 +103,26 @@ def size_zero3_buffers(deepspeed_plugin: Any, model: nn.Module, world_size: int)
         return
     for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
         zero.setdefault(key, "auto")
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    total = sum(_numel(p) for p in model.parameters())
     share = max(1, total // max(1, world_size))
+    live = max(min(10**9, share), prefetch_floor(model, zero["stage3_prefetch_bucket_size"]))
     for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):
         if zero.get(key) in (None, "auto"):
-            zero[key] = min(10**9, share)
+            zero[key] = live
+
+
+def _numel(p: nn.Parameter) -> int:
+    return getattr(p, "ds_numel", p.numel())
+
+
+def prefetch_floor(model: nn.Module, prefetch_bucket: int | float | str) -> int:
+    """The fewest live parameters (elements) with which ZeRO-3 still prefetches: the largest module's own parameters
+    (gathered while it runs) plus one prefetch bucket ("auto": 0.9 × hidden², as accelerate fills it)."""
+    if prefetch_bucket == "auto":
+        hidden = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
+        prefetch_bucket = 0.9 * hidden * hidden
+    largest = max((sum(_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    return largest + int(prefetch_bucket)
 
 
 @contextlib.contextmanager
