@@ -22,7 +22,11 @@ from anygpu.reliability.preempt import Preemption
 run_guard.take_lock(Path(sys.argv[3]))  # the run's --output_dir lock, as the engines take it
 p = Preemption(save_on_preempt=sys.argv[2] == "true")
 mode = sys.argv[1]
-os.kill(os.getpid(), signal.SIGUSR1 if mode == "usr1" else signal.SIGTERM)
+slow = mode in ("long-backward", "long-optimizer-step")
+if slow:  # torch imported and the model built before the signal: an import under load can outlast the grace period
+    import torch
+if not slow:
+    os.kill(os.getpid(), signal.SIGUSR1 if mode == "usr1" else signal.SIGTERM)
 t0 = time.time()
 if mode in ("long-step", "usr1"):  # forward passes keep beating for three grace periods
     while time.time() - t0 < 3:
@@ -36,8 +40,7 @@ elif mode == "stuck":  # a collective that never returns (a peer is gone)
 elif mode == "second":
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
-elif mode in ("long-backward", "long-optimizer-step"):  # 3 s without a forward pass after the signal
-    import torch
+elif slow:  # 3 s without a forward pass after the signal
 
     class SlowBackward(torch.autograd.Function):  # a layer whose backward takes 0.4 s
         @staticmethod
@@ -77,6 +80,7 @@ elif mode in ("long-backward", "long-optimizer-step"):  # 3 s without a forward 
     model = Net()
     p.watch(model)  # as the engines do
     loss = model(torch.ones(2))
+    os.kill(os.getpid(), signal.SIGTERM)  # the forward is done: what follows makes no forward pass
     if mode == "long-backward":
         loss.backward()
     else:
