@@ -346,3 +346,64 @@ def test_host_memory_to_load_follows_how_each_engine_builds_the_model(monkeypatc
     assert construct.kind(zero3, flag(False), 3) == construct.FULL  # zero3_init_flag: false: the old way
     ddp = hf_strategy.Plan(hf_strategy.Request("ddp", 8), "ddp", False, "gloo")
     assert construct.kind(ddp, None, 1) == construct.FULL
+
+
+def sdpa_masks(position_ids):
+    """The attention masks sdpa receives in a tiny Llama's forward over rows with these positions."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=128,
+        use_cache=False,
+    )  # no cache, as in training: transformers looks for packed rows only then
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, **kwargs):
+        seen.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = spy
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros_like(position_ids), position_ids=position_ids)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    return seen
+
+
+def test_the_packed_rows_mask_is_the_one_transformers_builds():
+    """Rows packing two samples each (positions restarting): sdpa gets a boolean (rows × 1 × T × T) mask at each
+    layer, as `attention_mask_bytes` counts its boolean part (the compute-dtype copy is sdpa's, per call); rows of
+    one sample get none (sdpa's causal path), which the plan counts as 0."""
+    import torch
+
+    t, rows = 64, 2
+    packed = torch.cat([torch.arange(40), torch.arange(24)]).repeat(rows, 1)
+    masks = sdpa_masks(packed)
+    assert len(masks) == 2 and all(m is not None and m.dtype == torch.bool for m in masks)
+    shapes = dataclasses.replace(plan_tool.load_shapes(None, "tiny")[0], dense_mask=True)
+    assert masks[0].numel() == memory_plan.attention_mask_bytes(shapes, rows, t, "bf16") // 3  # bool of bool + bf16
+    assert all(m is None for m in sdpa_masks(torch.arange(t).repeat(rows, 1)))
+    assert memory_plan.attention_mask_bytes(dataclasses.replace(shapes, dense_mask=False), rows, t, "bf16") == 0
+
+
+def test_packed_rows_at_128k_count_their_mask_and_the_plan_says_what_avoids_it():
+    """Llama-3-8B, 128k-token packed rows, 8 H100s, --cp 8: the dense mask (16 GiB boolean + 32 GiB bf16 per
+    sequence, every rank the whole row's) is counted, nothing fits, and the plan names what fits without it; with
+    flash attention no mask is counted and --cp 8 fits."""
+    args = ["--config_name", "llama-8b", "--block_size", "131072", "--global_batch_size", "8", "--gpu", "h100"]
+    args += ["--num_gpus", "8", "--cp", "8", "--packing", "true"]
+    masked = json.loads(run_plan(*args, "--json").stdout)
+    assert all(r["per_gpu_bytes"]["attention_mask"] == 48 * 2**30 for r in masked["rows"] if r["precision"] == "bf16")
+    assert masked["recommended"]["full"] is None
+    (note,) = masked["notes"]["full"]
+    assert "dense 131072 × 131072 mask" in note and "--cp 8" in note and "flash_attention_2" in note, note
+    flash = json.loads(run_plan(*args, "--attn_implementation", "flash_attention_2", "--json").stdout)
+    assert all("attention_mask" not in r["per_gpu_bytes"] for r in flash["rows"])
+    assert flash["recommended"]["full"]["fits"] and flash["notes"]["full"] == []

@@ -32,7 +32,7 @@ and down's), and one layer's elementwise rest is recomputed at a time.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_offload", "zero2", "zero2_offload", "zero3", "zero3_offload")
 ACCELERATE_CONFIG = {
@@ -83,6 +83,9 @@ class Shapes:
     # model runs beside it (no --precompute_ref_log_probs, and not LoRA, whose reference is its base)
     sequences_per_item: int = 1
     reference: bool = False
+    # packed rows (samples concatenated, positions restarting) under an attention that takes a mask (sdpa, eager):
+    # transformers builds a dense (T × T) mask of the whole row for them (`attention_mask_bytes`)
+    dense_mask: bool = False
 
     @property
     def num_params(self) -> int:
@@ -292,6 +295,17 @@ def transient_bytes(shapes: Shapes, strategy: str, precision: str, world: int, l
     return lean
 
 
+def attention_mask_bytes(shapes: Shapes, rows: int, block_size: int, precision: str) -> int:
+    """`rows` packed rows in one forward under sdpa or eager attention: the boolean (T × T) mask transformers builds for the whole row
+    (once per forward; also under context parallelism, where every rank holds the whole row's), and the copy in the
+    compute dtype that sdpa makes of a boolean mask at each layer's call. 0 for rows that need no mask (raw-text
+    blocks, one sample per row: sdpa's causal path) and for flash attention, which takes the samples' boundaries."""
+    if not shapes.dense_mask:
+        return 0
+    e = 2 if precision == "bf16" else 4
+    return rows * block_size * block_size * (1 + e)
+
+
 def lean_head_bytes(shapes: Shapes, precision: str) -> int:
     """The lean loss (`anygpu.model.lean_loss`) sums the output projection's weight gradient over its chunks in fp32
     during the forward and keeps it (in the weight's dtype: a second copy under bf16) for the backward's start."""
@@ -337,6 +351,40 @@ def cp_advice(shapes: Shapes, machine: Machine, block_size: int, lora: bool = Fa
     return None
 
 
+def mask_note(result: PlanResult, unmasked: Shapes, lora: bool, mfu: float, flops_per_token: float) -> None:
+    """Packed rows' dense mask is a large part of a GPU, or what keeps the job from fitting: say so, and what the
+    plan recommends without it (flash attention, or one sample per row)."""
+    machine, block = result.machine, result.block_size
+    mask = attention_mask_bytes(result.shapes, result.shapes.sequences_per_item, block, "bf16")
+    if result.recommended is not None and mask < 0.1 * machine.gpu_memory_bytes:
+        return
+    alt = make_plan(
+        unmasked,
+        machine,
+        block,
+        result.global_batch_size,
+        lora=lora,
+        mfu=mfu,
+        flops_per_token=flops_per_token,
+        dp_shard=result.dp_shard,
+        cp=result.cp,
+    )
+    if alt.recommended is not None:
+        instead = f"the plan recommends {alt.recommended.strategy} ({alt.recommended.accelerate_config})"
+    elif alt.cp_advice is not None:
+        instead = f"--cp {alt.cp_advice[0]} fits"
+    else:
+        instead = "nothing fits either"
+    shapes, cp = result.shapes, result.cp
+    flash = cp == 1 or not (shapes.num_heads % cp or shapes.num_kv_heads % cp)  # gathered K/V need a mask
+    ways = "--attn_implementation flash_attention_2 takes the samples' boundaries instead of a mask, or " * flash
+    result.notes.append(
+        f"note: packed rows under sdpa/eager attention build a dense {block} × {block} mask per forward "
+        f"({mask / GIB:.2f} GiB per sequence in bf16, counted in other; under --cp every rank holds the whole "
+        f"row's). Without it ({instead}): {ways}--packing false (one sample per row)."
+    )
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -374,6 +422,10 @@ def row_for(
         "transient": transient_bytes(shapes, strategy, precision, shards, lean_loss),
         "reserved": RESERVED_BYTES if machine.gpu_memory_bytes else 0,
     }
+    if shapes.dense_mask:
+        per_gpu["attention_mask"] = attention_mask_bytes(
+            shapes, micro_batch * shapes.sequences_per_item, block_size, precision
+        )
     budget = machine.gpu_memory_bytes * SAFETY
     fits = bool(machine.gpu_memory_bytes) and sum(per_gpu.values()) <= budget
     how = hsdp_command(world, shards) if strategy == HSDP else ACCELERATE_CONFIG[strategy]
@@ -485,6 +537,8 @@ def make_plan(
     rec = result.recommended
     if cp == 1 and machine.gpu_memory_bytes and (rec is None or rec.strategy.endswith("offload")):
         result.cp_advice = cp_advice(shapes, machine, block_size, lora)
+    if shapes.dense_mask and machine.gpu_memory_bytes:
+        mask_note(result, replace(shapes, dense_mask=False), lora, mfu, flops_per_token)
     if flops_per_token and machine.peak_flops:
         rec = result.recommended
         # full checkpointing: one more forward; selective recomputes only elementwise ops (no matmul, no attention)

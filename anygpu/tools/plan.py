@@ -73,6 +73,22 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
         "(LoRA: none, the base with its adapter disabled is the reference).",
     )
 
+    p.add_argument(
+        "--packing",
+        choices=("true", "false"),
+        default="false",
+        help="true: each row packs several samples (the engines' default for SFT and DPO rows where the attention "
+        "honours their boundaries); false (default): raw-text blocks or one sample per row. Packed rows under sdpa "
+        "or eager attention cost a dense (block × block) mask per forward, which the plan counts.",
+    )
+    p.add_argument(
+        "--attn_implementation",
+        choices=("sdpa", "eager", "flash_attention_2"),
+        default="sdpa",
+        help="The engines' --attn_implementation (default sdpa). flash_attention_2 takes packed rows' sample "
+        "boundaries without a mask.",
+    )
+
 
 def _cluster_arguments(p: argparse.ArgumentParser) -> None:
     """Where it runs: the GPUs, the nodes and the HSDP mesh."""
@@ -246,6 +262,8 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     if args.objective == "dpo":  # two sequences per pair; a frozen reference unless precomputed (LoRA: its base)
         full = dataclasses.replace(full, sequences_per_item=2, reference=args.precompute_ref_log_probs == "false")
         lora = dataclasses.replace(lora, sequences_per_item=2)
+    dense_mask = args.packing == "true" and args.attn_implementation != "flash_attention_2"
+    full, lora = (dataclasses.replace(s, dense_mask=dense_mask) for s in (full, lora))
     machine = detect_machine(args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes)
     fpt = metrics.flops_per_token(config, matmul_weights, args.block_size)
     dp_shard = dp_shard_of(args, machine)
@@ -300,6 +318,12 @@ def gib(n: int) -> str:
     return f"{n / GIB:.2f}"
 
 
+def other(per_gpu: dict[str, int]) -> int:
+    """The table's `other` column: gathered units, bf16 copies, the lean loss's head gradient, packed rows' dense
+    attention mask, and what the framework reserves."""
+    return per_gpu["transient"] + per_gpu.get("attention_mask", 0) + per_gpu["reserved"]
+
+
 def table(result: PlanResult, title: str) -> list[str]:
     lines = [
         title,
@@ -311,7 +335,7 @@ def table(result: PlanResult, title: str) -> list[str]:
         lines.append(
             f"{r.strategy:<14} {r.precision:<5} {ckpt_word(r.activation_checkpointing, 'yes', 'no'):<4} "
             f"{gib(b['parameters'] + b.get('reference', 0)):>8} {gib(b['gradients']):>8} {gib(b['optimizer']):>8} "
-            f"{gib(b['activations']):>8} {gib(b['transient'] + b['reserved']):>7} {gib(r.total):>8} "
+            f"{gib(b['activations']):>8} {gib(other(b)):>7} {gib(r.total):>8} "
             f"{gib(r.cpu_bytes):>7}  {'yes' if r.fits else 'no'}"
         )
     return lines
@@ -419,6 +443,7 @@ def to_json(full: PlanResult, lora: PlanResult) -> dict:
         "activations_are_estimates": True,
         "rows": [r.to_json() for r in full.rows + lora.rows],
         "recommended": {"full": rec(full), "lora": rec(lora)},
+        "notes": {"full": full.notes, "lora": lora.notes},
     }
 
 
@@ -443,7 +468,7 @@ def render(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
         f"{full.block_size}, global batch {full.global_batch_size}, micro-batch "
         f"{args.per_device_train_batch_size} in the tables",
         "GiB per GPU; activ* = estimate (Korthikanti et al., real shapes); other = gathered units / bf16 "
-        f"copies / the lean loss's head gradient + {gib(memory_plan.RESERVED_BYTES)} GiB reserved; fits = total ≤ {memory_plan.SAFETY:.0%} "
+        f"copies / the lean loss's head gradient / packed rows' attention mask + {gib(memory_plan.RESERVED_BYTES)} GiB reserved; fits = total ≤ {memory_plan.SAFETY:.0%} "
         "of the GPU",
         *hsdp_lines(full),
         *objective_lines(full),
@@ -451,7 +476,7 @@ def render(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
     ]
     body = table(full, "full fine-tuning") + [""] + table(lora, f"LoRA (r={args.lora_r})") + [""]
     chosen = lora if args.finetune == "lora" else full
-    return "\n".join(head + body + recommendation(chosen)) + "\n"
+    return "\n".join(head + body + recommendation(chosen) + chosen.notes) + "\n"
 
 
 @dataclass
@@ -536,9 +561,9 @@ def compact(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str
                 "--gpu_memory_gb N, and --num_gpus N"
             )
         else:
-            lines += recommendation(chosen)
+            lines += recommendation(chosen) + chosen.notes
         return "\n".join(lines) + "\n"
-    lines += recommendation(chosen)
+    lines += recommendation(chosen) + chosen.notes
     others = runners_up(chosen, args.finetune == "lora")
     if others:
         lines.append("runners-up (micro-batch × accumulation, memory per GPU):")
