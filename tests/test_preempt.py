@@ -79,12 +79,13 @@ elif slow:  # 3 s without a forward pass after the signal
 
     model = Net()
     p.watch(model)  # as the engines do
+    optimizer = SlowStep(model.parameters(), lr=0.1)  # made first: its first use imports torch._dynamo (seconds)
     loss = model(torch.ones(2))
     os.kill(os.getpid(), signal.SIGTERM)  # the forward is done: what follows makes no forward pass
     if mode == "long-backward":
         loss.backward()
     else:
-        SlowStep(model.parameters(), lr=0.1).step()
+        optimizer.step()
 print("step boundary reached after", p.requested, flush=True)
 """
 

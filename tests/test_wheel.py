@@ -89,13 +89,16 @@ def test_the_installed_package_is_the_wheel_not_the_repository(venv, tmp_path):
     assert Path(out[1]).is_relative_to(site) and out[2] == "None"  # no repository script on the path
 
 
-@pytest.mark.parametrize("engine", ["fsdp", "hf"])
-def test_anygpu_launch_from_an_empty_folder(venv, tmp_path, engine):
-    """`anygpu launch --vendor nvidia --cpu --nproc 2` from a folder with nothing in it: the engine runs as the
-    installed module (`-m anygpu.engines.run_<engine>`), the HF engine with the installed accelerate config."""
+@pytest.mark.parametrize("engine, nproc", [("fsdp", 1), ("hf", 2)])
+def test_anygpu_launch_from_an_empty_folder(venv, tmp_path, engine, nproc):
+    """`anygpu launch --vendor nvidia --cpu --nproc N` from a folder with nothing in it: the engine runs as the
+    installed module (`-m anygpu.engines.run_<engine>`), the HF engine with the installed accelerate config (2
+    processes: one runs as plain python, no config). The FSDP2 engine's one process spares a fresh torchrun and
+    rank; the module under torchrun: test_the_engine_modules_run_under_torchrun_accelerate_and_python."""
     cwd, out = tmp_path / "empty", tmp_path / "out"
     cwd.mkdir()
-    launch = [str(venv / "bin" / "anygpu"), "launch", "--vendor", "nvidia", "--cpu", "--nproc", "2", "--engine", engine]
+    launch = [str(venv / "bin" / "anygpu"), "launch", "--vendor", "nvidia", "--cpu", "--nproc", str(nproc)]
+    launch += ["--engine", engine]
     proc = sh(
         [*launch, "--", *TINY, "--max_steps", "3", "--output_dir", str(out)], timeout=240, cwd=cwd, env=venv_env(venv)
     )
@@ -108,7 +111,7 @@ def test_anygpu_launch_from_an_empty_folder(venv, tmp_path, engine):
     said = proc.stdout + proc.stderr
     assert str(ROOT / "anygpu") not in said and "standalone.py" not in said  # nothing ran from the repository
     train = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
-    assert [r["step"] for r in train] == [1, 2, 3] and {r["world_size"] for r in train} == {2}
+    assert [r["step"] for r in train] == [1, 2, 3] and {r["world_size"] for r in train} == {nproc}
     assert (out / "final" / "config.json").is_file() and list((out / "final").glob("*.safetensors"))
     assert list(cwd.iterdir()) == []  # the folder it ran in holds nothing afterwards
 
