@@ -296,10 +296,11 @@ def transient_bytes(shapes: Shapes, strategy: str, precision: str, world: int, l
 
 
 def attention_mask_bytes(shapes: Shapes, rows: int, block_size: int, precision: str) -> int:
-    """`rows` packed rows in one forward under sdpa or eager attention: the boolean (T × T) mask transformers builds for the whole row
-    (once per forward; also under context parallelism, where every rank holds the whole row's), and the copy in the
-    compute dtype that sdpa makes of a boolean mask at each layer's call. 0 for rows that need no mask (raw-text
-    blocks, one sample per row: sdpa's causal path) and for flash attention, which takes the samples' boundaries."""
+    """`rows` packed rows in one forward under sdpa or eager attention: the boolean (T × T) mask transformers builds
+    for each whole row (once per forward; also under context parallelism, where every rank holds the whole row's),
+    and the copy in the compute dtype that sdpa makes of a boolean mask at each layer's call. 0 for rows that need
+    no mask (raw-text blocks, one sample per row: sdpa's causal path) and for flash attention, which takes the
+    samples' boundaries."""
     if not shapes.dense_mask:
         return 0
     e = 2 if precision == "bf16" else 4
@@ -380,7 +381,7 @@ def mask_note(result: PlanResult, unmasked: Shapes, lora: bool, mfu: float, flop
     ways = "--attn_implementation flash_attention_2 takes the samples' boundaries instead of a mask, or " * flash
     result.notes.append(
         f"note: packed rows under sdpa/eager attention build a dense {block} × {block} mask per forward "
-        f"({mask / GIB:.2f} GiB per sequence in bf16, counted in other; under --cp every rank holds the whole "
+        f"({mask / GIB:.2f} GiB per micro-batch item in bf16, counted in other; under --cp every rank holds the whole "
         f"row's). Without it ({instead}): {ways}--packing false (one sample per row)."
     )
 
