@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from transformers import HfArgumentParser
 
-from anygpu.config import locate
+from anygpu.config import attention, locate
 from anygpu.config.mixture import as_argument, parse_mixture
 from anygpu.config.objective import ObjectiveArguments, check_with_model
 from anygpu.config.ranges import check_ranges
@@ -120,13 +120,7 @@ class ModelArguments:
             raise UsageError(
                 f"--vocab_size {self.vocab_size} is too small for a byte-level BPE (256 bytes + specials): use at least 300, e.g. 8192."
             )
-        if self.attn_implementation not in (
-            "sdpa",
-            "eager",
-            "flash_attention_2",
-            "flash_attention_3",
-            "flex_attention",
-        ):
+        if self.attn_implementation not in attention.IMPLEMENTATIONS:
             raise UsageError(
                 f"--attn_implementation {self.attn_implementation!r} is unknown: use sdpa, eager or flash_attention_2."
             )

@@ -16,6 +16,7 @@ import json
 import sys
 from dataclasses import dataclass
 
+from anygpu.config import attention
 from anygpu.launch.suggest import ArgumentParser, did_you_mean
 from anygpu.planning import memory_plan
 from anygpu.planning.gpus import GPUS
@@ -83,10 +84,10 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--attn_implementation",
-        choices=("sdpa", "eager", "flash_attention_2"),
+        choices=attention.IMPLEMENTATIONS,
         default="sdpa",
-        help="The engines' --attn_implementation (default sdpa). flash_attention_2 takes packed rows' sample "
-        "boundaries without a mask.",
+        help="The engines' --attn_implementation (default sdpa). Only sdpa and eager take packed rows as a dense "
+        "mask: flash attention takes their sample boundaries, flex attention a block mask.",
     )
 
 
@@ -262,7 +263,7 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     if args.objective == "dpo":  # two sequences per pair; a frozen reference unless precomputed (LoRA: its base)
         full = dataclasses.replace(full, sequences_per_item=2, reference=args.precompute_ref_log_probs == "false")
         lora = dataclasses.replace(lora, sequences_per_item=2)
-    dense_mask = args.packing == "true" and args.attn_implementation != "flash_attention_2"
+    dense_mask = args.packing == "true" and args.attn_implementation in attention.DENSE_MASK
     full, lora = (dataclasses.replace(s, dense_mask=dense_mask) for s in (full, lora))
     machine = detect_machine(args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes)
     fpt = metrics.flops_per_token(config, matmul_weights, args.block_size)
