@@ -210,9 +210,15 @@ class Zygote:
 WARM = [sys.executable, "tests/scripts/warm_launch.py"]
 
 
+def torchrun_cmd(nproc: int, script: str, args: list[str]) -> list[str]:
+    """`torchrun --standalone --nproc-per-node=N script args` with its ranks forked (tests/scripts/warm_launch.py):
+    torchrun's own agent (signal forwarding, restarts, failure report), each rank sparing a fresh import."""
+    return [*WARM, "torchrun", "--standalone", f"--nproc-per-node={nproc}", script, *args]
+
+
 def torchrun(nproc: int, script: str, args: list[str], **kw) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc-per-node=N script args`, ranks forked (tests/scripts/warm_launch.py)."""
-    return run([*WARM, "torchrun", "--standalone", f"--nproc-per-node={nproc}", script, *args], **kw)
+    """`torchrun_cmd`, run to its end."""
+    return run(torchrun_cmd(nproc, script, args), **kw)
 
 
 def accelerate_launch(config: str, nproc: int, script: str, args: list[str], **kw) -> subprocess.CompletedProcess:

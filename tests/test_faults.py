@@ -14,7 +14,20 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, ROOT, TINY, WARM, assert_close, descendants, env, losses, outputs, python, torchrun
+from conftest import (
+    BIN,
+    ROOT,
+    TINY,
+    WARM,
+    assert_close,
+    descendants,
+    env,
+    losses,
+    outputs,
+    python,
+    torchrun,
+    torchrun_cmd,
+)
 
 pytestmark = pytest.mark.slow
 SCRIPT = "run_fsdp_standalone.py"
@@ -64,12 +77,6 @@ def wait_until(condition, timeout: float = 240, what: str = "") -> None:
         time.sleep(0.2)
 
 
-def torchrun_cmd(nproc: int, args: list[str]) -> list[str]:
-    """torchrun's own agent (its signal forwarding, restarts and failure report), the ranks forked from it: what is
-    under test here is what the ranks do, and each spares the ~5 s import of a fresh interpreter."""
-    return [*WARM, "torchrun", "--standalone", f"--nproc-per-node={nproc}", SCRIPT, *args]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """The uninterrupted run: one process, this one (the global batch makes losses independent of the ranks;
@@ -88,7 +95,7 @@ def test_sigterm_during_an_evaluation_resumes_exactly(reference, tmp_path):
     the uninterrupted losses and evaluations. A worker killed under the launcher's --max-restarts, restarted and
     resumed by itself: tests/test_elastic.py (the engine) and tests/test_launch.py (the launcher's flag)."""
     args = [*RUN, "--output_dir", str(tmp_path), "--resume_from_checkpoint", "auto"]
-    proc = start(torchrun_cmd(2, args), ANYGPU_TEST_SIGTERM_AT="eval:4", ANYGPU_SIGTERM_GRACE_S="1")
+    proc = start(torchrun_cmd(2, SCRIPT, args), ANYGPU_TEST_SIGTERM_AT="eval:4", ANYGPU_SIGTERM_GRACE_S="1")
     out, _ = proc.communicate(timeout=300)
     assert "SIGTERM: saving checkpoint-4 before exiting (exit 143)" in out, out[-3000:]
     assert "exitcode  : 143" in out and "stuck in a collective" not in out
@@ -107,7 +114,7 @@ def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(referen
     step: a checkpoint of that step. auto finishes the run: the losses are the uninterrupted ones.
     The SIGTERM checkpoint also loads with a changed --max_steps under --allow_changed_args (in a copy)."""
     args = [*RUN, "--output_dir", str(tmp_path)]
-    proc = start(torchrun_cmd(2, args), ANYGPU_TEST_SLOW_SAVE="10:120")
+    proc = start(torchrun_cmd(2, SCRIPT, args), ANYGPU_TEST_SLOW_SAVE="10:120")
     wait_until(
         lambda: len(list(tmp_path.glob(".checkpoint-10.tmp/rng/*.pt"))) == 2 or proc.poll() is not None,
         what="the write of checkpoint-10",
@@ -119,7 +126,7 @@ def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(referen
 
     resumed = [*args, "--resume_from_checkpoint", "latest"]
     before = (tmp_path / "args.json").stat().st_mtime_ns
-    proc = start(torchrun_cmd(2, resumed))
+    proc = start(torchrun_cmd(2, SCRIPT, resumed))
     # seeded, so a failure replays: ANYGPU_TEST_SEED picks another step (6-9) on purpose
     stop_after = random.Random(int(os.environ.get("ANYGPU_TEST_SEED", "0"))).randint(6, 9)
     # args.json is rewritten once the resume has cut metrics.jsonl back to step 5
