@@ -143,8 +143,10 @@ gpu_tests() {  # the GPU tests in the part's time, the unproven first (-v: a cut
   left=$((BUDGET - (SECONDS - START)))
   if [ "$GPU" = 1 ] && [ "$left" -lt 30 ]; then echo "- GPU tests: skipped (time budget)"; return; fi
   say "GPU tests (pytest -m gpu; on a GPU the unproven first), $left s"
-  # --timeout: one slow test fails alone instead of taking the others' minutes (the FP8 test took a whole call once)
-  timeout --kill-after 10 "$([ "$GPU" = 1 ] && echo "$left" || echo 600)" "$PYTHON" -m pytest -m gpu -n 0 -v \
+  # --timeout: one slow test fails alone instead of taking the others' minutes (the FP8 test took a whole call once);
+  # ANYGPU_INSTANT_FAILURES: each failure's reason in the log when it happens, kept when the part's time cuts it off
+  ANYGPU_INSTANT_FAILURES=1 timeout --kill-after 10 "$([ "$GPU" = 1 ] && echo "$left" || echo 600)" \
+    "$PYTHON" -m pytest -m gpu -n 0 -v \
     -p no:cacheprovider -rs --durations 10 --timeout "$TEST_LIMIT" "${ids[@]}" >"$OUT/gpu-tests.log" 2>&1 || status=$?
   echo "- GPU tests (\`pytest -m gpu\`, gpu-tests.log): $(tail -n 1 "$OUT/gpu-tests.log") (exit $status); passed: $(grep -c ' PASSED' "$OUT/gpu-tests.log" || true)"
 }

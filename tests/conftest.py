@@ -342,6 +342,15 @@ def file_order(path: Path, slow_files: set[Path]) -> tuple[bool, int]:
     return path not in slow_files, longest
 
 
+def pytest_report_teststatus(report, config):
+    """ANYGPU_INSTANT_FAILURES=1 (the GPU lease's part 3): a failure's report written when it happens, not at the
+    session's end, which a lease's time limit cuts off (the lease of 2026-11-27 lost every failure's reason so)."""
+    if os.environ.get("ANYGPU_INSTANT_FAILURES") == "1" and report.failed:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"\n--- {report.nodeid} failed in {report.when}:\n{report.longreprtext[-8000:]}")
+
+
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (pyproject.toml): one worker per core for the quick tier (`-m "not slow"`, CPU-bound: a third
     worker on 2 cores made it 133 s instead of 119), half as many again for the whole suite, whose launcher and

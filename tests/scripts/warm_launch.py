@@ -10,6 +10,8 @@ the way its `--run-path --start-method fork` options do: a forked process that r
 as `__main__`.
 The ranks are real processes talking gloo; only `exec` is skipped. Tests of the launchers themselves
 (signals, restarts, exit codes, torchrun's failure report) use the real `torchrun`/`accelerate` commands.
+Where a GPU is visible it execs the real launcher instead: a forked rank cannot use CUDA once its parent has
+initialized it, and the launchers' own checks do (the GPU tests' every rank failed so on 2026-11-27).
 """
 
 import atexit
@@ -26,12 +28,14 @@ faulthandler.enable(all_threads=True)  # its forked ranks inherit it: stacks on 
 anygpu.set_offline_defaults()
 anygpu.quiet_library_warnings()
 
+import torch  # noqa: E402
 import torch.distributed.run as distrib_run  # noqa: E402
 
 import anygpu.engines.fsdp  # noqa: E402,F401  (the imports every rank would otherwise repeat)
 import anygpu.engines.hf.engine  # noqa: E402,F401
 
 _config_from_args = distrib_run.config_from_args
+REAL_LAUNCHERS = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.commands.accelerate_cli"}
 
 
 def as_a_fresh_interpreter(script: str, argv, module: bool = False) -> None:
@@ -109,6 +113,9 @@ def _forking_config(args):
 
 def launch(command: str, rest: list[str]) -> None:
     """`torchrun REST` or `accelerate REST` (e.g. `launch ...`) in this process, its ranks forked from it."""
+    if command in REAL_LAUNCHERS and torch.cuda.is_available():
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, "-m", REAL_LAUNCHERS[command], *rest])
     distrib_run.config_from_args = _forking_config  # torchrun's and accelerate's path alike
     if command == "torchrun":
         sys.argv = ["torchrun", *rest]
