@@ -422,6 +422,17 @@ class TrainArguments(ObjectiveArguments):
             "Needs FP8 matmuls (NVIDIA compute capability 8.9+, AMD gfx942+); emulated on CPU.",
         },
     )
+    cpu_offload: bool = field(
+        default=False,
+        metadata={
+            "resume": FREE,
+            "help": "FSDP2 engine: keep each rank's shards of the parameters, gradients and AdamW state in host "
+            "memory (pinned) and step the optimizer on the CPU (FSDP2's CPUOffloadPolicy); the GPU holds the "
+            "gathered layers and the activations. The same losses, slower steps; refused when the node's host "
+            "memory cannot hold it (docs/memory.md#cpu-offload). The HF engine offloads through its accelerate "
+            "config (fsdp_offload, deepspeed_zero3_offload).",
+        },
+    )
     lean_loss: bool = field(
         default=True,
         metadata={

@@ -42,6 +42,7 @@ from anygpu.runtime import (
     hardware,
     lazy_deepspeed,
     mesh,
+    offload,
     parallel,
 )
 from anygpu.runtime.gc_schedule import GarbageCollection
@@ -72,8 +73,14 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
     mask_hint.install(model, prep.collator.packed)  # the masking need not read the positions back from the GPU
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     checkpointing = train_args.gradient_checkpointing_policy if train_args.gradient_checkpointing else None
-    parallel.shard_model(model, info.device, shape, train_args.bf16, checkpointing, train_args.torch_compile)
-    model.to_empty(device=info.device)
+    if train_args.cpu_offload:  # before any memory is taken: the node's ranks' state must fit its host memory
+        per_rank = offload.host_bytes_per_rank(model, shape.shard_group)
+        offload.check_host_memory(per_rank, mesh.local_world_size_from_env(), offload.available_host_bytes())
+    parallel.shard_model(
+        model, info.device, shape, train_args.bf16, checkpointing, train_args.torch_compile,
+        cpu_offload=train_args.cpu_offload,
+    )  # fmt: skip
+    offload.materialize(model, info.device, train_args.cpu_offload)
     if not parallel.is_sharded(model):
         model.tie_weights()  # to_empty gives a plain module's tied parameters separate storage
     modeling.restore_buffers(model, buffers)
@@ -105,8 +112,9 @@ def build_reference(prep: Prepared, model_args: ModelArguments, train_args: Trai
     modeling.flatten_packed_rows(model)
     mask_hint.install(model, prep.collator.packed)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    parallel.shard_model(model, info.device, mesh_shape(train_args, info.world_size), train_args.bf16, None, False)
-    model.to_empty(device=info.device)
+    shape = mesh_shape(train_args, info.world_size)
+    parallel.shard_model(model, info.device, shape, train_args.bf16, None, False, cpu_offload=train_args.cpu_offload)
+    offload.materialize(model, info.device, train_args.cpu_offload)
     if not parallel.is_sharded(model):
         model.tie_weights()
     modeling.restore_buffers(model, buffers)
@@ -337,6 +345,8 @@ class FSDPTrainer:
         if built is not None and self.mesh_shape.cp > 1:
             built = mesh.MeshShape(built.dp_replicate, built.dp_shard // self.mesh_shape.cp, self.mesh_shape.cp)
         shape = (built or self.mesh_shape).banner(sharded=built is not None)
+        if self.args.cpu_offload:
+            shape += "; their shards in host memory, the optimizer step on the CPU (--cpu_offload: the same curve)"
         return startup.banner(
             "FSDP2", self.prep, self.model, self.args, self.tf32, shape, objectives.describe(self.objective)
         )

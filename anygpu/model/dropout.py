@@ -42,7 +42,7 @@ from torch import nn
 
 from anygpu.errors import UsageError
 from anygpu.runtime import context_parallel
-from anygpu.runtime.blocks import decoder_layer_classes
+from anygpu.runtime.blocks import decoder_layers
 
 logger = logging.getLogger(__name__)
 _MODULE_CALL_FILE = nn.Module.__call__.__code__.co_filename  # torch/nn/modules/module.py
@@ -92,7 +92,7 @@ def install(model: nn.Module, seed: int, off: bool = False) -> str | None:
         return None
     state = _Keyed(seed, names={id(m): name for name, m in model.named_modules()}, stops={id(model)})
     try:
-        state.stops |= {id(m) for m in model.modules() if isinstance(m, decoder_layer_classes(model))}
+        state.stops |= {id(m) for m in decoder_layers(model)}
     except UsageError:  # no decoder layer class named: call sites start at the model
         pass
     object.__setattr__(model, ATTR, state)  # not a submodule, not a parameter

@@ -14,14 +14,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from anygpu.runtime import checkpointing as checkpointing_mod
-from anygpu.runtime.blocks import decoder_layer_classes
+from anygpu.runtime import offload
+from anygpu.runtime.blocks import decoder_layers
 from anygpu.runtime.mesh import DIM_NAMES, MeshShape
 
 
-def needs_sharding(world_size: int, bf16: bool) -> bool:
+def needs_sharding(world_size: int, bf16: bool, offload: bool = False) -> bool:
     """FSDP2 on one rank only costs per-step copies and hooks, so it is skipped there; bf16 keeps it at any
-    world size because its mixed-precision policy (bf16 compute, fp32 master weights) defines the numerics."""
-    return world_size > 1 or bf16
+    world size because its mixed-precision policy (bf16 compute, fp32 master weights) defines the numerics, and
+    --cpu_offload because FSDP2 is what moves the state to the host."""
+    return world_size > 1 or bf16 or offload
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -56,35 +58,39 @@ def shard_model(
     checkpointing: bool | str | None,
     compile_blocks: bool,
     reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Shard `model` (parameters still on meta) over `mesh_shape`; returns it wrapped in place (or plain, see
     `needs_sharding`: the same losses, and DCP checkpoints load either way on any world size and mesh).
-    `checkpointing`: an activation checkpointing policy (`anygpu.runtime.checkpointing`; True is full), or None."""
-    layers = [m for m in model.modules() if isinstance(m, decoder_layer_classes(model))]
+    `checkpointing`: an activation checkpointing policy (`anygpu.runtime.checkpointing`; True is full), or None.
+    `cpu_offload`: every unit's shards in host memory (`anygpu.runtime.offload`)."""
+    layers = decoder_layers(model)
     checkpointing_mod.enable(model, "full" if checkpointing is True else checkpointing or None)
     if compile_blocks:
         for layer in layers:
             layer.compile()  # its `forward`, checkpointed or not (the checkpoint is traced inside)
     world_size = mesh_shape.world_size
-    if not needs_sharding(world_size, bf16):
+    if not needs_sharding(world_size, bf16, cpu_offload):
         return model
     mesh = build_mesh(device, mesh_shape)
+    off = offload.policy(cpu_offload, device)
     # bf16 compute and all-gathers, fp32 gradient reduction and master weights. The policy also casts the
     # floating-point forward inputs to bf16: the loss's token count (num_items_in_batch) is an integer for that.
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
     # With one rank per shard group, resharding frees nothing worth the re-gather in the backward.
-    reshard_after_forward = reshard_after_forward and mesh_shape.shard_group > 1
+    reshard = reshard_after_forward and mesh_shape.shard_group > 1
     for i, layer in enumerate(layers):
         # The last layer's parameters are gathered again at once by the backward: keep them.
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward and i < len(layers) - 1)
+        last = i == len(layers) - 1
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard and not last)
     embedding, head = _own_units(model)
     if embedding is not None:  # gathered for the forward's first step and the backward's last only
-        fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(embedding, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
     if head is not None:  # kept from the forward's end into the backward's start (the lean loss uses it there too)
-        fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(head, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
     return model
 
 

@@ -72,7 +72,14 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch
 def _dtensor_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
     total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-    return total.full_tensor() if hasattr(total, "full_tensor") else total
+    if not hasattr(total, "full_tensor"):
+        return total
+    local, device_type = total.to_local(), total.device_mesh.device_type
+    if local.device.type != device_type:  # --cpu_offload: shards on the host, reduced by the GPU's backend (NCCL)
+        from torch.distributed.tensor import DTensor
+
+        total = DTensor.from_local(local.to(device_type), total.device_mesh, total.placements, run_check=False)
+    return total.full_tensor()
 
 
 def _row_norm(grads: list[torch.Tensor]) -> torch.Tensor:

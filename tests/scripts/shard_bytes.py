@@ -1,4 +1,6 @@
-"""Under torchrun: build the FSDP2 model, take one optimizer step, print each rank's held bytes."""
+"""Under torchrun: build the FSDP2 model, take one optimizer step, print each rank's held bytes (BYTES: parameters
+and optimizer state) and, for --cpu_offload, what it holds on the host against what the engine's check counts
+(OFFLOAD: host bytes of parameters, gradients and optimizer state, the planned bytes, FSDP2's offload flags)."""
 
 import json
 import sys
@@ -12,8 +14,8 @@ import torch.distributed as dist  # noqa: E402
 from anygpu.config.args import parse_args  # noqa: E402
 from anygpu.data.prepare import prepare  # noqa: E402
 from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
-from anygpu.runtime import distributed, parallel
-from anygpu.train import optim
+from anygpu.runtime import distributed, offload, parallel  # noqa: E402
+from anygpu.train import optim  # noqa: E402
 
 model_args, data_args, train_args = parse_args(sys.argv[1:])
 info = distributed.init_distributed()
@@ -27,4 +29,22 @@ every = [None] * info.world_size
 dist.all_gather_object(every, mine)
 if info.is_main:
     print("BYTES " + json.dumps(every))
+if train_args.cpu_offload:
+    from torch.distributed.fsdp import FSDPModule
+
+    def host(t) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size() if t.device.type == "cpu" else 0
+
+    states = [v for s in opt.state.values() for v in s.values() if hasattr(v, "dim") and v.dim() > 0]
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
+    report = {
+        "host": sum(host(p) + host(p.grad) for p in model.parameters()) + sum(host(v) for v in states),
+        "planned": offload.host_bytes_per_rank(model, info.world_size),
+        "offloaded": [fp.offload_to_cpu for g in groups if g is not None for fp in g.fsdp_params],
+    }
+    every = [None] * info.world_size
+    dist.all_gather_object(every, report)
+    if info.is_main:
+        print("OFFLOAD " + json.dumps(every))
 distributed.destroy()

@@ -236,7 +236,7 @@ class HFRun:
         modeling.flatten_packed_rows(model)  # flash attention: packed rows as one flattened row, as the FSDP2 engine
         mask_hint.install(model, self.prep.collator.packed)  # no host sync in the masking, as the FSDP2 engine
         if args.torch_compile:
-            for layer in (m for m in model.modules() if isinstance(m, blocks.decoder_layer_classes(model))):
+            for layer in blocks.decoder_layers(model):
                 layer.compile()
         return model
 

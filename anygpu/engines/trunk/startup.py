@@ -39,6 +39,17 @@ def check_levers(model_args, train_args, engine: str) -> None:
     """Refuse the speed and memory levers this engine or this device cannot run (before any GPU work)."""
     fp8.check_args(train_args.fp8, engine, model_args.use_peft)
     fp8.check_hardware(train_args.fp8)
+    if train_args.cpu_offload and engine != "fsdp":
+        raise UsageError(
+            "--cpu_offload true is the FSDP2 engine's: the HF engine offloads through its accelerate config "
+            "(run_nvidia_all.sh or run_amd_all.sh --accelerate-config fsdp_offload or deepspeed_zero3_offload), or use "
+            "--engine fsdp."
+        )
+    if train_args.cpu_offload and train_args.fp8:
+        raise UsageError(
+            f"--cpu_offload true with --fp8 {train_args.fp8}: FP8 training is not offloaded here; drop one of them "
+            "(--fp8 none, or --cpu_offload false)."
+        )
     if engine != "fsdp" and train_args.gradient_checkpointing_policy == "selective":
         raise UsageError(
             "--gradient_checkpointing_policy selective is the FSDP2 engine's: use --engine fsdp, or full "
