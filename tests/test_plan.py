@@ -407,3 +407,29 @@ def test_packed_rows_at_128k_count_their_mask_and_the_plan_says_what_avoids_it()
     flash = json.loads(run_plan(*args, "--attn_implementation", "flash_attention_2", "--json").stdout)
     assert all("attention_mask" not in r["per_gpu_bytes"] for r in flash["rows"])
     assert flash["recommended"]["full"]["fits"] and flash["notes"]["full"] == []
+
+
+def test_70b_on_8_h100_gets_a_native_offload_run_with_its_host_memory_and_cost():
+    """Llama-3-70B shapes, block 4096, 8×H100: the plan recommends the FSDP2 engine with --cpu_offload, the host
+    memory per node its offloaded state takes (16 bytes per parameter over the node's GPUs) and the CPU optimizer
+    step in the step time; a node that cannot hold it gets no offload row, and two such nodes with the model
+    sharded over both (--dp_shard 16) do."""
+    base = ["--config_name", "llama-70b", "--block_size", "4096", "--global_batch_size", "64", "--gpu", "h100"]
+    proc = run_plan(*base, "--num_gpus", "8", "--host_memory_gb", "2048")
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "recommendation: fsdp2_offload" in proc.stdout and "--cpu_offload true (run_fsdp_standalone.py)" in proc.stdout
+    )
+    shapes, _, _ = plan_tool.load_shapes(None, "llama-70b")
+    per_node = 16 * shapes.num_params / 2**30
+    assert f"host RAM per node for the offloaded state: {per_node:.2f} GiB" in proc.stdout, proc.stdout
+    assert "the node has 2048.00 GiB" in proc.stdout and "of it offload's (the CPU optimizer step" in proc.stdout
+
+    data = json.loads(run_plan(*base, "--num_gpus", "8", "--host_memory_gb", "2048", "--json").stdout)
+    rec = data["recommended"]["full"]
+    assert rec["host_bytes"]["offloaded"] == 8 * rec["cpu_bytes"] and 0 < rec["offload_seconds"] < rec["step_seconds"]
+
+    small = run_plan(*base, "--num_gpus", "8", "--host_memory_gb", "1024")
+    assert f"offload needs {per_node:.2f} GiB of host memory per node and the node has 1024.00 GiB" in small.stdout
+    two = run_plan(*base, "--num_gpus", "16", "--num_nodes", "2", "--host_memory_gb", "1024")
+    assert "--cpu_offload true --dp_shard 16" in two.stdout and f"{per_node / 2:.2f} GiB" in two.stdout, two.stdout

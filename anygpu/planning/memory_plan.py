@@ -123,9 +123,9 @@ def shapes_from_model(model, config, lora_r: int = 0, lora_targets: tuple[str, .
             continue
         seen.add(id(p))
         params.append(Param(name, tuple(p.shape), trainable=p.requires_grad))
-    from anygpu.runtime.blocks import decoder_layer_classes
+    from anygpu.runtime.blocks import decoder_layers
 
-    layers = [m for m in model.modules() if isinstance(m, decoder_layer_classes(model))]
+    layers = decoder_layers(model)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return Shapes(
@@ -320,6 +320,12 @@ class Machine:
     gpu_name: str = ""
     peak_flops: float | None = None  # dense bf16 per GPU
     source: str = "given"
+    num_nodes: int = 1
+    host_memory_bytes: int = 0  # per node; 0: not known (offloaded rows are then not refused for it)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return max(1, self.num_gpus // max(1, self.num_nodes))
 
 
 @dataclass
@@ -332,6 +338,7 @@ class PlanResult:
     recommended: Row | None = None
     gradient_accumulation_steps: int | None = None
     step_seconds: float | None = None
+    offload_seconds: float = 0.0  # of step_seconds: what offload adds (`offload_seconds`)
     mfu: float = 0.4
     flops_per_token: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -428,7 +435,10 @@ def row_for(
             shapes, micro_batch * shapes.sequences_per_item, block_size, precision
         )
     budget = machine.gpu_memory_bytes * SAFETY
-    fits = bool(machine.gpu_memory_bytes) and sum(per_gpu.values()) <= budget
+    host = host_bytes(shapes, strategy, dp_shard or world)
+    if cpu:
+        host["offloaded"] = cpu * machine.gpus_per_node
+    fits = bool(machine.gpu_memory_bytes) and sum(per_gpu.values()) <= budget and fits_host(host, machine)
     how = hsdp_command(world, shards) if strategy == HSDP else ACCELERATE_CONFIG[strategy]
     if cp > 1:
         how = f"run_fsdp_standalone.py --cp {cp}" + " --bf16 true" * (precision == "bf16")
@@ -436,8 +446,61 @@ def row_for(
     if checkpointing == SELECTIVE:  # the FSDP2 engine's only
         how = how if how.startswith("run_fsdp_standalone.py") else "run_fsdp_standalone.py"
         how += " --gradient_checkpointing_policy selective"
-    host = host_bytes(shapes, strategy, dp_shard or world)
     return Row(strategy, precision, checkpointing, lora, micro_batch, per_gpu, cpu, fits, how, host_bytes=host)
+
+
+def fits_host(host: dict[str, int], machine: Machine) -> bool:
+    """Whether a node's offloaded state fits its host memory (with the GPUs' safety margin), where it is known."""
+    return not machine.host_memory_bytes or host.get("offloaded", 0) <= machine.host_memory_bytes * SAFETY
+
+
+# Offload's cost. The CPU optimizer step: torch's fused CPU AdamW streams each fp32 parameter, gradient and both
+# moments in (16 bytes) and the parameter and moments out (12), bound by the node's memory bandwidth, which its
+# ranks share. The copies: each micro-batch copies every parameter shard to the GPU for the forward's and the
+# backward's all-gathers (fp32) and each gradient shard back (fp32), over PCIe, hidden behind the compute as far
+# as it lasts (FSDP2 prefetches the next unit; ZeRO-2 offload copies the gradient partition down and the bf16
+# weights up once a step).
+CPU_ADAMW_BYTES_PER_PARAM = 28
+HOST_BANDWIDTH = 300e9  # bytes/s per node: a two-socket DDR5 server's sustained ~300-600 GB/s, the low end
+PCIE_BANDWIDTH = (
+    25e9  # bytes/s per GPU each way: PCIe Gen5 x16's ~50 GB/s pinned, halved for the node's GPUs sharing it
+)
+
+
+def offload_seconds(shapes: Shapes, row: Row, machine: Machine, compute: float, accumulation: int) -> float:
+    """Seconds a step adds under offload (0 without): the CPU optimizer step, and the host-GPU copies that
+    `compute` seconds of the step's compute do not hide."""
+    if not row.cpu_bytes:
+        return 0.0
+    n = max(1, machine.num_gpus)
+    trainable = sum(p.numel for p in shapes.params if p.trainable)
+    cpu_step = trainable * machine.gpus_per_node / n * CPU_ADAMW_BYTES_PER_PARAM / HOST_BANDWIDTH
+    if row.strategy == "zero2_offload":
+        copied = trainable / n * (2 + 2)
+    else:
+        copied = accumulation * (shapes.num_params / n * 2 * 4 + trainable / n * 4)
+    return cpu_step + max(0.0, copied / PCIE_BANDWIDTH - compute)
+
+
+def compute_seconds(result: PlanResult, row: Row) -> float | None:
+    """A step's compute at the plan's MFU (None without FLOP counts): full checkpointing adds one forward;
+    selective recomputes only elementwise ops; fp32 (TF32) runs at about half of bf16's peak."""
+    machine = result.machine
+    if not result.flops_per_token or not machine.peak_flops:
+        return None
+    recompute = 4 / 3 if row.activation_checkpointing is True else 1.0
+    peak = machine.peak_flops * (1 if row.precision == "bf16" else 0.5)
+    tokens = result.global_batch_size * result.block_size
+    return tokens * result.flops_per_token * recompute / (max(1, machine.num_gpus) * peak * result.mfu)
+
+
+def step_seconds(result: PlanResult, row: Row, accumulation: int) -> tuple[float, float] | None:
+    """(the step's estimated seconds, offload's part of them), or None without FLOP counts."""
+    compute = compute_seconds(result, row)
+    if compute is None:
+        return None
+    extra = offload_seconds(result.shapes, row, result.machine, compute, accumulation)
+    return compute + extra, extra
 
 
 def host_bytes(shapes: Shapes, strategy: str, gpus_per_node: int) -> dict[str, int]:
@@ -466,10 +529,12 @@ PREFERENCE = ("ddp", HSDP, "fsdp2", "zero2", "zero3", "zero2_offload", "fsdp2_of
 def _recommend(
     result: PlanResult, strategies: tuple[str, ...], precisions: tuple[str, ...], lora: bool, share: int, cp: int
 ) -> None:
-    """The fastest strategy that fits (bf16 first, without checkpointing first) at the largest micro-batch
-    dividing `share` (the sequences of a data-parallel rank), into `result`."""
+    """Into `result`: the quickest (estimated step time) of the strategies that fit, each at the largest micro-batch
+    dividing `share` (the sequences of a data-parallel rank); bf16 before fp32; equal estimates (no step time
+    without FLOP counts) go to the earlier in order: without checkpointing first, then `PREFERENCE`."""
     shapes, machine, block_size, dp_shard = result.shapes, result.machine, result.block_size, result.dp_shard
     for precision in precisions:
+        candidates = []
         for ckpt in (False, SELECTIVE, True):  # the least recomputation first
             for strategy in (s for s in PREFERENCE if s in strategies and has_policy(s, ckpt, cp)):
                 fitting = [
@@ -480,9 +545,13 @@ def _recommend(
                     ).fits
                 ]
                 if fitting:
-                    result.recommended = fitting[0]
-                    result.gradient_accumulation_steps = share // fitting[0].micro_batch
-                    return
+                    timed = step_seconds(result, fitting[0], share // fitting[0].micro_batch)
+                    candidates.append((timed[0] if timed else 0.0, len(candidates), fitting[0]))
+        if candidates:
+            rec = min(candidates)[2]
+            result.recommended = rec
+            result.gradient_accumulation_steps = share // rec.micro_batch
+            return
 
 
 def has_policy(strategy: str, checkpointing: bool | str, cp: int = 1) -> bool:
@@ -540,10 +609,10 @@ def make_plan(
         result.cp_advice = cp_advice(shapes, machine, block_size, lora)
     if shapes.dense_mask and machine.gpu_memory_bytes:
         mask_note(result, replace(shapes, dense_mask=False), lora, mfu, flops_per_token)
-    if flops_per_token and machine.peak_flops:
-        rec = result.recommended
-        # full checkpointing: one more forward; selective recomputes only elementwise ops (no matmul, no attention)
-        recompute = 4 / 3 if rec is not None and rec.activation_checkpointing is True else 1.0
-        peak = machine.peak_flops * (1 if rec is None or rec.precision == "bf16" else 0.5)  # TF32 ≈ half of bf16
-        result.step_seconds = global_batch_size * block_size * flops_per_token * recompute / (n * peak * mfu)
+    if result.recommended is not None:
+        timed = step_seconds(result, result.recommended, result.gradient_accumulation_steps)
+        if timed is not None:
+            result.step_seconds, result.offload_seconds = timed
+    elif flops_per_token and machine.peak_flops:  # nothing fits: what the compute alone would take
+        result.step_seconds = global_batch_size * block_size * flops_per_token / (n * machine.peak_flops * mfu)
     return result

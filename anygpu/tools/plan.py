@@ -128,6 +128,12 @@ def _cluster_arguments(p: argparse.ArgumentParser) -> None:
         "where nothing fits without offload recommends the smallest C that does (docs/long-context.md).",
     )
     p.add_argument("--gpu_memory_gb", type=float, help="Memory per GPU in GiB (default: detected).")
+    p.add_argument(
+        "--host_memory_gb",
+        type=float,
+        help="Host memory per node in GiB, for the offload rows: one whose offloaded state a node cannot hold "
+        "does not fit (default: this machine's, where its GPUs are the plan's; else not checked).",
+    )
     p.add_argument("--gpu_name", help="GPU model for the peak FLOP/s of the step time, e.g. H100 (default: detected).")
 
 
@@ -187,6 +193,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--dp_shard {args.dp_shard} does not divide --num_gpus {args.num_gpus}: use one of {divisors} (e.g. the GPUs of one node)"
     if args.cp < 1 or (args.num_gpus is not None and args.num_gpus % args.cp) or args.block_size % args.cp:
         return f"--cp {args.cp} must divide --num_gpus and --block_size {args.block_size}, e.g. 2"
+    if args.host_memory_gb is not None and args.host_memory_gb <= 0:
+        return f"--host_memory_gb {args.host_memory_gb} must be positive, e.g. 2048"
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
         return f"--gpu_memory_gb {args.gpu_memory_gb} must be positive, e.g. 80"
     if not 0 < args.mfu <= 1:
@@ -215,9 +223,15 @@ def load_shapes(
 
 
 def detect_machine(
-    num_gpus: int | None, gpu_memory_gb: float | None, gpu_name: str | None, gpu: str | None = None, num_nodes: int = 1
+    num_gpus: int | None,
+    gpu_memory_gb: float | None,
+    gpu_name: str | None,
+    gpu: str | None = None,
+    num_nodes: int = 1,
+    host_memory_gb: float | None = None,
 ) -> Machine:
-    """The GPUs of this machine (torch, else the smi tools) × `num_nodes`, overridden by what was given."""
+    """The GPUs of this machine (torch, else the smi tools) × `num_nodes`, overridden by what was given; the host
+    memory per node given, else this machine's where the plan is for its own GPUs."""
     from anygpu.runtime import hardware
 
     count, memory, name, source = 0, 0, "", "none detected"
@@ -250,7 +264,21 @@ def detect_machine(
     memory = int(gpu_memory_gb * GIB) if gpu_memory_gb is not None else memory
     name = gpu_name or name
     peak = hardware.peak_bf16_flops(name) if name else None
-    return Machine(count, memory, name, peak, source)
+    here = bool(found) and gpu is None and gpu_memory_gb is None
+    host = int(host_memory_gb * GIB) if host_memory_gb is not None else (total_host_memory() if here else 0)
+    return Machine(count, memory, name, peak, source, num_nodes=num_nodes, host_memory_bytes=host)
+
+
+def total_host_memory(meminfo: str = "/proc/meminfo") -> int:
+    """This machine's memory (MemTotal), 0 where Linux does not say."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
@@ -265,7 +293,9 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
         lora = dataclasses.replace(lora, sequences_per_item=2)
     dense_mask = args.packing == "true" and args.attn_implementation in attention.DENSE_MASK
     full, lora = (dataclasses.replace(s, dense_mask=dense_mask) for s in (full, lora))
-    machine = detect_machine(args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes)
+    machine = detect_machine(
+        args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes, args.host_memory_gb
+    )
     fpt = metrics.flops_per_token(config, matmul_weights, args.block_size)
     dp_shard = dp_shard_of(args, machine)
     out = []
@@ -282,7 +312,9 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
             cp=args.cp,
         )
         if result.step_seconds is not None:  # dpo: two sequences per pair, and the reference's forward (a third)
-            result.step_seconds *= shapes.sequences_per_item * (4 / 3 if shapes.reference else 1)
+            compute = result.step_seconds - result.offload_seconds
+            result.step_seconds = compute * shapes.sequences_per_item * (4 / 3 if shapes.reference else 1)
+            result.step_seconds += result.offload_seconds
         if args.per_device_train_batch_size != 1:
             result.rows = [
                 memory_plan.row_for(
@@ -342,29 +374,45 @@ def table(result: PlanResult, title: str) -> list[str]:
     return lines
 
 
+def nothing_fits(result: PlanResult) -> list[str]:
+    """The recommendation where no row fits: what would."""
+    n = max(1, result.machine.num_gpus) // result.cp  # the data-parallel ranks
+    if not result.machine.gpu_memory_bytes:
+        return ["recommendation: no GPU memory known (no GPU detected): pass --num_gpus and --gpu_memory_gb"]
+    if result.cp_advice is not None:
+        cp, row = result.cp_advice
+        return [
+            f"recommendation: one {result.block_size}-token sequence does not fit one GPU: split it with context "
+            f"parallelism, {row.accelerate_config} "
+            f"(fsdp2, peak ≈ {gib(row.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU; "
+            f"the global batch is then split over {n // cp} data-parallel ranks; docs/long-context.md)"
+        ]
+    host_bound = [r for r in result.rows if r.cpu_bytes and not memory_plan.fits_host(r.host_bytes, result.machine)]
+    if host_bound:
+        need = min(r.host_bytes["offloaded"] for r in host_bound)
+        return [
+            f"recommendation: nothing fits: offload needs {gib(need)} GiB of host memory per node and the node "
+            f"has {gib(result.machine.host_memory_bytes)} GiB; more nodes (each holds its own GPUs' shards), "
+            "or LoRA"
+        ]
+    return [
+        "recommendation: nothing fits, even with offload and checkpointing: more GPUs, a shorter --block_size, or LoRA"
+    ]
+
+
 def recommendation(result: PlanResult) -> list[str]:
     rec = result.recommended
     n = max(1, result.machine.num_gpus) // result.cp  # the data-parallel ranks
     if rec is None:
-        if not result.machine.gpu_memory_bytes:
-            return ["recommendation: no GPU memory known (no GPU detected): pass --num_gpus and --gpu_memory_gb"]
-        if result.cp_advice is not None:
-            cp, row = result.cp_advice
-            return [
-                f"recommendation: one {result.block_size}-token sequence does not fit one GPU: split it with context "
-                f"parallelism, {row.accelerate_config} "
-                f"(fsdp2, peak ≈ {gib(row.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU; "
-                f"the global batch is then split over {n // cp} data-parallel ranks; docs/long-context.md)"
-            ]
-        return [
-            "recommendation: nothing fits, even with offload and checkpointing: more GPUs, a shorter "
-            "--block_size, or LoRA"
-        ]
+        return nothing_fits(result)
     where = (
         "the FSDP2 engine, run_fsdp_standalone.py (the HF engine trains pairs under DDP only)"
         if result.shapes.sequences_per_item > 1 and rec.strategy == "fsdp2"
         else f"accelerate config accelerate_configs/{rec.accelerate_config}.yaml"
     )
+    if rec.strategy == "fsdp2_offload":  # over every GPU: the engine's default mesh shards within a node
+        wide = f" --dp_shard {result.machine.num_gpus}" if result.machine.num_nodes > 1 else ""
+        where = f"the FSDP2 engine with --cpu_offload true{wide} (run_fsdp_standalone.py), or {where}"
     lines = [
         f"recommendation: {rec.strategy}, {rec.precision}, activation checkpointing "
         f"{ckpt_word(rec.activation_checkpointing, 'on', 'off')}: {where}"
@@ -376,6 +424,8 @@ def recommendation(result: PlanResult) -> list[str]:
         f"  host RAM on node 0: {gib(rec.host_bytes['loading'])} GiB to load the model, "
         f"{gib(rec.host_bytes['exporting'])} GiB to export it (fp32; see docs/memory.md)",
     ]
+    if rec.cpu_bytes:
+        lines.append(offload_line(result, rec))
     if result.cp_advice is not None:
         cp, row = result.cp_advice
         lines.append(
@@ -383,11 +433,32 @@ def recommendation(result: PlanResult) -> list[str]:
             f"(peak ≈ {gib(row.total)} GiB per GPU; docs/long-context.md)"
         )
     if result.step_seconds is not None:
+        offloaded = (
+            f", {result.offload_seconds:.2f} s of it offload's (the CPU optimizer step at "
+            f"{memory_plan.HOST_BANDWIDTH / 1e9:.0f} GB/s of host memory bandwidth per node, and the copies the "
+            f"compute does not hide at {memory_plan.PCIE_BANDWIDTH / 1e9:.0f} GB/s per GPU)"
+            if result.offload_seconds
+            else ""
+        )
         lines.append(
             f"  estimated step time {result.step_seconds:.2f} s at MFU {result.mfu:.0%} "
-            f"({result.flops_per_token / 1e9:.2f} GFLOP/token)"
+            f"({result.flops_per_token / 1e9:.2f} GFLOP/token){offloaded}"
         )
     return lines
+
+
+def offload_line(result: PlanResult, rec: memory_plan.Row) -> str:
+    """The host memory an offloaded recommendation takes on each node, against the node's where known."""
+    machine = result.machine
+    have = (
+        f"the node has {gib(machine.host_memory_bytes)} GiB"
+        if machine.host_memory_bytes
+        else "not checked against the node's: give --host_memory_gb"
+    )
+    return (
+        f"  host RAM per node for the offloaded state: {gib(rec.host_bytes['offloaded'])} GiB ({machine.gpus_per_node} "
+        f"GPUs × {gib(rec.cpu_bytes)} GiB of fp32 parameters, gradients and AdamW moments; {have})"
+    )
 
 
 def objective_lines(result: PlanResult) -> list[str]:
@@ -420,6 +491,7 @@ def to_json(full: PlanResult, lora: PlanResult) -> dict:
             **r.recommended.to_json(),
             "gradient_accumulation_steps": r.gradient_accumulation_steps,
             "step_seconds": r.step_seconds,
+            "offload_seconds": r.offload_seconds,
             "mfu": r.mfu,
         }
 
@@ -437,6 +509,8 @@ def to_json(full: PlanResult, lora: PlanResult) -> dict:
             "gpu_memory_bytes": m.gpu_memory_bytes,
             "gpu_name": m.gpu_name,
             "source": m.source,
+            "num_nodes": m.num_nodes,
+            "host_memory_bytes": m.host_memory_bytes,
         },
         "block_size": full.block_size,
         "global_batch_size": full.global_batch_size,
