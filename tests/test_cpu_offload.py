@@ -57,7 +57,7 @@ def test_an_offloaded_checkpoint_resumes_on_another_world_size(runs):
 @pytest.mark.slow
 def test_a_rank_holds_on_the_host_what_the_check_counts():
     """After a step on 2 offloaded ranks: every FSDP2 parameter has the offload flag, and each rank's host bytes of
-    parameters, gradients and AdamW state are what `offload.host_bytes_per_rank` (the start-up check) counts,
+    parameters, gradients and AdamW state are what `parallel.state_bytes_per_rank` (the start-up check) counts,
     half of one rank's."""
     args = [*TINY, "--max_steps", "1", "--cpu_offload", "true", "--output_dir", "/tmp/unused"]
     held = {}

@@ -129,3 +129,57 @@ def test_auto_micro_batch_counts_the_states_over_the_shard_group():
         memory_plan.transient_bytes(shapes, "fsdp2", "fp32", 2)
         - memory_plan.transient_bytes(shapes, "fsdp2", "fp32", 4)
     )
+
+
+@pytest.fixture(scope="module")
+def meta_models():
+    """Llama-3-8B and -70B shapes on the meta device (nothing allocated)."""
+    from anygpu.config.args import ModelArguments
+    from anygpu.model import modeling
+
+    def build(name):
+        args = ModelArguments(config_name=name)
+        return modeling.build_meta_model(modeling.resolve_config(args), args)
+
+    return {"8b": build("llama-8b"), "70b": build("llama-70b")}
+
+
+@pytest.mark.parametrize(
+    "model, nodes, budget_gib, expected",
+    [
+        ("8b", 2, 40, MeshShape(2, 8)),  # 15 GiB per GPU over one node: the node-local default stays
+        ("70b", 4, 80, MeshShape(2, 16)),  # 131 GiB over 8; 66 GiB over two nodes' 16 fits 80
+        ("70b", 4, 40, MeshShape(1, 32)),  # 66 GiB over 16 does not fit 40: FSDP2 over all 32 (33 GiB)
+        ("70b", 2, 20, MeshShape(1, 16)),  # nothing fits: as wide as the job goes
+    ],
+)
+def test_the_default_mesh_shards_as_wide_as_the_model_state_needs(meta_models, model, nodes, budget_gib, expected):
+    """Several nodes of 8: the default (one replica group per node) widens its shard group by whole nodes until a
+    rank's 16 bytes per parameter of state fit the budget (the engine's: half a GPU), saying so."""
+    from anygpu.runtime import mesh, parallel
+
+    m = meta_models[model]
+    default = resolve(None, None, 8 * nodes, 8)
+    assert default == MeshShape(nodes, 8)
+    shape, note = mesh.widen(default, lambda s: parallel.state_bytes_per_rank(m, s), budget_gib << 30)
+    assert shape == expected
+    if shape == default:
+        assert note is None
+    else:
+        assert f"sharded over {shape.shard_group} ranks" in note and "--dp_replicate/--dp_shard" in note
+        held = parallel.state_bytes_per_rank(m, shape.shard_group)
+        assert held <= budget_gib << 30 or shape.dp_replicate == 1
+
+
+def test_a_mesh_the_user_sets_or_cpu_ranks_keep_their_mesh():
+    """--dp_replicate/--dp_shard given, or ranks without a GPU: `fitted_mesh` changes nothing (and builds nothing)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from anygpu.engines import fsdp
+
+    given = SimpleNamespace(dp_replicate=2, dp_shard=None, cpu_offload=False)
+    assert fsdp.fitted_mesh(MeshShape(2, 8), None, None, given, torch.device("cuda")) == (MeshShape(2, 8), None)
+    default = SimpleNamespace(dp_replicate=None, dp_shard=None, cpu_offload=False)
+    assert fsdp.fitted_mesh(MeshShape(2, 8), None, None, default, torch.device("cpu")) == (MeshShape(2, 8), None)

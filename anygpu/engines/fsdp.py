@@ -58,10 +58,35 @@ def mesh_shape(train_args: TrainArguments, world_size: int) -> mesh.MeshShape:
     )
 
 
-def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
-    """Meta model → AC / compile / FSDP2 or HSDP → materialised on the device → initial or pretrained weights."""
+def fitted_mesh(
+    shape: mesh.MeshShape, prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, device
+) -> tuple[mesh.MeshShape, str | None]:
+    """The default mesh widened where one node's shard of the model state would not fit a rank (`mesh.widen`): a
+    GPU's half (the rest is for activations and gathered layers), or under --cpu_offload the node's free host memory
+    over its ranks. Unchanged for a mesh the user set, on one node, and for CPU ranks (the host's memory is theirs)."""
+    if train_args.dp_replicate is not None or train_args.dp_shard is not None or not shape.is_hsdp:
+        return shape, None
+    if train_args.cpu_offload:
+        budget = int(0.9 * (offload.available_host_bytes() or 0) / mesh.local_world_size_from_env())
+    elif device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory // 2
+    else:
+        return shape, None
+    model = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args)
+    return mesh.widen(shape, lambda group: parallel.state_bytes_per_rank(model, group), budget)
+
+
+def build_model(
+    prep: Prepared,
+    model_args: ModelArguments,
+    train_args: TrainArguments,
+    info: distributed.DistInfo,
+    shape: mesh.MeshShape | None = None,
+):
+    """Meta model → AC / compile / FSDP2 or HSDP → materialised on the device → initial or pretrained weights.
+    `shape`: the mesh (default: `mesh_shape`'s)."""
     model = modeling.build_meta_model(prep.config, model_args)
-    shape = mesh_shape(train_args, info.world_size)
+    shape = shape or mesh_shape(train_args, info.world_size)
     fp8.convert(model, train_args.fp8, info.device, parallel.needs_sharding(shape.world_size, train_args.bf16))
     model = lora.wrap(model, model_args)  # adapter before sharding
     if lora.is_peft(model) and train_args.bf16:
@@ -74,7 +99,7 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     checkpointing = train_args.gradient_checkpointing_policy if train_args.gradient_checkpointing else None
     if train_args.cpu_offload:  # before any memory is taken: the node's ranks' state must fit its host memory
-        per_rank = offload.host_bytes_per_rank(model, shape.shard_group)
+        per_rank = parallel.state_bytes_per_rank(model, shape.shard_group)
         offload.check_host_memory(per_rank, mesh.local_world_size_from_env(), offload.available_host_bytes())
     parallel.shard_model(
         model, info.device, shape, train_args.bf16, checkpointing, train_args.torch_compile,
@@ -93,9 +118,16 @@ def build_model(prep: Prepared, model_args: ModelArguments, train_args: TrainArg
     return model
 
 
-def build_reference(prep: Prepared, model_args: ModelArguments, train_args: TrainArguments, info: distributed.DistInfo):
-    """--objective dpo's frozen reference (--ref_model_name_or_path, else the starting model): sharded like the policy,
-    no gradients, no optimizer, held in the compute dtype (the mixed-precision forward casts to it anyway)."""
+def build_reference(
+    prep: Prepared,
+    model_args: ModelArguments,
+    train_args: TrainArguments,
+    info: distributed.DistInfo,
+    shape: mesh.MeshShape | None = None,
+):
+    """--objective dpo's frozen reference (--ref_model_name_or_path, else the starting model): sharded like the policy
+    (`shape`, default `mesh_shape`'s), no gradients, no optimizer, held in the compute dtype (the mixed-precision
+    forward casts to it anyway)."""
     args = dataclasses.replace(
         model_args,
         model_name_or_path=train_args.ref_model_name_or_path or model_args.model_name_or_path,
@@ -112,7 +144,7 @@ def build_reference(prep: Prepared, model_args: ModelArguments, train_args: Trai
     modeling.flatten_packed_rows(model)
     mask_hint.install(model, prep.collator.packed)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    shape = mesh_shape(train_args, info.world_size)
+    shape = shape or mesh_shape(train_args, info.world_size)
     parallel.shard_model(model, info.device, shape, train_args.bf16, None, False, cpu_offload=train_args.cpu_offload)
     offload.materialize(model, info.device, train_args.cpu_offload)
     if not parallel.is_sharded(model):
@@ -227,10 +259,11 @@ class FSDPTrainer:
         run_guard.check_data_agrees(info, prep.data_fingerprint)
         self.fingerprint = resume_guard.fingerprint(self.resolved, prep)  # saved in each checkpoint
         self.resume, self.resumed, self.changed = self._resume_target(claimed)
-        self.model = build_model(prep, model_args, train_args, info)
+        self.mesh_shape, self.mesh_note = fitted_mesh(self.mesh_shape, prep, model_args, train_args, info.device)
+        self.model = build_model(prep, model_args, train_args, info, self.mesh_shape)
         self.objective = objectives.build(
             prep, self.model, self.model, model_args, data_args, train_args, info,
-            lambda: build_reference(prep, model_args, train_args, info),
+            lambda: build_reference(prep, model_args, train_args, info, self.mesh_shape),
         )  # fmt: skip
         self.auto_probe = self._auto_micro_batch()
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
@@ -347,6 +380,8 @@ class FSDPTrainer:
         shape = (built or self.mesh_shape).banner(sharded=built is not None)
         if self.args.cpu_offload:
             shape += "; their shards in host memory, the optimizer step on the CPU (--cpu_offload: the same curve)"
+        if self.mesh_note:
+            shape += f" ({self.mesh_note})"
         return startup.banner(
             "FSDP2", self.prep, self.model, self.args, self.tf32, shape, objectives.describe(self.objective)
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 from anygpu.errors import UsageError
 
@@ -134,3 +135,23 @@ def _resolve_dp(
         )
     other = world_size // value
     return MeshShape(value, other) if given == "dp_replicate" else MeshShape(other, value)
+
+
+def widen(shape: MeshShape, state_bytes: Callable[[int], int], budget: int) -> tuple[MeshShape, str | None]:
+    """The default mesh (one replica group per node) with its shard group widened, by whole nodes, until a rank's
+    model state (`state_bytes(S·C)`) fits `budget`; at most plain FSDP2 over every rank. A node-local shard group
+    holds the whole model's state on every node: 70B's 1.1 TB of fp32 weights, gradients and AdamW moments is
+    141 GB per GPU on 8, which no 80 GB GPU holds, and would fail at the first optimizer step after the whole load.
+    Returns the shape and a line saying why it changed (None: unchanged)."""
+    if budget <= 0 or not shape.is_hsdp or state_bytes(shape.shard_group) <= budget:
+        return shape, None
+    d, local = shape.data_parallel, shape.dp_shard
+    wider = [s for s in range(2 * local, d + 1, local) if d % s == 0]
+    s = next((s for s in wider if state_bytes(s * shape.cp) <= budget), d)
+    gib = lambda b: f"{b / 2**30:.1f} GiB"  # noqa: E731
+    note = (
+        f"the model's state is {gib(state_bytes(shape.shard_group))} per rank sharded over one node's "
+        f"{shape.shard_group} ranks, over the {gib(budget)} a rank has for it: sharded over {s * shape.cp} ranks "
+        f"({gib(state_bytes(s * shape.cp))} each); --dp_replicate/--dp_shard set the mesh yourself"
+    )
+    return MeshShape(d // s, s, shape.cp), note

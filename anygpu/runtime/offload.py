@@ -15,8 +15,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from anygpu.errors import UsageError
 
-ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32
-
 
 def policy(enabled: bool, device: torch.device) -> OffloadPolicy:
     """FSDP2's offload policy: pinned host memory where a GPU copies from it (pinning needs an accelerator)."""
@@ -34,21 +32,6 @@ def materialize(model: nn.Module, device: torch.device, enabled: bool) -> None:
         for name, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[name] = buf.to(device)
-
-
-def host_bytes_per_rank(model: nn.Module, shard_group: int, optimizer: bool = True) -> int:
-    """Host memory one rank's offloaded state takes, from the (meta) model's parameters: each trainable
-    parameter's shard in fp32 with its fp32 gradient and (`optimizer`) AdamW's two fp32 moments; each frozen one
-    in its own dtype. Shards are 1/S of each tensor (FSDP2 pads a tensor's rows up to a multiple of S)."""
-    total = 0
-    for p in model.parameters():
-        rows = p.shape[0] if p.dim() else 1
-        shard = -(-rows // shard_group) * (p.numel() // max(rows, 1))
-        if p.requires_grad:
-            total += shard * (4 + 4 + (ADAMW_STATE_BYTES if optimizer else 0))
-        else:
-            total += shard * p.element_size()
-    return total
 
 
 def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:

@@ -120,6 +120,24 @@ def set_gradient_reduction(model: nn.Module, last_micro_batch: bool) -> None:
         model.set_requires_gradient_sync(last_micro_batch)
 
 
+ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32
+
+
+def state_bytes_per_rank(model: nn.Module, shard_group: int, optimizer: bool = True) -> int:
+    """The model state one rank holds (on the host under --cpu_offload), from the (meta or sharded) model's
+    parameters: each trainable parameter's shard in fp32 with its fp32 gradient and (`optimizer`) AdamW's two fp32 moments; each frozen one
+    in its own dtype. Shards are 1/S of each tensor (FSDP2 pads a tensor's rows up to a multiple of S)."""
+    total = 0
+    for p in model.parameters():
+        rows = p.shape[0] if p.dim() else 1
+        shard = -(-rows // shard_group) * (p.numel() // max(rows, 1))
+        if p.requires_grad:
+            total += shard * (4 + 4 + (ADAMW_STATE_BYTES if optimizer else 0))
+        else:
+            total += shard * p.element_size()
+    return total
+
+
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Bytes of parameters (and optimizer state) this rank actually holds."""
     from torch.distributed.tensor import DTensor

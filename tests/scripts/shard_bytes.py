@@ -14,7 +14,7 @@ import torch.distributed as dist  # noqa: E402
 from anygpu.config.args import parse_args  # noqa: E402
 from anygpu.data.prepare import prepare  # noqa: E402
 from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
-from anygpu.runtime import distributed, offload, parallel  # noqa: E402
+from anygpu.runtime import distributed, parallel  # noqa: E402
 from anygpu.train import optim  # noqa: E402
 
 model_args, data_args, train_args = parse_args(sys.argv[1:])
@@ -40,7 +40,7 @@ if train_args.cpu_offload:
     groups = [m._get_fsdp_state()._fsdp_param_group for m in model.modules() if isinstance(m, FSDPModule)]
     report = {
         "host": sum(host(p) + host(p.grad) for p in model.parameters()) + sum(host(v) for v in states),
-        "planned": offload.host_bytes_per_rank(model, info.world_size),
+        "planned": parallel.state_bytes_per_rank(model, info.world_size),
         "offloaded": [fp.offload_to_cpu for g in groups if g is not None for fp in g.fsdp_params],
     }
     every = [None] * info.world_size
