@@ -165,3 +165,21 @@ def test_resume_refuses_another_strategy_family(tmp_path, saved, saved_world, no
     else:
         with pytest.raises(ValueError, match=error):
             check_resume_world(ckpt, p)
+
+
+@pytest.mark.parametrize("kind, each_batch", [("fsdp", True), ("ddp", False), ("deepspeed", False)])
+def test_accelerate_fsdp2_reduce_scatters_every_micro_batch(kind, each_batch):
+    """Under accelerate's FSDP2 the HF engine has Trainer sync every micro-batch (accelerate's `sync_each_batch`),
+    so a rank holds its shard of the gradients through accumulation, not the whole model's unsharded ones (as
+    no_sync left them: +4 bytes per parameter per rank); DDP, whose gradients are whole anyway, and DeepSpeed, which
+    reduces each micro-batch itself, sync as before. (The bytes a rank holds are a 2-GPU check: accelerate's FSDP2
+    does not run on CPU.)"""
+    from anygpu.config.args import parse_args
+    from anygpu.engines.hf.run import training_arguments
+
+    train_args = parse_args([*TINY, "--output_dir", "/tmp/unused"])[2]
+    request = Request(
+        kind, 2, zero_stage=3 if kind == "deepspeed" else None, fsdp_version=2 if kind == "fsdp" else None
+    )
+    targs = training_arguments(train_args, plan(request, on_cpu=False, allow_fallback=False))
+    assert targs.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": each_batch}
