@@ -280,3 +280,29 @@ def test_flash_attentions_varlen_path_under_a_split():
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("LOSSES"))
     whole, split, split_norm, whole_norm = map(float, line.split()[1:])
     assert split == pytest.approx(whole, rel=1e-6) and split_norm == pytest.approx(whole_norm, rel=1e-5), line
+
+
+def test_gathered_keys_over_raw_text_need_no_mask(monkeypatch):
+    """Heads C does not divide, raw-text rows under sdpa: each rank's queries against the gathered keys and values
+    give the rows of whole-sequence causal attention (GQA, 3 ranks, float64), and no (T/C × T) mask is built: the
+    keys past the rank's last query are dropped and the rest go under sdpa's lower-right causal bias."""
+    import torch
+    import torch.nn.functional as F
+
+    from anygpu.runtime import context_parallel as cpm
+
+    torch.manual_seed(0)
+    b, heads, kv_heads, T, C, d = 2, 4, 2, 96, 3, 16
+    q, k, v = (torch.randn(b, n, T, d, dtype=torch.float64) for n in (heads, kv_heads, kv_heads))
+    whole = F.scaled_dot_product_attention(q, *(x.repeat_interleave(2, 1) for x in (k, v)), is_causal=True)
+    gathered = {}  # a rank's local keys / values → the whole sequence's, as the all-gather returns them
+    monkeypatch.setattr(cpm._GatherSequence, "apply", staticmethod(lambda x, group, cp, index: gathered[id(x)]))
+    monkeypatch.setattr(cpm, "_causal_rows", lambda *a: pytest.fail("a dense causal mask was built"))
+    part = T // C
+    for i in range(C):
+        rows = slice(i * part, (i + 1) * part)
+        local_k, local_v = k[:, :, rows], v[:, :, rows]
+        gathered.update({id(local_k): k, id(local_v): v})
+        split = cpm._Split(None, C, "sdpa", None, torch.arange(T).expand(b, T), index=i, heads_split=False)
+        out, _ = cpm._gathered_attention(None, split, q[:, :, rows], local_k, local_v, dropout=0.0, scaling=None)
+        assert torch.allclose(out, whole[:, :, rows].transpose(1, 2), atol=1e-12)
