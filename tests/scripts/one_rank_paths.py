@@ -22,7 +22,7 @@ prep = prepare(model_args, data_args, train_args, info)
 def train(force_fsdp: bool) -> list[float]:
     real = parallel.needs_sharding
     if force_fsdp:
-        parallel.needs_sharding = lambda world_size, bf16: True
+        parallel.needs_sharding = lambda *args: True
     try:
         model = fsdp_engine.build_model(prep, model_args, train_args, info)
     finally:
