@@ -11,6 +11,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import HIDE_GPUS, ROOT, env
@@ -74,8 +75,21 @@ def test_a_real_ctrl_c_and_ctrl_d_in_the_real_command():
     (Ctrl-D) exits 1; neither prints a traceback nor a command."""
     e = {**env(), "PATH": "/usr/bin:/bin", "PYTHONFAULTHANDLER": "1"}  # no smi tool: no GPU; stacks on SIGABRT
     cmd = [sys.executable, "-m", "anygpu.tools.cli", "launch", "--dry-run"]
+    # Started as a shell starts it: SIGINT neither ignored nor blocked, whatever this test process inherited or
+    # earlier tests in it left (an ignored or blocked SIGINT passes through exec, and Python installs no handler
+    # for an ignored one: the command waited in its read through the signal, twice in the suite, 2026-11-27).
+    as_from_a_shell = (
+        "import os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+        "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", as_from_a_shell, *cmd[1:]],
+        cwd=ROOT,
+        env=e,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     out = ""
     while "engine (" not in out:  # the first question is asked: it now blocks in a read
@@ -85,9 +99,11 @@ def test_a_real_ctrl_c_and_ctrl_d_in_the_real_command():
     # the signal arrived would take it for Ctrl-D (exit 1; seen once under a loaded CI run)
     try:
         proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:  # once under a loaded run (2026-11-27): where it was, from its own stacks
+    except subprocess.TimeoutExpired:  # where it was (its own stacks) and what its signal state was
+        status = [ln for ln in Path(f"/proc/{proc.pid}/status").read_text().splitlines() if ln.startswith("Sig")]
         proc.send_signal(signal.SIGABRT)
-        pytest.fail(f"no exit 60 s after SIGINT; its stacks:\n{proc.communicate(timeout=30)[1][-6000:]}")
+        stacks = proc.communicate(timeout=30)[1][-6000:]
+        pytest.fail(f"no exit 60 s after SIGINT; this test process {_signal_state()}, the command {status}:\n{stacks}")
     rest, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err and "interrupted, nothing launched" in err, err
     eof = subprocess.run(cmd, cwd=ROOT, env=e, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
@@ -160,3 +176,7 @@ def test_fake_gpus_offer_the_plans_recommendation(tmp_path):
     # the header says what was found, not a command the answers have not chosen yet
     header = out[: out.index("engine (")]
     assert "8 NVIDIA GPU(s)" in header and "plain python" not in header and "torchrun" not in header
+
+
+def _signal_state() -> list[str]:
+    return [ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith(("SigBlk", "SigIgn"))]
