@@ -425,11 +425,20 @@ def test_70b_on_8_h100_gets_a_native_offload_run_with_its_host_memory_and_cost()
     assert f"host RAM per node for the offloaded state: {per_node:.2f} GiB" in proc.stdout, proc.stdout
     assert "the node has 2048.00 GiB" in proc.stdout and "of it offload's (the CPU optimizer step" in proc.stdout
 
-    data = json.loads(run_plan(*base, "--num_gpus", "8", "--host_memory_gb", "2048", "--json").stdout)
-    rec = data["recommended"]["full"]
-    assert rec["host_bytes"]["offloaded"] == 8 * rec["cpu_bytes"] and 0 < rec["offload_seconds"] < rec["step_seconds"]
+    from anygpu.train import metrics
 
-    small = run_plan(*base, "--num_gpus", "8", "--host_memory_gb", "1024")
-    assert f"offload needs {per_node:.2f} GiB of host memory per node and the node has 1024.00 GiB" in small.stdout
-    two = run_plan(*base, "--num_gpus", "16", "--num_nodes", "2", "--host_memory_gb", "1024")
-    assert "--cpu_offload true --dp_shard 16" in two.stdout and f"{per_node / 2:.2f} GiB" in two.stdout, two.stdout
+    _, config, matmul_weights = plan_tool.load_shapes(None, "llama-70b")
+    fpt = metrics.flops_per_token(config, matmul_weights, 4096)
+
+    def result(gpus: int, nodes: int, host_gib: int) -> memory_plan.PlanResult:  # the CLI's plan, shapes built once
+        machine = plan_tool.detect_machine(gpus, None, None, "h100", nodes, host_gib)
+        dp_shard = gpus // nodes if nodes > 1 else None
+        return memory_plan.make_plan(shapes, machine, 4096, 64, flops_per_token=fpt, dp_shard=dp_shard)
+
+    one = result(8, 1, 2048)
+    assert one.recommended.host_bytes["offloaded"] == 8 * one.recommended.cpu_bytes
+    assert 0 < one.offload_seconds < one.step_seconds
+    small = "\n".join(plan_tool.recommendation(result(8, 1, 1024)))
+    assert f"offload needs {per_node:.2f} GiB of host memory per node and the node has 1024.00 GiB" in small
+    two = "\n".join(plan_tool.recommendation(result(16, 2, 1024)))
+    assert "--cpu_offload true --dp_shard 16" in two and f"{per_node / 2:.2f} GiB" in two, two
