@@ -75,9 +75,10 @@ def test_a_real_ctrl_c_and_ctrl_d_in_the_real_command():
     (Ctrl-D) exits 1; neither prints a traceback nor a command."""
     e = {**env(), "PATH": "/usr/bin:/bin", "PYTHONFAULTHANDLER": "1"}  # no smi tool: no GPU; stacks on SIGABRT
     cmd = [sys.executable, "-m", "anygpu.tools.cli", "launch", "--dry-run"]
-    # Started as a shell starts it: SIGINT neither ignored nor blocked, whatever this test process inherited or
-    # earlier tests in it left (an ignored or blocked SIGINT passes through exec, and Python installs no handler
-    # for an ignored one: the command waited in its read through the signal, twice in the suite, 2026-11-27).
+    # Started as an interactive shell starts it: SIGINT neither ignored nor blocked, whatever this test process
+    # inherited. A suite started in the background (`cmd &` in a script: POSIX shells ignore SIGINT and SIGQUIT for
+    # it) passes the ignored SIGINT through every exec, Python installs no handler for an ignored one, and the
+    # command read on through the signal (twice on 2026-11-27, in fresh-clone runs started that way).
     as_from_a_shell = (
         "import os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
         "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
