@@ -13,7 +13,7 @@ from anygpu.config.args import parse_args
 from anygpu.engines.trunk import startup
 from anygpu.errors import UsageError
 from anygpu.planning import memory_plan
-from anygpu.runtime import offload
+from anygpu.runtime import hardware, offload
 from anygpu.tools import plan as plan_tool
 
 SIX = [*TINY, "--max_steps", "6", "--save_steps", "3", "--export_final", "false"]
@@ -82,13 +82,13 @@ def test_the_host_check_refuses_what_the_node_cannot_hold(tmp_path):
     sizes and what to do; nothing refused where Linux does not say."""
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16384000 kB\nMemAvailable:    8192000 kB\n")
-    available = offload.available_host_bytes(meminfo)
+    available = hardware.host_memory_bytes("MemAvailable", meminfo)
     assert available == 8192000 * 1024
     offload.check_host_memory(available // 8, 8, available)  # exactly fits
     with pytest.raises(UsageError, match=r"--cpu_offload true: this node's 8 rank\(s\) would hold 8\.0 GiB") as e:
         offload.check_host_memory(2**30, 8, 2**30)
     assert "more nodes" in str(e.value) and "--use_peft true" in str(e.value) and "anygpu plan" in str(e.value)
-    offload.check_host_memory(2**40, 8, offload.available_host_bytes(tmp_path / "absent"))
+    offload.check_host_memory(2**40, 8, hardware.host_memory_bytes("MemAvailable", tmp_path / "absent"))
 
 
 @pytest.mark.parametrize(

@@ -67,7 +67,7 @@ def fitted_mesh(
     if train_args.dp_replicate is not None or train_args.dp_shard is not None or not shape.is_hsdp:
         return shape, None
     if train_args.cpu_offload:
-        budget = int(0.9 * (offload.available_host_bytes() or 0) / mesh.local_world_size_from_env())
+        budget = int(0.9 * (hardware.host_memory_bytes() or 0) / mesh.local_world_size_from_env())
     elif device.type == "cuda":
         budget = torch.cuda.get_device_properties(device).total_memory // 2
     else:
@@ -100,7 +100,7 @@ def build_model(
     checkpointing = train_args.gradient_checkpointing_policy if train_args.gradient_checkpointing else None
     if train_args.cpu_offload:  # before any memory is taken: the node's ranks' state must fit its host memory
         per_rank = parallel.state_bytes_per_rank(model, shape.shard_group)
-        offload.check_host_memory(per_rank, mesh.local_world_size_from_env(), offload.available_host_bytes())
+        offload.check_host_memory(per_rank, mesh.local_world_size_from_env(), hardware.host_memory_bytes())
     parallel.shard_model(
         model, info.device, shape, train_args.bf16, checkpointing, train_args.torch_compile,
         cpu_offload=train_args.cpu_offload,

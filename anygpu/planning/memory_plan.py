@@ -482,14 +482,15 @@ def offload_seconds(shapes: Shapes, row: Row, machine: Machine, compute: float, 
     return cpu_step + max(0.0, copied / PCIE_BANDWIDTH - compute)
 
 
-def compute_seconds(result: PlanResult, row: Row) -> float | None:
+def compute_seconds(result: PlanResult, row: Row | None = None) -> float | None:
     """A step's compute at the plan's MFU (None without FLOP counts): full checkpointing adds one forward;
-    selective recomputes only elementwise ops; fp32 (TF32) runs at about half of bf16's peak."""
+    selective recomputes only elementwise ops; fp32 (TF32) runs at about half of bf16's peak. Without a row:
+    bf16 without recomputation (what the compute alone takes where nothing fits)."""
     machine = result.machine
     if not result.flops_per_token or not machine.peak_flops:
         return None
-    recompute = 4 / 3 if row.activation_checkpointing is True else 1.0
-    peak = machine.peak_flops * (1 if row.precision == "bf16" else 0.5)
+    recompute = 4 / 3 if row is not None and row.activation_checkpointing is True else 1.0
+    peak = machine.peak_flops * (1 if row is None or row.precision == "bf16" else 0.5)
     tokens = result.global_batch_size * result.block_size
     return tokens * result.flops_per_token * recompute / (max(1, machine.num_gpus) * peak * result.mfu)
 
@@ -613,6 +614,6 @@ def make_plan(
         timed = step_seconds(result, result.recommended, result.gradient_accumulation_steps)
         if timed is not None:
             result.step_seconds, result.offload_seconds = timed
-    elif flops_per_token and machine.peak_flops:  # nothing fits: what the compute alone would take
-        result.step_seconds = global_batch_size * block_size * flops_per_token / (n * machine.peak_flops * mfu)
+    else:
+        result.step_seconds = compute_seconds(result)
     return result

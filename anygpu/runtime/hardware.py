@@ -10,6 +10,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -177,6 +178,18 @@ def _has_fp32_precision_api() -> bool:
 
 def supports_bf16() -> bool:
     return vendor() != "cpu" and torch.cuda.is_bf16_supported()
+
+
+def host_memory_bytes(field: str = "MemAvailable", meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """A line of Linux's /proc/meminfo in bytes: MemAvailable (what it can give without swapping), MemTotal; None
+    where it does not say."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def describe() -> str:

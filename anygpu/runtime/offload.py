@@ -7,8 +7,6 @@ either way. What it costs at 8B and 70B: docs/memory.md#cpu-offload."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
@@ -32,17 +30,6 @@ def materialize(model: nn.Module, device: torch.device, enabled: bool) -> None:
         for name, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[name] = buf.to(device)
-
-
-def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """The host memory Linux can give without swapping (MemAvailable), or None where it does not say."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def check_host_memory(per_rank: int, ranks_per_node: int, available: int | None) -> None:

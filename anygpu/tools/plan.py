@@ -265,20 +265,12 @@ def detect_machine(
     name = gpu_name or name
     peak = hardware.peak_bf16_flops(name) if name else None
     here = bool(found) and gpu is None and gpu_memory_gb is None
-    host = int(host_memory_gb * GIB) if host_memory_gb is not None else (total_host_memory() if here else 0)
+    host = (
+        int(host_memory_gb * GIB)
+        if host_memory_gb is not None
+        else ((hardware.host_memory_bytes("MemTotal") or 0) if here else 0)
+    )
     return Machine(count, memory, name, peak, source, num_nodes=num_nodes, host_memory_bytes=host)
-
-
-def total_host_memory(meminfo: str = "/proc/meminfo") -> int:
-    """This machine's memory (MemTotal), 0 where Linux does not say."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
@@ -339,7 +331,7 @@ def dp_shard_of(args: argparse.Namespace, machine: Machine) -> int | None:
     """HSDP's shard group: --dp_shard, else the GPUs per node (as the FSDP2 engine's default mesh)."""
     if args.dp_shard is not None:
         return args.dp_shard
-    return machine.num_gpus // args.num_nodes if machine.num_gpus and args.num_nodes > 1 else None
+    return machine.gpus_per_node if machine.num_gpus and machine.num_nodes > 1 else None
 
 
 def ckpt_word(checkpointing: bool | str, on: str, off: str) -> str:
