@@ -148,7 +148,7 @@ def _embedding_and_head(model) -> tuple[int, int]:
     return numel(embedding), numel(head)
 
 
-def fsdp_rows(shape: tuple[int, ...], world: int, rank: int) -> int:
+def _fsdp_rows(shape: tuple[int, ...], world: int, rank: int) -> int:
     """Elements rank ``rank`` holds of a parameter split on dim 0 into ⌈d0/N⌉-row chunks (fully_shard)."""
     d0, rest = shape[0], math.prod(shape[1:])
     chunk = -(-d0 // world)
@@ -204,7 +204,7 @@ def model_state_bytes(
     def held(p: Param, shard: bool) -> int:
         if not shard:
             return p.numel
-        return fsdp_rows(p.shape, world, rank) if fsdp else _even(p.numel, world)
+        return _fsdp_rows(p.shape, world, rank) if fsdp else _even(p.numel, world)
 
     frozen_bytes = 2 if bf16 else 4
     pbytes = 2 if (bf16 and zero) else 4  # DeepSpeed keeps bf16 weights; FSDP2/DDP keep fp32 masters
@@ -234,7 +234,7 @@ def reference_bytes(shapes: Shapes, strategy: str, precision: str, world: int, r
         return 0
     e = 2 if precision == "bf16" else 4
     if strategy.startswith(("fsdp2", HSDP)):
-        return e * sum(fsdp_rows(p.shape, world, rank) for p in shapes.params)
+        return e * sum(_fsdp_rows(p.shape, world, rank) for p in shapes.params)
     if strategy.startswith("zero3"):
         return e * sum(_even(p.numel, world) for p in shapes.params)
     return e * shapes.num_params

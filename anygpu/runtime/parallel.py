@@ -13,7 +13,6 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from anygpu.planning.memory_plan import fsdp_rows
 from anygpu.runtime import checkpointing as checkpointing_mod
 from anygpu.runtime import offload
 from anygpu.runtime.blocks import decoder_layers
@@ -124,14 +123,18 @@ def set_gradient_reduction(model: nn.Module, last_micro_batch: bool) -> None:
 ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32
 
 
-def state_bytes_per_rank(model: nn.Module, shard_group: int) -> int:
+def state_bytes_per_rank(model: nn.Module, shard_group: int, optimizer: bool = True) -> int:
     """The model state one rank holds (on the host under --cpu_offload), from the (meta or sharded) model's
-    parameters: each trainable parameter's shard in fp32 with its fp32 gradient and AdamW's two fp32 moments, each
-    frozen one in its own dtype. The shard is the first rank's, the largest (`memory_plan.fsdp_rows`)."""
+    parameters: each trainable parameter's shard in fp32 with its fp32 gradient and (`optimizer`) AdamW's two fp32 moments; each frozen one
+    in its own dtype. Shards are 1/S of each tensor (FSDP2 pads a tensor's rows up to a multiple of S)."""
     total = 0
     for p in model.parameters():
-        shard = fsdp_rows(tuple(p.shape) or (1,), shard_group, 0)
-        total += shard * (4 + 4 + ADAMW_STATE_BYTES if p.requires_grad else p.element_size())
+        rows = p.shape[0] if p.dim() else 1
+        shard = -(-rows // shard_group) * (p.numel() // max(rows, 1))
+        if p.requires_grad:
+            total += shard * (4 + 4 + (ADAMW_STATE_BYTES if optimizer else 0))
+        else:
+            total += shard * p.element_size()
     return total
 
 
