@@ -110,7 +110,7 @@ def test_bench_and_verify_at_world_size_1_see_one_gpu(monkeypatch, tmp_path, ven
     (tmp_path / "verify").mkdir()
     with pytest.raises(Started) as verify_run:
         # verify's own torch probe, which the fake node's count replaces (this machine's torch is a CPU build)
-        verify.launch(run, ["--config_name", "tiny"], 2, False, vendor, verify.once(launcher.torch_probe))
+        verify.launch(run, ["--config_name", "tiny"], 2, False, vendor, launcher.once(launcher.torch_probe))
     for started in (bench_run.value, verify_run.value):
         cmd, job_env = started.args
         assert f"anygpu.engines.run_{engine}" in cmd and "torchrun" not in " ".join(cmd), cmd

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from anygpu.launch import detect as gpu_detect
 from anygpu.launch import suggest, vendor_env
@@ -329,6 +329,19 @@ def torch_probe(env: Mapping[str, str]) -> dict | None:
 
 
 TorchProbe = Callable[[Mapping[str, str]], "dict | None"]
+
+
+def once(probe: TorchProbe) -> TorchProbe:
+    """torch's device count is the same for every run: probe it once (a torch import costs seconds)."""
+    cache: dict[str, Any] = {}
+
+    def probe_once(env: Mapping[str, str]):
+        if "result" not in cache:
+            cache["result"] = probe(env)
+        return cache["result"]
+
+    return probe_once
+
 
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun's default list plus Slurm's SIGUSR1
 

@@ -143,9 +143,12 @@ def smi_gpus() -> tuple[str | None, list[dict], str]:
 def launch_commands(vendor: str) -> dict[str, dict]:
     """What `bash run_<vendor>_all.sh --engine E` would run here: the launcher's own plan (dry run)."""
     out = {}
+    probe = launcher.once(launcher.torch_probe)  # one torch import in a subprocess for both engines, not one each
     for engine in sorted(launcher.ENGINES):
         try:
-            plan = launcher.make_plan(["--vendor", vendor, "--engine", engine, "--dry-run"], os.environ)
+            plan = launcher.make_plan(
+                ["--vendor", vendor, "--engine", engine, "--dry-run"], os.environ, probe_torch=probe
+            )
             out[engine] = {
                 "command": shlex.join(plan.cmd),
                 "processes": plan.nproc,

@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from anygpu.errors import EXIT_USAGE, UsageError
 from anygpu.launch import launcher
@@ -277,18 +277,6 @@ def plan_runs(
             name = f"{e}-w{first}to{last}-at{resume_at}"
             runs.append(Run(name, e, last, str(root / name), str(Path(source.output_dir) / f"checkpoint-{resume_at}")))
     return runs
-
-
-def once(probe):
-    """torch's device count is the same for every run: probe it once (a torch import costs seconds)."""
-    cache: dict[str, Any] = {}
-
-    def probe_once(env: Mapping[str, str]):
-        if "result" not in cache:
-            cache["result"] = probe(env)
-        return cache["result"]
-
-    return probe_once
 
 
 def usable_sizes(sizes: list[int], cpu: bool, vendor: str, probe) -> tuple[list[int], str]:
@@ -566,7 +554,7 @@ def parse(argv: list[str]) -> Job:
     output_dir, precision = check_job(job, engines, sizes, cps)
     root = Path(output_dir) / "verify"
     vendor = vendor_here()
-    probe = once(launcher.torch_probe)
+    probe = launcher.once(launcher.torch_probe)
     where = ""
     if not opts.compare_only:
         sizes, where = usable_sizes(sizes, opts.cpu, vendor, probe)
