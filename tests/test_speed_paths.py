@@ -192,7 +192,9 @@ def test_cpu_adamw_is_the_fused_kernel_with_the_loops_updates():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
     loop = copy.deepcopy(model)
-    args = SimpleNamespace(weight_decay=0.1, learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8)
+    args = SimpleNamespace(
+        weight_decay=0.1, learning_rate=1e-2, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, optim="adamw_torch"
+    )
     fused = optim.build_optimizer(model, args, torch.device("cpu"))
     assert fused.defaults["fused"] and [g["weight_decay"] for g in fused.param_groups] == [0.1, 0.0]
     reference = torch.optim.AdamW(optim.param_groups(loop, 0.1), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)

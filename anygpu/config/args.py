@@ -24,6 +24,7 @@ from anygpu.config import attention, locate
 from anygpu.config.mixture import as_argument, parse_mixture
 from anygpu.config.objective import ObjectiveArguments, check_with_model
 from anygpu.config.ranges import check_ranges
+from anygpu.config.optimizers import OPTIMIZERS
 from anygpu.errors import UsageError, exit_refused
 from anygpu.launch import suggest
 
@@ -359,6 +360,16 @@ class TrainArguments(ObjectiveArguments):
             "help": "Micro-steps per optimizer step. Derived from the global batch; if given it must agree.",
         },
     )
+    optim: str = field(
+        default="adamw_torch",
+        metadata={
+            "resume": SAME,
+            "help": "The optimizer, by Hugging Face's names: adamw_torch (AdamW, fp32 moments; adamw_torch_fused is "
+            "the same here), adamw_torch_8bit or adamw_torch_4bit (AdamW with 8- or 4-bit moments, torchao's "
+            "block-wise quantisation: 2.03 or 1.06 bytes of state per parameter instead of 8, the same curve on any "
+            "world size; docs/memory.md#low-bit-optimizer-state).",
+        },
+    )
     learning_rate: float = field(default=1e-3, metadata={"resume": SAME, "help": "Peak AdamW learning rate."})
     weight_decay: float = field(
         default=0.1, metadata={"resume": SAME, "help": "AdamW weight decay (not applied to biases and norm weights)."}
@@ -679,6 +690,12 @@ class TrainArguments(ObjectiveArguments):
             )
         if self.max_memory_per_device_gb is not None and self.max_memory_per_device_gb <= 0:
             raise UsageError(f"--max_memory_per_device_gb {self.max_memory_per_device_gb} must be positive, e.g. 40.")
+        if self.optim in ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit"):
+            raise UsageError(
+                f"--optim {self.optim}: bitsandbytes' 8-bit AdamW is not offered here; --optim adamw_torch_8bit "
+                "keeps the same 8-bit state (torchao's), and shards it."
+            )
+        _check_choice("optim", self.optim, OPTIMIZERS)
         _check_choice("export_dtype", self.export_dtype, EXPORT_DTYPES)
         _check_choice("gradient_checkpointing_policy", self.gradient_checkpointing_policy, CHECKPOINTING_POLICIES)
         if self.gradient_checkpointing_policy == "selective":

@@ -8,7 +8,11 @@ allocated) and what each strategy keeps where:
   bf16, DDP / FSDP2          4 (master)  4          8   (bf16 only in compute) = 16
   bf16, ZeRO-2 / ZeRO-3      2           2          12  (fp32 master + m + v) = 16
 
-divided by N where the strategy shards: FSDP2 splits each parameter on dim 0 (rank r holds rows
+Low-bit AdamW (`--optim adamw_torch_8bit` / `adamw_torch_4bit`, DDP and FSDP2 only: DeepSpeed's flat partitions
+cannot hold its row blocks) stores each moment in 1 or 0.5 bytes plus an fp32 scale per block of a row: ~2.03 or
+~1.06 bytes of optimizer state per parameter instead of 8 (`anygpu.config.optimizers.state_bytes`).
+
+Each is divided by N where the strategy shards: FSDP2 splits each parameter on dim 0 (rank r holds rows
 [r·⌈d0/N⌉, (r+1)·⌈d0/N⌉)), exactly as `fully_shard` does; DeepSpeed partitions the flattened
 parameters evenly. HSDP (the FSDP2 engine's --dp_replicate R --dp_shard S) is FSDP2 within each
 replica group: N is S, not the world size R·S. CPU offload moves the sharded states to CPU RAM. LoRA: the frozen
@@ -33,6 +37,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+
+from anygpu.config.optimizers import LOW_BIT, state_bytes
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_offload", "zero2", "zero2_offload", "zero3", "zero3_offload")
 ACCELERATE_CONFIG = {
@@ -86,6 +92,8 @@ class Shapes:
     # packed rows (samples concatenated, positions restarting) under an attention that takes a mask (sdpa, eager):
     # transformers builds a dense (T × T) mask of the whole row for them (`attention_mask_bytes`)
     dense_mask: bool = False
+    # --optim: AdamW's moments in fp32 (8 bytes a parameter) or low-bit (`anygpu.config.optimizers.state_bytes`)
+    optim: str = "adamw_torch"
 
     @property
     def num_params(self) -> int:
@@ -217,7 +225,10 @@ def model_state_bytes(
             continue
         params += held(p, sharded_params) * pbytes
         grads += held(p, sharded_grads) * gbytes
-        optim += held(p, sharded_grads) * obytes
+        if zero or shapes.optim not in LOW_BIT:
+            optim += held(p, sharded_grads) * obytes
+        else:  # whole rows on a rank: its blocks and their scales
+            optim += state_bytes(p.shape, held(p, sharded_grads), shapes.optim)
     cpu = 0
     if strategy.endswith("offload"):
         if strategy == "zero2_offload":  # ZeRO-Offload: optimizer (and its gradient partition) on CPU
@@ -344,6 +355,7 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
     dp_shard: int | None = None  # HSDP's shard group, where it has rows
     cp_advice: tuple[int, Row] | None = None  # nothing fits without offload: the smallest --cp that does
+    low_bit_advice: tuple[str, Row] | None = None  # the same, with low-bit AdamW (`low_bit_advice`)
     cp: int = 1  # the plan's context parallelism (the global batch is split over the GPUs / C)
 
 
@@ -356,6 +368,26 @@ def cp_advice(shapes: Shapes, machine: Machine, block_size: int, lora: bool = Fa
         row = row_for(shapes, machine, "fsdp2", "bf16", True, lora, 1, block_size, cp=c)
         if row.fits:
             return c, row
+    return None
+
+
+def low_bit_advice(result: PlanResult, lora: bool, mfu: float, flops_per_token: float) -> tuple[str, Row] | None:
+    """Offload, or nothing, is recommended with AdamW's fp32 moments: the first low-bit --optim whose plan fits
+    without offload, and its recommended row."""
+    for optim in LOW_BIT:
+        alt = make_plan(
+            replace(result.shapes, optim=optim),
+            result.machine,
+            result.block_size,
+            result.global_batch_size,
+            lora=lora,
+            mfu=mfu,
+            flops_per_token=flops_per_token,
+            dp_shard=result.dp_shard,
+            cp=result.cp,
+        )
+        if alt.recommended is not None and not alt.recommended.cpu_bytes:
+            return optim, alt.recommended
     return None
 
 
@@ -594,6 +626,8 @@ def make_plan(
     strategies = strategies if cp == 1 else ("fsdp2",)
     if shapes.sequences_per_item > 1:  # --objective dpo: DDP (either engine), the FSDP2 engine's FSDP2 and HSDP
         strategies = tuple(s for s in strategies if s in DPO_STRATEGIES)
+    if shapes.optim in LOW_BIT:  # DeepSpeed's flat partitions cannot hold the row-blocked state
+        strategies = tuple(s for s in strategies if not s.startswith("zero"))
     result = PlanResult(
         shapes, machine, block_size, global_batch_size, mfu=mfu, flops_per_token=flops_per_token, dp_shard=dp_shard
     )
@@ -608,6 +642,8 @@ def make_plan(
     rec = result.recommended
     if cp == 1 and machine.gpu_memory_bytes and (rec is None or rec.strategy.endswith("offload")):
         result.cp_advice = cp_advice(shapes, machine, block_size, lora)
+    if shapes.optim not in LOW_BIT and machine.gpu_memory_bytes and (rec is None or rec.cpu_bytes):
+        result.low_bit_advice = low_bit_advice(result, lora, mfu, flops_per_token)
     if shapes.dense_mask and machine.gpu_memory_bytes:
         mask_note(result, replace(shapes, dense_mask=False), lora, mfu, flops_per_token)
     if result.recommended is not None:

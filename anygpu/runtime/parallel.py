@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from anygpu.config.optimizers import state_bytes
 from anygpu.runtime import checkpointing as checkpointing_mod
 from anygpu.runtime import offload
 from anygpu.runtime.blocks import decoder_layers
@@ -120,19 +121,17 @@ def set_gradient_reduction(model: nn.Module, last_micro_batch: bool) -> None:
         model.set_requires_gradient_sync(last_micro_batch)
 
 
-ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32
-
-
-def state_bytes_per_rank(model: nn.Module, shard_group: int, optimizer: bool = True) -> int:
+def state_bytes_per_rank(model: nn.Module, shard_group: int, optim: str = "adamw_torch") -> int:
     """The model state one rank holds (on the host under --cpu_offload), from the (meta or sharded) model's
-    parameters: each trainable parameter's shard in fp32 with its fp32 gradient and (`optimizer`) AdamW's two fp32 moments; each frozen one
-    in its own dtype. Shards are 1/S of each tensor (FSDP2 pads a tensor's rows up to a multiple of S)."""
+    parameters: each trainable parameter's shard in fp32 with its fp32 gradient and AdamW's two moments (fp32, or
+    low-bit under `optim`); each frozen one in its own dtype. Shards are 1/S of each tensor (FSDP2 pads a tensor's
+    rows up to a multiple of S)."""
     total = 0
     for p in model.parameters():
         rows = p.shape[0] if p.dim() else 1
         shard = -(-rows // shard_group) * (p.numel() // max(rows, 1))
         if p.requires_grad:
-            total += shard * (4 + 4 + (ADAMW_STATE_BYTES if optimizer else 0))
+            total += shard * (4 + 4) + state_bytes(tuple(p.shape), shard, optim)
         else:
             total += shard * p.element_size()
     return total

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from anygpu.config import attention
+from anygpu.config.optimizers import LOW_BIT, OPTIMIZERS
 from anygpu.launch.suggest import ArgumentParser, did_you_mean
 from anygpu.planning import memory_plan
 from anygpu.planning.gpus import GPUS
@@ -74,6 +75,14 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
         "(LoRA: none, the base with its adapter disabled is the reference).",
     )
 
+    p.add_argument(
+        "--optim",
+        choices=OPTIMIZERS,
+        default="adamw_torch",
+        help="The engines' --optim: adamw_torch (fp32 moments, 8 bytes a parameter) or adamw_torch_8bit / "
+        "adamw_torch_4bit (~2.03 / ~1.06 bytes; DDP and FSDP2 rows only). With adamw_torch, a plan that needs offload "
+        "or fits nothing also says what 8-bit state would change.",
+    )
     p.add_argument(
         "--packing",
         choices=("true", "false"),
@@ -284,7 +293,7 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
         full = dataclasses.replace(full, sequences_per_item=2, reference=args.precompute_ref_log_probs == "false")
         lora = dataclasses.replace(lora, sequences_per_item=2)
     dense_mask = args.packing == "true" and args.attn_implementation in attention.DENSE_MASK
-    full, lora = (dataclasses.replace(s, dense_mask=dense_mask) for s in (full, lora))
+    full, lora = (dataclasses.replace(s, dense_mask=dense_mask, optim=args.optim) for s in (full, lora))
     machine = detect_machine(
         args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes, args.host_memory_gb
     )
@@ -379,6 +388,15 @@ def nothing_fits(result: PlanResult) -> list[str]:
             f"(fsdp2, peak ≈ {gib(row.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU; "
             f"the global batch is then split over {n // cp} data-parallel ranks; docs/long-context.md)"
         ]
+    if result.low_bit_advice is not None:
+        low, row = result.low_bit_advice
+        return [
+            f"recommendation: nothing fits with AdamW's fp32 moments; with them in {LOW_BIT[low]} bits: --optim {low}, "
+            f"{row.strategy}, {row.precision}, activation checkpointing "
+            f"{ckpt_word(row.activation_checkpointing, 'on', 'off')}: accelerate config "
+            f"accelerate_configs/{row.accelerate_config}.yaml or the FSDP2 engine (peak ≈ {gib(row.total)} GiB of "
+            f"{gib(result.machine.gpu_memory_bytes)} GiB per GPU; docs/memory.md#low-bit-optimizer-state)"
+        ]
     host_bound = [r for r in result.rows if r.cpu_bytes and not memory_plan.fits_host(r.host_bytes, result.machine)]
     if host_bound:
         need = min(r.host_bytes["offloaded"] for r in host_bound)
@@ -424,6 +442,7 @@ def recommendation(result: PlanResult) -> list[str]:
             f"  or without offload, each sequence split over {cp} GPUs (context parallelism): {row.accelerate_config} "
             f"(peak ≈ {gib(row.total)} GiB per GPU; docs/long-context.md)"
         )
+    lines += optim_lines(result)
     if result.step_seconds is not None:
         offloaded = (
             f", {result.offload_seconds:.2f} s of it offload's (the CPU optimizer step at "
@@ -437,6 +456,24 @@ def recommendation(result: PlanResult) -> list[str]:
             f"({result.flops_per_token / 1e9:.2f} GFLOP/token){offloaded}"
         )
     return lines
+
+
+def optim_lines(result: PlanResult) -> list[str]:
+    """The low-bit optimizer the plan counts, or the one that would spare the recommended offload."""
+    rec, optim = result.recommended, result.shapes.optim
+    if rec is not None and optim in LOW_BIT:
+        return [
+            f"  with --optim {optim} (either engine; AdamW's moments: {gib(rec.per_gpu_bytes['optimizer'])} GiB per GPU, "
+            "docs/memory.md#low-bit-optimizer-state)"
+        ]
+    if result.low_bit_advice is None:
+        return []
+    low, row = result.low_bit_advice
+    return [
+        f"  or without offload, AdamW's moments in {LOW_BIT[low]} bits: --optim {low} with {row.strategy}, "
+        f"{row.precision}, activation checkpointing {ckpt_word(row.activation_checkpointing, 'on', 'off')} "
+        f"(peak ≈ {gib(row.total)} GiB per GPU; docs/memory.md#low-bit-optimizer-state)"
+    ]
 
 
 def offload_line(result: PlanResult, rec: memory_plan.Row) -> str:

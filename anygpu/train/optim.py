@@ -10,6 +10,7 @@ from torch import nn
 from transformers import get_scheduler
 
 from anygpu.config.args import TrainArguments
+from anygpu.config.optimizers import LOW_BIT
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -22,6 +23,18 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, args: TrainArguments, device: torch.device) -> torch.optim.Optimizer:
+    """--optim's AdamW: torch's (fused where the device has the kernel), or with 8- or 4-bit moments."""
+    if args.optim in LOW_BIT:
+        from anygpu.train.low_bit_adamw import LowBitAdamW
+
+        return LowBitAdamW(
+            param_groups(model, args.weight_decay),
+            args.optim,
+            lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+        )
     return torch.optim.AdamW(
         param_groups(model, args.weight_decay),
         lr=args.learning_rate,
@@ -30,6 +43,17 @@ def build_optimizer(model: nn.Module, args: TrainArguments, device: torch.device
         # One kernel for all parameters, plain tensors or FSDP2's DTensors. On CPU torch's default
         # is a Python loop over the parameters, 4-6x slower than the fused kernel (tiny, default presets).
         fused=device.type in ("cuda", "cpu"),
+    )
+
+
+def note(optim: str) -> str | None:
+    """The banner's line for a low-bit optimizer (None for AdamW's fp32 moments)."""
+    bits = LOW_BIT.get(optim)
+    if bits is None:
+        return None
+    return (
+        f"optimizer: AdamW with {bits}-bit moments ({optim}: torchao's block-wise quantisation, blocks within rows, "
+        "so any world size keeps the same state; 1-D and small tensors keep fp32 moments)"
     )
 
 

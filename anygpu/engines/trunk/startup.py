@@ -14,7 +14,7 @@ from anygpu.errors import UsageError
 from anygpu.model import fp8, modeling
 from anygpu.reliability import run_guard
 from anygpu.runtime import hardware
-from anygpu.train import metrics
+from anygpu.train import metrics, optim
 
 # How each engine trains in half precision, for the refusals (the FSDP2 engine has no loss scaling).
 HALF_PRECISION = {"fsdp": "--bf16", "hf": "--bf16 or --fp16"}
@@ -144,7 +144,9 @@ def banner(engine: str, prep, model, train_args, tf32: bool, layout: str, object
     both engines share), the objective's lines (--objective dpo) and the engine's own layout line (its mesh or strategy)."""
     from anygpu.data.prepare import summary_lines
 
-    return "\n".join([f"anygpu {engine} engine", *summary_lines(prep, model, train_args, tf32), *objective, layout])
+    state = optim.note(train_args.optim)
+    lines = [*summary_lines(prep, model, train_args, tf32), *([state] if state else []), *objective, layout]
+    return "\n".join([f"anygpu {engine} engine", *lines])
 
 
 def resume_line(path: Path, step: int, was: int, now: int, unit: str, meshes: str = "") -> str:
