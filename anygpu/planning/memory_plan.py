@@ -39,6 +39,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from anygpu.config.optimizers import LOW_BIT, state_bytes
+from anygpu.runtime.mesh import fsdp_rows
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_offload", "zero2", "zero2_offload", "zero3", "zero3_offload")
 ACCELERATE_CONFIG = {
@@ -156,13 +157,6 @@ def _embedding_and_head(model) -> tuple[int, int]:
     return numel(embedding), numel(head)
 
 
-def _fsdp_rows(shape: tuple[int, ...], world: int, rank: int) -> int:
-    """Elements rank ``rank`` holds of a parameter split on dim 0 into ⌈d0/N⌉-row chunks (fully_shard)."""
-    d0, rest = shape[0], math.prod(shape[1:])
-    chunk = -(-d0 // world)
-    return max(0, min(chunk, d0 - rank * chunk)) * rest
-
-
 def _even(numel: int, world: int) -> int:
     """DeepSpeed's flat partition: every rank holds ⌈numel/N⌉ elements (padded)."""
     return -(-numel // world)
@@ -212,7 +206,7 @@ def model_state_bytes(
     def held(p: Param, shard: bool) -> int:
         if not shard:
             return p.numel
-        return _fsdp_rows(p.shape, world, rank) if fsdp else _even(p.numel, world)
+        return fsdp_rows(p.shape, world, rank) if fsdp else _even(p.numel, world)
 
     frozen_bytes = 2 if bf16 else 4
     pbytes = 2 if (bf16 and zero) else 4  # DeepSpeed keeps bf16 weights; FSDP2/DDP keep fp32 masters
@@ -245,7 +239,7 @@ def reference_bytes(shapes: Shapes, strategy: str, precision: str, world: int, r
         return 0
     e = 2 if precision == "bf16" else 4
     if strategy.startswith(("fsdp2", HSDP)):
-        return e * sum(_fsdp_rows(p.shape, world, rank) for p in shapes.params)
+        return e * sum(fsdp_rows(p.shape, world, rank) for p in shapes.params)
     if strategy.startswith("zero3"):
         return e * sum(_even(p.numel, world) for p in shapes.params)
     return e * shapes.num_params
@@ -371,21 +365,26 @@ def cp_advice(shapes: Shapes, machine: Machine, block_size: int, lora: bool = Fa
     return None
 
 
+def replan(result: PlanResult, shapes: Shapes, lora: bool, mfu: float, flops_per_token: float) -> PlanResult:
+    """The plan of `result`'s machine, block, batch and mesh for other shapes (another optimizer, no mask)."""
+    return make_plan(
+        shapes,
+        result.machine,
+        result.block_size,
+        result.global_batch_size,
+        lora=lora,
+        mfu=mfu,
+        flops_per_token=flops_per_token,
+        dp_shard=result.dp_shard,
+        cp=result.cp,
+    )
+
+
 def low_bit_advice(result: PlanResult, lora: bool, mfu: float, flops_per_token: float) -> tuple[str, Row] | None:
     """Offload, or nothing, is recommended with AdamW's fp32 moments: the first low-bit --optim whose plan fits
     without offload, and its recommended row."""
     for optim in LOW_BIT:
-        alt = make_plan(
-            replace(result.shapes, optim=optim),
-            result.machine,
-            result.block_size,
-            result.global_batch_size,
-            lora=lora,
-            mfu=mfu,
-            flops_per_token=flops_per_token,
-            dp_shard=result.dp_shard,
-            cp=result.cp,
-        )
+        alt = replan(result, replace(result.shapes, optim=optim), lora, mfu, flops_per_token)
         if alt.recommended is not None and not alt.recommended.cpu_bytes:
             return optim, alt.recommended
     return None
@@ -398,17 +397,7 @@ def mask_note(result: PlanResult, unmasked: Shapes, lora: bool, mfu: float, flop
     mask = attention_mask_bytes(result.shapes, result.shapes.sequences_per_item, block, "bf16")
     if result.recommended is not None and mask < 0.1 * machine.gpu_memory_bytes:
         return
-    alt = make_plan(
-        unmasked,
-        machine,
-        block,
-        result.global_batch_size,
-        lora=lora,
-        mfu=mfu,
-        flops_per_token=flops_per_token,
-        dp_shard=result.dp_shard,
-        cp=result.cp,
-    )
+    alt = replan(result, unmasked, lora, mfu, flops_per_token)
     if alt.recommended is not None:
         instead = f"the plan recommends {alt.recommended.strategy} ({alt.recommended.accelerate_config})"
     elif alt.cp_advice is not None:

@@ -12,6 +12,7 @@ state lives and how gradients travel, never the math.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -155,3 +156,10 @@ def widen(shape: MeshShape, state_bytes: Callable[[int], int], budget: int) -> t
         f"({gib(state_bytes(s * shape.cp))} each); --dp_replicate/--dp_shard set the mesh yourself"
     )
     return MeshShape(d // s, s, shape.cp), note
+
+
+def fsdp_rows(shape: tuple[int, ...], world: int, rank: int) -> int:
+    """Elements rank ``rank`` holds of a parameter split on dim 0 into ⌈d0/N⌉-row chunks (fully_shard)."""
+    d0, rest = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+    chunk = -(-d0 // world)
+    return max(0, min(chunk, d0 - rank * chunk)) * rest

@@ -17,7 +17,7 @@ from anygpu.config.optimizers import state_bytes
 from anygpu.runtime import checkpointing as checkpointing_mod
 from anygpu.runtime import offload
 from anygpu.runtime.blocks import decoder_layers
-from anygpu.runtime.mesh import DIM_NAMES, MeshShape
+from anygpu.runtime.mesh import DIM_NAMES, MeshShape, fsdp_rows
 
 
 def needs_sharding(world_size: int, bf16: bool, offload: bool = False) -> bool:
@@ -128,8 +128,7 @@ def state_bytes_per_rank(model: nn.Module, shard_group: int, optim: str = "adamw
     rows up to a multiple of S)."""
     total = 0
     for p in model.parameters():
-        rows = p.shape[0] if p.dim() else 1
-        shard = -(-rows // shard_group) * (p.numel() // max(rows, 1))
+        shard = fsdp_rows(tuple(p.shape), shard_group, 0)  # rank 0's: the first ranks hold the most
         if p.requires_grad:
             total += shard * (4 + 4) + state_bytes(tuple(p.shape), shard, optim)
         else:
