@@ -33,6 +33,10 @@ import torch.distributed.run as distrib_run  # noqa: E402
 
 import anygpu.engines.fsdp  # noqa: E402,F401  (the imports every rank would otherwise repeat)
 import anygpu.engines.hf.engine  # noqa: E402,F401
+import matplotlib  # noqa: E402  (loss.png at every run's end: 0.6 s of a tiny run's 2.1 s, imported here once)
+
+matplotlib.use("Agg")
+import matplotlib.pyplot  # noqa: E402,F401
 
 _config_from_args = distrib_run.config_from_args
 REAL_LAUNCHERS = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.commands.accelerate_cli"}
