@@ -128,12 +128,12 @@ def test_the_counted_bytes_are_the_states(optim):
 
 
 def test_the_plan_counts_low_bit_state_and_suggests_it_before_offload():
-    """anygpu plan --optim: the optimizer column shrinks ~4x (8-bit) on FSDP2 and DDP, ZeRO rows are dropped; where the
-    fp32 moments need offload (70B on 2 nodes of 8 H100), the plan names the 8-bit state that fits without it."""
-    args = ["--config_name", "llama-70b", "--block_size", "4096", "--gpu", "h100", "--num_gpus", "16", "--num_nodes",
-            "2", "--global_batch_size", "64"]  # fmt: skip
-    full, _ = plan_tool.plan(plan_tool.build_parser().parse_args(args))
-    low, _ = plan_tool.plan(plan_tool.build_parser().parse_args([*args, "--optim", "adamw_torch_8bit"]))
+    """The plan's optimizer column shrinks ~4x (8-bit) on FSDP2 and DDP, ZeRO rows are dropped; where the fp32 moments
+    need offload (70B on 2 nodes of 8 H100), the plan names the 8-bit state that fits without it."""
+    shapes, _, _ = plan_tool.load_shapes(None, "llama-70b")
+    machine = memory_plan.Machine(16, 80 << 30, "H100", num_nodes=2)
+    full = memory_plan.make_plan(shapes, machine, 4096, 64)
+    low = memory_plan.make_plan(memory_plan.replace(shapes, optim="adamw_torch_8bit"), machine, 4096, 64)
     row = lambda r, s: next(x for x in r.rows if x.strategy == s and x.precision == "bf16")  # noqa: E731
     ratio = row(low, "fsdp2").per_gpu_bytes["optimizer"] / row(full, "fsdp2").per_gpu_bytes["optimizer"]
     assert 0.25 <= ratio <= 0.26, ratio
@@ -144,6 +144,7 @@ def test_the_plan_counts_low_bit_state_and_suggests_it_before_offload():
     assert low.recommended is not None and not low.recommended.cpu_bytes
     text = "\n".join(plan_tool.recommendation(full))
     assert "or without offload, AdamW's moments in 8 bits: --optim adamw_torch_8bit" in text, text
+    assert "with --optim adamw_torch_8bit (either engine" in "\n".join(plan_tool.recommendation(low))
 
 
 @pytest.mark.parametrize(
