@@ -353,13 +353,12 @@ def pytest_report_teststatus(report, config):
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (pyproject.toml): one worker per core for the quick tier (`-m "not slow"`, CPU-bound: a third
-    worker on 2 cores made it 133 s instead of 119), twice as many for the whole suite, whose launcher and fault
-    tests wait much of their time (a rendezvous, a grace period, a timeout they provoke): on 2 cores 3 workers took
-    821 s where 2 took 930, and 4 took 755 s where 3 took 830 (2026-11-27, the CPU ~12% idle with 3; docs/tests.md).
-    At most 8: each worker's tests start up to 4 processes."""
+    worker on 2 cores made it 133 s instead of 119), half as many again for the whole suite, whose launcher and
+    fault tests wait much of their time (a rendezvous, a grace period, a timeout they provoke): on 2 cores 3
+    workers took 821 s where 2 took 930 (docs/tests.md). At most 8: each worker's tests start up to 4 processes."""
     cores = len(os.sched_getaffinity(0))
     quick = "not slow" in (config.getoption("markexpr", "") or "")
-    return max(1, min(8, cores if quick else 2 * cores))
+    return max(1, min(8, cores if quick else cores + cores // 2))
 
 
 def pytest_collection_modifyitems(config, items) -> None:
