@@ -56,11 +56,22 @@ def test_an_offloaded_checkpoint_resumes_on_another_world_size(runs):
 
 @pytest.mark.slow
 def test_a_rank_holds_on_the_host_what_the_check_counts():
-    """After a step on 2 offloaded ranks: every FSDP2 parameter has the offload flag, and each rank's host bytes of
-    parameters, gradients and AdamW state are what `parallel.state_bytes_per_rank` (the start-up check) counts,
-    half of one rank's."""
-    args = [*TINY, "--max_steps", "1", "--cpu_offload", "true", "--output_dir", "/tmp/unused"]
-    held = {}
+    """After a step on 2 offloaded ranks with 8-bit AdamW state (--optim adamw_torch_8bit, offloaded like AdamW's):
+    every FSDP2 parameter has the offload flag; each rank's host bytes of parameters, gradients and optimizer state
+    are what `parallel.state_bytes_per_rank` (the start-up check) counts, half of one rank's; each rank's optimizer
+    tensors are the plan's optimizer bytes for that rank, about a quarter of AdamW's."""
+    args = [
+        *TINY,
+        "--max_steps",
+        "1",
+        "--cpu_offload",
+        "true",
+        "--optim",
+        "adamw_torch_8bit",
+        "--output_dir",
+        "/tmp/unused",
+    ]
+    held, optim = {}, {}
     for n in (1, 2):
         proc = (
             python("tests/scripts/shard_bytes.py", args)
@@ -68,13 +79,19 @@ def test_a_rank_holds_on_the_host_what_the_check_counts():
             else torchrun(n, "tests/scripts/shard_bytes.py", args)
         )
         held[n] = json.loads(proc.stdout.split("OFFLOAD ", 1)[1].splitlines()[0])
+        optim[n] = json.loads(proc.stdout.split("OPTIM ", 1)[1].splitlines()[0])
     for rank in held[2]:
         assert rank["offloaded"] and all(rank["offloaded"]), rank
         assert rank["host"] == rank["planned"], rank
         assert abs(rank["host"] - held[1][0]["host"] / 2) <= 0.05 * held[1][0]["host"] / 2, held
     shapes, _, _ = plan_tool.load_shapes(None, "tiny")  # anygpu plan's offload row: rank 0's bytes exactly
-    row = memory_plan.row_for(shapes, memory_plan.Machine(2, 80 << 30), "fsdp2_offload", "fp32", False, False, 1, 64)
+    low = memory_plan.replace(shapes, optim="adamw_torch_8bit")
+    row = memory_plan.row_for(low, memory_plan.Machine(2, 80 << 30), "fsdp2_offload", "fp32", False, False, 1, 64)
     assert row.cpu_bytes == held[2][0]["host"], (row.cpu_bytes, held[2][0])
+    for rank, got in enumerate(optim[2]):
+        planned = memory_plan.model_state_bytes(low, "fsdp2", "fp32", 2, rank)[0]["optimizer"]
+        adamw = memory_plan.model_state_bytes(shapes, "fsdp2", "fp32", 2, rank)[0]["optimizer"]
+        assert got == planned and got < 0.3 * adamw, (rank, got, planned, adamw)
 
 
 def test_the_host_check_refuses_what_the_node_cannot_hold(tmp_path):
