@@ -23,6 +23,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
+
+def _keep_deepspeed_unimported() -> None:
+    """Tests that save_pretrained in the worker (the Hub sources, DPO folders) would each worker import DeepSpeed
+    (~3 s) through accelerate's unwrap; what a run imports it for, it still gets (lazy_deepspeed)."""
+    from anygpu.runtime import lazy_deepspeed
+
+    lazy_deepspeed.unwrap_without_importing_deepspeed()
+
+
+_keep_deepspeed_unimported()
+
 # The tiny preset on 1 MB of the standard-library corpus, fp32, no exports: seconds per run.
 TINY = [
     "--config_name",

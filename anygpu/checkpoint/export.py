@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from anygpu.model import hub_weights
-from anygpu.runtime import distributed, faults, fs
+from anygpu.runtime import distributed, faults, fs, lazy_deepspeed
 
 
 def gather_full(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -112,6 +112,7 @@ def export_safetensors(
     `model`: the Hugging Face model (FSDP2's fully_shard keeps its class); `state_dict`: full tensors the
     caller already gathered on rank 0 (the HF engine under ZeRO-3), else gathered here.
     """
+    lazy_deepspeed.unwrap_without_importing_deepspeed()  # save_pretrained's unwrap would import it (~3 s)
     state = cast_(state_dict, dtype) if state_dict is not None else gather_in(model, dtype, rank)
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp")
