@@ -219,10 +219,8 @@ def model_state_bytes(
             continue
         params += held(p, sharded_params) * pbytes
         grads += held(p, sharded_grads) * gbytes
-        if zero or shapes.optim not in LOW_BIT:
-            optim += held(p, sharded_grads) * obytes
-        else:  # whole rows on a rank: its blocks and their scales
-            optim += state_bytes(p.shape, held(p, sharded_grads), shapes.optim)
+        # DeepSpeed's flat partitions: AdamW's fp32 state; FSDP2/DDP: whole rows, so their blocks and scales
+        optim += held(p, sharded_grads) * obytes if zero else state_bytes(p.shape, held(p, sharded_grads), shapes.optim)
     cpu = 0
     if strategy.endswith("offload"):
         if strategy == "zero2_offload":  # ZeRO-Offload: optimizer (and its gradient partition) on CPU

@@ -20,6 +20,8 @@ from itertools import chain
 import torch
 from torch import Tensor
 
+from torchao.optim.quant_utils import quantize_4bit_with_qmap, quantize_8bit_with_qmap
+
 from anygpu.config.optimizers import LOW_BIT, row_block
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -84,7 +86,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             for name in MOMENTS:
                 state[name] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=torch.float32)
             return state
-        rows, row = local.shape[0], local[0].numel() if local.shape[0] else math.prod(p.shape[1:])
+        rows, row = local.shape[0], math.prod(p.shape[1:])  # this rank's rows, each as long as the parameter's
         for name in MOMENTS:
             codes = torch.zeros(rows, row * self.bits // 8, dtype=torch.uint8, device=local.device)
             scale = torch.zeros(rows, row // block, dtype=torch.float32, device=local.device)
@@ -124,18 +126,19 @@ class LowBitAdamW(torch.optim.Optimizer):
             return
         if param.numel() == 0:  # a rank past the last row (more ranks than rows)
             return
-        codes = {n: _local(state[n + CODES]) for n in MOMENTS}
-        scales = {n: _local(state[n + SCALE]) for n in MOMENTS}
         rows = max(1, CHUNK_ELEMENTS // param[0].numel())
-        maps = {n: self._map(n == "exp_avg", param.device) for n in MOMENTS}
         for r in range(0, param.shape[0], rows):
             cut = slice(r, r + rows)
+            # each moment's rows as stored: (codes, scales, quantisation map); the first moment is signed
+            m_rows, v_rows = (
+                (_local(state[n + CODES])[cut], _local(state[n + SCALE])[cut], self._map(n == "exp_avg", param.device))
+                for n in MOMENTS
+            )
             p32, g32 = param[cut].float().flatten(1), grad[cut].float().flatten(1)  # (rows, row elements)
-            m = self._dequantize(codes["exp_avg"][cut], scales["exp_avg"][cut], maps["exp_avg"]).lerp_(g32, 1 - beta1)
-            v = self._dequantize(codes["exp_avg_sq"][cut], scales["exp_avg_sq"][cut], maps["exp_avg_sq"])
-            v.lerp_(g32.square(), 1 - beta2)  # torchao's form of v·β2 + g²·(1-β2)
-            self._quantize_into(m, codes["exp_avg"][cut], scales["exp_avg"][cut], maps["exp_avg"])
-            self._quantize_into(v, codes["exp_avg_sq"][cut], scales["exp_avg_sq"][cut], maps["exp_avg_sq"])
+            m = self._dequantize(*m_rows).lerp_(g32, 1 - beta1)
+            v = self._dequantize(*v_rows).lerp_(g32.square(), 1 - beta2)  # torchao's form of v·β2 + g²·(1-β2)
+            self._quantize_into(m, *m_rows)
+            self._quantize_into(v, *v_rows)
             p32.mul_(1 - lr * wd).addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-size)
             param[cut].copy_(p32.view_as(param[cut]))
 
@@ -147,8 +150,6 @@ class LowBitAdamW(torch.optim.Optimizer):
         return values.view(scale.shape[0], -1)
 
     def _quantize_into(self, values: Tensor, codes: Tensor, scale: Tensor, qmap: Tensor) -> None:
-        from torchao.optim.quant_utils import quantize_4bit_with_qmap, quantize_8bit_with_qmap
-
         blocks = values.view(scale.numel(), -1)
         absmax = blocks.abs().amax(-1).clip(1e-12)
         quantise = quantize_8bit_with_qmap if self.bits == 8 else quantize_4bit_with_qmap
