@@ -12,9 +12,6 @@ from hub_sources import MOE, SOURCES, attention, build, tensors
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, Path]:
-    from anygpu.runtime import lazy_deepspeed
-
-    lazy_deepspeed.unwrap_without_importing_deepspeed()  # save_pretrained would import DeepSpeed (seconds)
     return build(tmp_path_factory.mktemp("hub"))
 
 

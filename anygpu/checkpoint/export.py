@@ -30,6 +30,11 @@ from anygpu.model import hub_weights
 from anygpu.runtime import distributed, faults, fs, lazy_deepspeed
 
 
+# Every save_pretrained below unwraps the model through accelerate, which would import DeepSpeed (~3 s of CPU) in an
+# export made before an engine's run: a tool's, a script's.
+lazy_deepspeed.unwrap_without_importing_deepspeed()
+
+
 def gather_full(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """The model's full tensors on rank 0's CPU (empty elsewhere); every rank calls it (collective).
 
@@ -112,7 +117,6 @@ def export_safetensors(
     `model`: the Hugging Face model (FSDP2's fully_shard keeps its class); `state_dict`: full tensors the
     caller already gathered on rank 0 (the HF engine under ZeRO-3), else gathered here.
     """
-    lazy_deepspeed.unwrap_without_importing_deepspeed()  # save_pretrained's unwrap would import it (~3 s)
     state = cast_(state_dict, dtype) if state_dict is not None else gather_in(model, dtype, rank)
     out = Path(out_dir)
     tmp = out.with_name(f".{out.name}.tmp")

@@ -40,7 +40,6 @@ from anygpu.runtime import (
     distributed,
     faults,
     hardware,
-    lazy_deepspeed,
     mesh,
     offload,
     parallel,
@@ -527,7 +526,6 @@ class FSDPTrainer:
 
 
 def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainArguments) -> dict[str, Any]:
-    lazy_deepspeed.unwrap_without_importing_deepspeed()  # the final export's save_pretrained would import it
     trainer = FSDPTrainer(model_args, data_args, train_args)
     try:
         return trainer.train()

@@ -38,10 +38,6 @@ import matplotlib  # noqa: E402  (loss.png at every run's end: 0.6 s of a tiny r
 matplotlib.use("Agg")
 import matplotlib.pyplot  # noqa: E402,F401
 
-from anygpu.runtime import lazy_deepspeed  # noqa: E402
-
-lazy_deepspeed.unwrap_without_importing_deepspeed()  # forks that save_pretrained before an engine's run patches it
-
 _config_from_args = distrib_run.config_from_args
 REAL_LAUNCHERS = {"torchrun": "torch.distributed.run", "accelerate": "accelerate.commands.accelerate_cli"}
 
