@@ -40,7 +40,7 @@ def test_train_help_answers_without_torch_grouped():
     assert out.startswith("usage: anygpu train [config.yaml]")
     for group in (
         "model:",
-        "LoRA:",
+        "LoRA and QLoRA:",
         "data:",
         "training:",
         "checkpoints and resume:",

@@ -282,3 +282,21 @@ def test_a_step_that_does_not_log_has_no_host_sync_on_the_gpu(tmp_path):
     assert len(counts) == len(runs), proc.stdout[-3000:]
     for steps in counts:
         assert all(s["count"] == 0 for s in steps[1:]), steps  # step 1 compiles and warms up
+
+
+def test_qlora_in_bf16_near_lora_and_resumes_exactly(tmp_path):
+    """--use_peft true --load_in_4bit true on a GPU in bf16 (torchao's NF4 under FSDP2's mixed precision, the
+    weights dequantised on the device): near LoRA over the same base, and a checkpoint that resumes exactly."""
+    from test_qlora import ARGS as Q_ARGS
+    from test_qlora import qlora_base
+
+    base = tmp_path / "base"
+    qlora_base(base)
+    args = [*Q_ARGS, "--model_name_or_path", str(base), "--bf16", "true", "--save_steps", "2"]
+    lora, qlora, resumed = tmp_path / "lora", tmp_path / "qlora", tmp_path / "resumed"
+    native(args, lora)
+    log = native([*args, "--load_in_4bit", "true"], qlora)
+    assert "QLoRA: 14 linear weights in 4-bit NF4" in log and "in bfloat16" in log, log[-3000:]
+    assert_close(losses(lora), losses(qlora), rel=3e-2)
+    native([*args, "--load_in_4bit", "true", "--resume_from_checkpoint", str(qlora / "checkpoint-2")], resumed)
+    assert_close(losses(qlora), losses(resumed), rel=1e-6, steps=[3])

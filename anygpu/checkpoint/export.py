@@ -162,12 +162,14 @@ def export_adapter(
     gathered: dict[str, torch.Tensor] | None = None,
     dtype: torch.dtype = torch.float32,
     max_shard_size: str = "5GB",
+    quantised_from: torch.dtype | None = None,
 ) -> Path:
     """<out_dir> as a PEFT adapter (adapter_model.safetensors + adapter_config.json + tokenizer); with
     `merge`, also <out_dir>-merged, the base with the adapter merged in.
 
     `gathered`: full tensors already collected on rank 0 by the caller (the HF engine's ZeRO-3 gather);
-    by default the trainable tensors are gathered here. peft keeps only the adapter's keys.
+    by default the trainable tensors are gathered here. peft keeps only the adapter's keys. `quantised_from`: QLoRA's
+    base was 4-bit, quantised from this dtype (the merge is then over that base dequantised, see `merge_adapter`).
     """
     state = gathered if gathered is not None else gather_full(model, trainable_only=True)
     out = Path(out_dir)
@@ -181,7 +183,7 @@ def export_adapter(
         tokenizer.save_pretrained(str(tmp))
         fs.replace_dir(tmp, out)
         if merge:
-            merge_adapter(base_path, out, tokenizer, dtype, max_shard_size)
+            merge_adapter(base_path, out, tokenizer, dtype, max_shard_size, quantised_from)
         faults.at("export")
     del state
     _wait_for_rank0("the final adapter export" + (" and its merge" if merge else ""))
@@ -195,16 +197,27 @@ def _wait_for_rank0(what: str) -> None:
 
 
 def merge_adapter(
-    base_path: str, adapter: Path, tokenizer: Any, dtype: torch.dtype = torch.float32, max_shard_size: str = "5GB"
+    base_path: str,
+    adapter: Path,
+    tokenizer: Any,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str = "5GB",
+    quantised_from: torch.dtype | None = None,
 ) -> Path:
     """<adapter>-merged: the base from its folder (never modified) with the adapter merged in (one process, CPU),
-    in `dtype` and the base's own layout (from_pretrained records the conversions save_pretrained reverses)."""
+    in `dtype` and the base's own layout (from_pretrained records the conversions save_pretrained reverses).
+    `quantised_from` (QLoRA): the base's 4-bit weights dequantised first, as the run computed with them (peft merges
+    over a bitsandbytes base the same way), so the merged model computes what the trained one did."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from anygpu.model import qlora
 
     merged_dir = adapter.with_name(f"{adapter.name}-merged")
     tmp = merged_dir.with_name(f".{merged_dir.name}.tmp")
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    if quantised_from is not None:
+        qlora.dequantise_base(base, quantised_from)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload().to(dtype)
     merged.save_pretrained(str(tmp), max_shard_size=max_shard_size)
     tokenizer.save_pretrained(str(tmp))

@@ -113,6 +113,17 @@ class ModelArguments:
         default=False,
         metadata={"resume": FREE, "help": "Also write <output_dir>/final-merged: the base with the adapter merged in."},
     )
+    # QLoRA (anygpu.model.qlora; the FSDP2 engine), named as TRL's ModelConfig names bitsandbytes' options
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={
+            "resume": SAME,
+            "help": "QLoRA: hold the frozen base's linear weights in 4-bit NF4 (torchao; nested scales), with --use_peft true.",
+        },
+    )
+    bnb_4bit_quant_type: str = field(
+        default="nf4", metadata={"resume": SAME, "help": "The 4-bit format of --load_in_4bit: nf4 (the only one here)."}
+    )
 
     def __post_init__(self) -> None:
         check_ranges(self)
@@ -133,6 +144,13 @@ class ModelArguments:
             raise UsageError(f"--lora_dropout {self.lora_dropout} must be in [0, 1), e.g. 0.05.")
         if self.merge_lora and not self.use_peft:
             raise UsageError("--merge_lora true needs --use_peft true (there is no adapter to merge).")
+        if self.load_in_4bit and not self.use_peft:
+            raise UsageError(
+                "--load_in_4bit true trains a LoRA adapter over a 4-bit base (QLoRA): add --use_peft true (a full "
+                "fine-tune cannot update 4-bit weights), or leave --load_in_4bit out."
+            )
+        if self.bnb_4bit_quant_type != "nf4":
+            raise UsageError(f"--bnb_4bit_quant_type {self.bnb_4bit_quant_type!r} is not offered: use nf4.")
         if self.use_peft and not self.model_name_or_path:
             raise UsageError(
                 "--use_peft true needs --model_name_or_path (LoRA adapts a pretrained model): give the base model's folder."
@@ -834,7 +852,7 @@ class ArgumentParser(HfArgumentParser):
 # Help groups: each option sits in its dataclass's group unless named here (one table, read only for --help).
 GROUP_TITLES = {
     "model": "model",
-    "lora": "LoRA",
+    "lora": "LoRA and QLoRA",
     "data": "data",
     "training": "training",
     "checkpoints": "checkpoints and resume",
@@ -858,6 +876,8 @@ FIELD_GROUP = {
             "lora_target_modules",
             "lora_modules_to_save",
             "merge_lora",
+            "load_in_4bit",
+            "bnb_4bit_quant_type",
         ),
         "lora",
     ),

@@ -30,7 +30,7 @@ from anygpu.engines.trunk.evaluator import evaluate_run
 from anygpu.engines.trunk.log import RunLog
 from anygpu.engines.trunk.schedule import SaveClock, Schedule
 from anygpu.engines.trunk.state import RunState
-from anygpu.model import dropout, fp8, lean_loss, lora, mask_hint, modeling, moe
+from anygpu.model import dropout, fp8, lean_loss, lora, mask_hint, modeling, moe, qlora
 from anygpu.planning import auto_batch
 from anygpu.reliability import elastic, run_guard
 from anygpu.reliability.preempt import Preemption
@@ -72,6 +72,9 @@ def fitted_mesh(
     else:
         return shape, None
     model = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args)
+    if lora.is_peft(model) and train_args.bf16:
+        lora.hold_frozen_in(model, torch.bfloat16)
+    qlora.apply(model, model_args.load_in_4bit)
     return mesh.widen(shape, lambda group: parallel.state_bytes_per_rank(model, group, train_args.optim), budget)
 
 
@@ -90,6 +93,7 @@ def build_model(
     model = lora.wrap(model, model_args)  # adapter before sharding
     if lora.is_peft(model) and train_args.bf16:
         lora.hold_frozen_in(model, torch.bfloat16)  # as the memory plan counts it: 2 bytes per frozen parameter
+    qlora.apply(model, model_args.load_in_4bit)  # the base's linear weights in 4 bits, before FSDP2 shards them
     modeling.check_loss_kwargs(model)
     dropout.install(model, train_args.seed, off=train_args.is_dpo)
     lean_loss.install(model, train_args.lean_loss)  # patches lm_head's forward before FSDP2 swaps the classes

@@ -12,7 +12,8 @@ names and a tied weight. Our loop copies into the parameters the model already h
 
 Memory: one target tensor at a time (one expert bank of one layer at most). A rank reads only its own part
 where the conversion allows it (transformers' `DtensorShardOperation`: a dense tensor's rows, an expert bank's
-own experts, straight from the safetensors file); any other conversion (e.g. a fused qkv chunked into q, k, v)
+own experts, straight from the safetensors file); a 4-bit weight (QLoRA) is read whole, to be quantised as one
+process quantises it (`anygpu.model.qlora`); any other conversion (e.g. a fused qkv chunked into q, k, v)
 is read whole, converted, and this rank's shard copied. Storage in bf16/fp16 is cast to the parameter's dtype.
 """
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from anygpu.errors import UsageError
+from anygpu.config.nf4 import is_4bit
 from anygpu.model import lora
 
 INDEX = "model.safetensors.index.json"
@@ -120,8 +122,8 @@ def _shards_on_read(mapping, params: list[torch.Tensor]) -> bool:
     from torch.distributed.tensor import DTensor
     from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
 
-    if len(params) != 1 or not isinstance(params[0], DTensor):
-        return False
+    if len(params) != 1 or not isinstance(params[0], DTensor) or is_4bit(params[0]):
+        return False  # a 4-bit weight is quantised whole (`qlora.fill`)
     if any(getattr(p, "dim", 0) != 0 for p in params[0].placements if hasattr(p, "dim")):
         return False
     if not isinstance(mapping, WeightConverter):

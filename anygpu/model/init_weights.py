@@ -20,6 +20,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from anygpu.model import qlora
+
 
 def unit_seed(seed: int, name: str) -> int:
     return int(hashlib.sha256(f"{seed}:init:{name}".encode()).hexdigest()[:15], 16)
@@ -46,6 +48,9 @@ def assign(param: torch.Tensor, full: torch.Tensor) -> None:
 
     if hasattr(param, "ds_tensor"):  # DeepSpeed ZeRO-3 (zero.Init): this rank's slice of the flattened tensor
         _assign_partition(param, full)
+        return
+    if qlora.is_4bit(param):  # QLoRA's base: quantised whole, this rank's rows kept
+        qlora.fill(param, full)
         return
     full = full.to(param.device, param.dtype)
     if isinstance(param, DTensor):

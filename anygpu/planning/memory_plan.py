@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from anygpu.config import nf4
 from anygpu.config.optimizers import LOW_BIT, state_bytes
 from anygpu.runtime.mesh import fsdp_rows
 
@@ -65,6 +66,7 @@ class Param:
     name: str
     shape: tuple[int, ...]
     trainable: bool = True
+    four_bit: bool = False  # QLoRA's base: held in NF4 (`anygpu.config.nf4`)
 
     @property
     def numel(self) -> int:
@@ -104,11 +106,18 @@ class Shapes:
     def num_trainable(self) -> int:
         return sum(p.numel for p in self.params if p.trainable)
 
+    @property
+    def four_bit(self) -> bool:
+        return any(p.four_bit for p in self.params)
 
-def shapes_from_model(model, config, lora_r: int = 0, lora_targets: tuple[str, ...] = ()) -> Shapes:
+
+def shapes_from_model(
+    model, config, lora_r: int = 0, lora_targets: tuple[str, ...] = (), load_in_4bit: bool = False
+) -> Shapes:
     """Shapes of a (meta) HF causal LM; with ``lora_r`` the base is frozen and the adapter is the one the
     engines train: peft's own LoRA on the meta model (``lora_targets``: module names or all-linear; none:
-    peft's default for the model type, as --lora_target_modules left out)."""
+    peft's default for the model type, as --lora_target_modules left out); ``load_in_4bit``: QLoRA's 4-bit base, the
+    weights the engine quantises (`anygpu.model.qlora`)."""
     if lora_r:
         from types import SimpleNamespace
 
@@ -125,13 +134,18 @@ def shapes_from_model(model, config, lora_r: int = 0, lora_targets: tuple[str, .
                 lora_modules_to_save=None,
             ),
         )
+    four_bit: set[int] = set()
+    if lora_r and load_in_4bit:  # the weights the engine would quantise (by shape: no quantisation on meta here)
+        from anygpu.model import qlora
+
+        four_bit = {id(m.weight) for m in qlora.modules(model).values()}
     seen: set[int] = set()
     params: list[Param] = []
     for name, p in model.named_parameters():
         if id(p) in seen:  # tied weights are one tensor
             continue
         seen.add(id(p))
-        params.append(Param(name, tuple(p.shape), trainable=p.requires_grad))
+        params.append(Param(name, tuple(p.shape), trainable=p.requires_grad, four_bit=id(p) in four_bit))
     from anygpu.runtime.blocks import decoder_layers
 
     layers = decoder_layers(model)
@@ -214,6 +228,9 @@ def model_state_bytes(
     obytes = 12 if (bf16 and zero) else 8
     params = grads = optim = 0
     for p in shapes.params:
+        if p.four_bit:  # QLoRA's base: rows that split at whole scale blocks sharded, the others whole
+            params += nf4.nbytes(nf4.held_elements(p.shape, world) if sharded_params else p.numel, frozen_bytes)
+            continue
         if not p.trainable:
             params += held(p, sharded_params) * frozen_bytes
             continue
@@ -580,6 +597,20 @@ def has_policy(strategy: str, checkpointing: bool | str, cp: int = 1) -> bool:
     return checkpointing != SELECTIVE or cp > 1 or strategy in (*SELECTIVE_STRATEGIES, HSDP)
 
 
+def strategies_for(shapes: Shapes, hsdp: bool, cp: int) -> tuple[str, ...]:
+    """The strategies that can run this job: HSDP where the shard group is smaller than the job, the FSDP2 engine's
+    alone under context parallelism or a 4-bit base, no DeepSpeed with low-bit optimizer state."""
+    strategies = (*STRATEGIES, HSDP) if hsdp else STRATEGIES
+    strategies = strategies if cp == 1 else ("fsdp2",)
+    if shapes.sequences_per_item > 1:  # --objective dpo: DDP (either engine), the FSDP2 engine's FSDP2 and HSDP
+        strategies = tuple(s for s in strategies if s in DPO_STRATEGIES)
+    if shapes.four_bit:  # QLoRA: the FSDP2 engine's FSDP2 and HSDP, without offload
+        strategies = tuple(s for s in strategies if s in ("fsdp2", HSDP))
+    if shapes.optim in LOW_BIT:  # DeepSpeed's flat partitions cannot hold the row-blocked state
+        strategies = tuple(s for s in strategies if not s.startswith("zero"))
+    return strategies
+
+
 def make_plan(
     shapes: Shapes,
     machine: Machine,
@@ -609,12 +640,7 @@ def make_plan(
             f"--dp_shard {dp_shard} does not divide the {n} GPUs: use one of "
             f"{', '.join(map(str, divisors(n)))} (e.g. the GPUs of one node)"
         )
-    strategies = (*STRATEGIES, HSDP) if dp_shard is not None and dp_shard < n else STRATEGIES
-    strategies = strategies if cp == 1 else ("fsdp2",)
-    if shapes.sequences_per_item > 1:  # --objective dpo: DDP (either engine), the FSDP2 engine's FSDP2 and HSDP
-        strategies = tuple(s for s in strategies if s in DPO_STRATEGIES)
-    if shapes.optim in LOW_BIT:  # DeepSpeed's flat partitions cannot hold the row-blocked state
-        strategies = tuple(s for s in strategies if not s.startswith("zero"))
+    strategies = strategies_for(shapes, dp_shard is not None and dp_shard < n, cp)
     result = PlanResult(
         shapes, machine, block_size, global_batch_size, mfu=mfu, flops_per_token=flops_per_token, dp_shard=dp_shard
     )

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from anygpu.config import nf4
 from anygpu.config.optimizers import state_bytes
 from anygpu.runtime import checkpointing as checkpointing_mod
 from anygpu.runtime import offload
@@ -82,16 +83,23 @@ def shard_model(
     )
     # With one rank per shard group, resharding frees nothing worth the re-gather in the backward.
     reshard = reshard_after_forward and mesh_shape.shard_group > 1
+    group = mesh_shape.shard_group
     for i, layer in enumerate(layers):
         # The last layer's parameters are gathered again at once by the backward: keep them.
         last = i == len(layers) - 1
-        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard and not last)
+        fully_shard(
+            layer, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard and not last,
+            ignored_params=nf4.unsplittable(layer, group) or None,
+        )  # fmt: skip
     embedding, head = _own_units(model)
     if embedding is not None:  # gathered for the forward's first step and the backward's last only
         fully_shard(embedding, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
     if head is not None:  # kept from the forward's end into the backward's start (the lean loss uses it there too)
         fully_shard(head, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard)
+    fully_shard(
+        model, mesh=mesh, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard,
+        ignored_params=nf4.unsplittable(model, group) or None,
+    )  # fmt: skip
     return model
 
 
@@ -131,6 +139,8 @@ def state_bytes_per_rank(model: nn.Module, shard_group: int, optim: str = "adamw
         shard = fsdp_rows(tuple(p.shape), shard_group, 0)  # rank 0's: the first ranks hold the most
         if p.requires_grad:
             total += shard * (4 + 4) + state_bytes(tuple(p.shape), shard, optim)
+        elif nf4.is_4bit(p):
+            total += nf4.nbytes(nf4.held_elements(tuple(p.shape), shard_group), p.element_size())
         else:
             total += shard * p.element_size()
     return total

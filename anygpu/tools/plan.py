@@ -156,9 +156,10 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--finetune",
-        choices=("full", "lora"),
+        choices=("full", "lora", "qlora"),
         default="full",
-        help="What the recommendation is for (the table shows both).",
+        help="What the recommendation is for (the tables show full and LoRA; qlora: LoRA over a 4-bit base, "
+        "--load_in_4bit, the FSDP2 engine's).",
     )
     p.add_argument("--lora_r", type=int, default=16, help="LoRA rank of the LoRA rows (default 16).")
     p.add_argument(
@@ -217,7 +218,11 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def load_shapes(
-    model_name_or_path: str | None, config_name: str | None, lora_r: int = 0, lora_targets: tuple[str, ...] = ()
+    model_name_or_path: str | None,
+    config_name: str | None,
+    lora_r: int = 0,
+    lora_targets: tuple[str, ...] = (),
+    load_in_4bit: bool = False,
 ) -> tuple[Shapes, object, int]:
     """(shapes, config, the parameters a token is multiplied by) of the model, built on the meta device."""
     from anygpu.config.args import ModelArguments
@@ -227,7 +232,7 @@ def load_shapes(
     config = modeling.resolve_config(margs)
     config.use_cache = False
     model = modeling.build_meta_model(config, margs)
-    shapes = memory_plan.shapes_from_model(model, config, lora_r, lora_targets)
+    shapes = memory_plan.shapes_from_model(model, config, lora_r, lora_targets, load_in_4bit)
     return shapes, config, sum(modeling.matmul_parameters(model))  # every matmul weight, a tied output projection too
 
 
@@ -288,7 +293,9 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
 
     targets = tuple(t for t in args.lora_target_modules.split(",") if t)
     full, config, matmul_weights = load_shapes(args.model_name_or_path, args.config_name)
-    lora, _, _ = load_shapes(args.model_name_or_path, args.config_name, args.lora_r, targets)
+    lora, _, _ = load_shapes(
+        args.model_name_or_path, args.config_name, args.lora_r, targets, load_in_4bit=args.finetune == "qlora"
+    )
     if args.objective == "dpo":  # two sequences per pair; a frozen reference unless precomputed (LoRA: its base)
         full = dataclasses.replace(full, sequences_per_item=2, reference=args.precompute_ref_log_probs == "false")
         lora = dataclasses.replace(lora, sequences_per_item=2)
@@ -420,13 +427,15 @@ def recommendation(result: PlanResult) -> list[str]:
         if result.shapes.sequences_per_item > 1 and rec.strategy == "fsdp2"
         else f"accelerate config accelerate_configs/{rec.accelerate_config}.yaml"
     )
+    if result.shapes.four_bit:  # QLoRA: the FSDP2 engine's alone
+        where = "the FSDP2 engine, run_fsdp_standalone.py --use_peft true --load_in_4bit true"
     if rec.strategy == "fsdp2_offload":  # over every GPU: the engine's default mesh shards within a node
         wide = f" --dp_shard {result.machine.num_gpus}" if result.machine.num_nodes > 1 else ""
         where = f"the FSDP2 engine with --cpu_offload true{wide} (run_fsdp_standalone.py), or {where}"
     lines = [
         f"recommendation: {rec.strategy}, {rec.precision}, activation checkpointing "
         f"{ckpt_word(rec.activation_checkpointing, 'on', 'off')}: {where}"
-        if " " not in rec.accelerate_config
+        if " " not in rec.accelerate_config or result.shapes.four_bit
         else f"recommendation: {rec.strategy}, {rec.precision}: {rec.accelerate_config}",
         f"  global batch {result.global_batch_size} = {rec.micro_batch} per device × {n} devices × "
         f"{result.gradient_accumulation_steps} accumulation step{'' if result.gradient_accumulation_steps == 1 else 's'} "
@@ -578,8 +587,9 @@ def render(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
         *objective_lines(full),
         "",
     ]
-    body = table(full, "full fine-tuning") + [""] + table(lora, f"LoRA (r={args.lora_r})") + [""]
-    chosen = lora if args.finetune == "lora" else full
+    adapted = f"QLoRA (r={args.lora_r}, 4-bit NF4 base)" if lora.shapes.four_bit else f"LoRA (r={args.lora_r})"
+    body = table(full, "full fine-tuning") + [""] + table(lora, adapted) + [""]
+    chosen = full if args.finetune == "full" else lora
     return "\n".join(head + body + recommendation(chosen) + chosen.notes) + "\n"
 
 
@@ -649,11 +659,12 @@ def runners_up(result: PlanResult, lora: bool, limit: int = 3) -> list[tuple[Row
 
 def compact(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
     """The answer in a few lines: the recommendation, memory per GPU, and the runners-up."""
-    chosen = lora if args.finetune == "lora" else full
+    chosen = full if args.finetune == "full" else lora
     m = chosen.machine
+    what = {"full": "full fine-tuning", "lora": f"LoRA r={args.lora_r}", "qlora": f"QLoRA r={args.lora_r} (4-bit base)"}
     lines = [
         f"model: {full.shapes.num_params / 1e6:.1f}M parameters ({full.shapes.num_layers} layers, hidden "
-        f"{full.shapes.hidden_size}); {'LoRA r=' + str(args.lora_r) if args.finetune == 'lora' else 'full fine-tuning'}; "
+        f"{full.shapes.hidden_size}); {what[args.finetune]}; "
         f"block {chosen.block_size}, global batch {chosen.global_batch_size}",
         f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source})",
         *objective_lines(chosen),
@@ -668,7 +679,7 @@ def compact(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str
             lines += recommendation(chosen) + chosen.notes
         return "\n".join(lines) + "\n"
     lines += recommendation(chosen) + chosen.notes
-    others = runners_up(chosen, args.finetune == "lora")
+    others = runners_up(chosen, args.finetune != "full")
     if others:
         lines.append("runners-up (micro-batch × accumulation, memory per GPU):")
         lines += [

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from anygpu.checkpoint import export
-from anygpu.model import hub_weights, lora
+from anygpu.model import hub_weights, lora, qlora
 from anygpu.runtime import progress
 from anygpu.train import metrics
 
@@ -33,8 +33,13 @@ def export_final(
                 state_dict,
                 dtype,
                 size,
+                quantised_from=qlora.quantised_from(model),
             )
             said = f"final adapter: {out} (PeftModel.from_pretrained loads it over the base)"
+            if model_args.merge_lora and qlora.quantised_from(model) is not None:
+                said += (
+                    f"; {out}-merged: merged over the base dequantised from its 4-bit NF4 weights, as the run computed"
+                )
         else:
             out = export.export_safetensors(model, prep.config, prep.tokenizer, final, rank, dtype, size, state_dict)
             said = f"final model: {out} in {str(dtype).removeprefix('torch.')} (AutoModelForCausalLM.from_pretrained loads it)"

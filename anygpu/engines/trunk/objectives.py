@@ -45,7 +45,7 @@ def build(
             data_args.data_cache_dir,
             prep.pairs_key,
             reference.identity(ref_path or model_args.model_name_or_path),
-            precision_of(train_args),
+            precision_of(train_args) + (" nf4" if adapter and model_args.load_in_4bit else ""),  # QLoRA's 4-bit base
             selection_of(prep, data_args),
         )
 

@@ -50,10 +50,33 @@ def check_levers(model_args, train_args, engine: str) -> None:
             f"--cpu_offload true with --fp8 {train_args.fp8}: FP8 training is not offloaded here; drop one of them "
             "(--fp8 none, or --cpu_offload false)."
         )
+    check_4bit(model_args, train_args, engine)
     if engine != "fsdp" and train_args.gradient_checkpointing_policy == "selective":
         raise UsageError(
             "--gradient_checkpointing_policy selective is the FSDP2 engine's: use --engine fsdp, or full "
             "checkpointing (--gradient_checkpointing true)."
+        )
+
+
+def check_4bit(model_args, train_args, engine: str) -> None:
+    """--load_in_4bit (QLoRA) where it runs: the FSDP2 engine, without the levers that rewrite or move its weights."""
+    if not model_args.load_in_4bit:
+        return
+    if engine != "fsdp":
+        raise UsageError(
+            "--load_in_4bit true (QLoRA) is the FSDP2 engine's (torchao NF4 under FSDP2, any GPU or CPU): use "
+            "run_fsdp_standalone.py or the launchers' --engine fsdp; the HF engine would need bitsandbytes, not "
+            "installed here."
+        )
+    if train_args.fp8:
+        raise UsageError(
+            f"--load_in_4bit true with --fp8 {train_args.fp8}: a 4-bit base computes in the compute dtype; drop "
+            "one of them (--fp8 none)."
+        )
+    if train_args.cpu_offload:
+        raise UsageError(
+            "--load_in_4bit true with --cpu_offload true: a 4-bit base is ~0.52 bytes a parameter (70B: 36 GB over "
+            "the shard group) and is not offloaded here; drop --cpu_offload."
         )
 
 
