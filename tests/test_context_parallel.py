@@ -306,3 +306,47 @@ def test_gathered_keys_over_raw_text_need_no_mask(monkeypatch):
         split = cpm._Split(None, C, "sdpa", None, torch.arange(T).expand(b, T), index=i, heads_split=False)
         out, _ = cpm._gathered_attention(None, split, q[:, :, rows], local_k, local_v, dropout=0.0, scaling=None)
         assert torch.allclose(out, whole[:, :, rows].transpose(1, 2), atol=1e-12)
+
+
+@pytest.mark.parametrize("base", ["sdpa", "eager"])
+def test_the_gathered_path_builds_only_its_ranks_rows_of_the_models_mask(base):
+    """Heads C does not divide: each rank builds the (T/C × T) rows of the mask transformers builds for the whole
+    rows — packed samples (positions restarting), padded rows, one sample a row — equal to those rows of it, and
+    none where sdpa takes the causal path; never the (T × T) mask, 16 GiB per layer call at 128k tokens."""
+    import torch
+    from transformers import AutoConfig
+
+    from anygpu.runtime import context_parallel as cpm
+
+    config = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2)
+    config._attn_implementation = base
+    model = type("M", (), {"config": config})()
+    b, T = 2, 24
+    packed = torch.tensor([list(range(10)) + list(range(8)) + list(range(6)), list(range(5)) + list(range(19))])
+    padding = torch.ones(b, T, dtype=torch.long)
+    padding[0, 20:], padding[1, 11:] = 0, 0
+    cases = {
+        "packed": {"position_ids": packed},
+        "padded": {"position_ids": torch.arange(T).expand(b, T), "attention_mask": padding},
+        "one sample a row": {"position_ids": torch.arange(T).expand(b, T)},
+    }
+    for name, rows in cases.items():
+        rows = {"input_ids": torch.zeros(b, T, dtype=torch.long), **rows}
+        whole = cpm._full_mask(model, rows, torch.float32)
+        for C in (2, 3):
+            part = T // C
+            for index in range(C):
+                got = cpm._rows_mask(rows, cpm.CPGroup(None, C, index), base, torch.float32)
+                if whole is None:
+                    assert got is None and base == "sdpa", name
+                    continue
+                assert got.shape == (b, 1, part, T), name
+                assert torch.equal(got, whole[..., index * part : (index + 1) * part, :].expand_as(got)), (
+                    name,
+                    C,
+                    index,
+                )
+    assert (
+        cpm._full_mask(model, {"input_ids": torch.zeros(b, T, dtype=torch.long), **cases["packed"]}, torch.float32)
+        is not None
+    )

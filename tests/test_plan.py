@@ -391,6 +391,12 @@ def test_the_packed_rows_mask_is_the_one_transformers_builds():
     assert masks[0].numel() == memory_plan.attention_mask_bytes(shapes, rows, t, "bf16") // 3  # bool of bool + bf16
     assert all(m is None for m in sdpa_masks(torch.arange(t).repeat(rows, 1)))
     assert memory_plan.attention_mask_bytes(dataclasses.replace(shapes, dense_mask=False), rows, t, "bf16") == 0
+    # under --cp C: Ulysses (C divides the heads) takes the whole rows' mask; the gathered path a rank's T/C rows
+    whole = memory_plan.attention_mask_bytes(shapes, rows, t, "bf16")
+    heads = shapes.num_kv_heads
+    assert memory_plan.attention_mask_bytes(shapes, rows, t, "bf16", cp=heads) == whole
+    gathered = 2 * heads  # more ranks than KV heads: the keys and values are gathered
+    assert memory_plan.attention_mask_bytes(shapes, rows, t, "bf16", cp=gathered) == whole // gathered
 
 
 def test_packed_rows_at_128k_count_their_mask_and_the_plan_says_what_avoids_it():

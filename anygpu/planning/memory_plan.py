@@ -315,16 +315,19 @@ def transient_bytes(shapes: Shapes, strategy: str, precision: str, world: int, l
     return lean
 
 
-def attention_mask_bytes(shapes: Shapes, rows: int, block_size: int, precision: str) -> int:
-    """`rows` packed rows in one forward under sdpa or eager attention: the boolean (T × T) mask transformers builds
-    for each whole row (once per forward; also under context parallelism, where every rank holds the whole row's),
-    and the copy in the compute dtype that sdpa makes of a boolean mask at each layer's call. 0 for rows that need
-    no mask (raw-text blocks, one sample per row: sdpa's causal path) and for flash attention, which takes the
-    samples' boundaries."""
+def attention_mask_bytes(shapes: Shapes, rows: int, block_size: int, precision: str, cp: int = 1) -> int:
+    """`rows` packed rows in one forward under sdpa or eager attention: the boolean mask transformers builds for each
+    whole row (T × T, once per forward), and the copy in the compute dtype that sdpa makes of a boolean mask at each
+    layer's call. Under context parallelism Ulysses (C divides the heads) still takes every row's whole mask; the
+    gathered keys and values (C does not) build a rank's T/C query rows of it only. 0 for rows that need no mask
+    (raw-text blocks, one sample per row: sdpa's causal path) and for flash attention, which takes the samples'
+    boundaries."""
     if not shapes.dense_mask:
         return 0
     e = 2 if precision == "bf16" else 4
-    return rows * block_size * block_size * (1 + e)
+    gathered = cp > 1 and (shapes.num_heads % cp or shapes.num_kv_heads % cp)
+    queries = block_size // cp if gathered else block_size
+    return rows * queries * block_size * (1 + e)
 
 
 def lean_head_bytes(shapes: Shapes, precision: str) -> int:
@@ -409,7 +412,7 @@ def mask_note(result: PlanResult, unmasked: Shapes, lora: bool, mfu: float, flop
     """Packed rows' dense mask is a large part of a GPU, or what keeps the job from fitting: say so, and what the
     plan recommends without it (flash attention, or one sample per row)."""
     machine, block = result.machine, result.block_size
-    mask = attention_mask_bytes(result.shapes, result.shapes.sequences_per_item, block, "bf16")
+    mask = attention_mask_bytes(result.shapes, result.shapes.sequences_per_item, block, "bf16", result.cp)
     if result.recommended is not None and mask < 0.1 * machine.gpu_memory_bytes:
         return
     alt = replan(result, unmasked, lora, mfu, flops_per_token)
@@ -468,7 +471,7 @@ def row_for(
     }
     if shapes.dense_mask:
         per_gpu["attention_mask"] = attention_mask_bytes(
-            shapes, micro_batch * shapes.sequences_per_item, block_size, precision
+            shapes, micro_batch * shapes.sequences_per_item, block_size, precision, cp
         )
     budget = machine.gpu_memory_bytes * SAFETY
     host = host_bytes(shapes, strategy, dp_shard or world)

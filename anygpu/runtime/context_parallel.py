@@ -218,7 +218,7 @@ def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
 def _gathered_attention(module: nn.Module, split: _Split, query, key, value, **kwargs):
     """Heads that C does not divide: this rank's T/C queries (every head) against the whole sequence's keys and
     values, gathered over the group (all-gather context parallelism, as in Llama 3's long-context training), under
-    the full rows' mask cut to this rank's query rows (causal by global position where the model builds none)."""
+    this rank's rows of the full rows' mask (`_rows_mask`; causal by global position where the model builds none)."""
     for name in LOCAL_ROW_KWARGS:
         kwargs.pop(name, None)
     k, v = (_GatherSequence.apply(x, split.group, split.cp, split.index) for x in (key, value))
@@ -226,7 +226,7 @@ def _gathered_attention(module: nn.Module, split: _Split, query, key, value, **k
     rows = slice(split.index * part, (split.index + 1) * part)
     if split.mask is None and split.base == "sdpa":
         return _causal_sdpa(query, k, v, rows, kwargs.get("dropout", 0.0), kwargs.get("scaling")), None
-    mask = split.mask[..., rows, :] if split.mask is not None else _causal_rows(rows, k.shape[2], query, split.base)
+    mask = split.mask if split.mask is not None else _causal_rows(rows, k.shape[2], query, split.base)
     out, _ = _kernel(module, split.base)(module, query, k, v, mask, **kwargs)
     return out, None
 
@@ -298,6 +298,34 @@ def _full_mask(model: nn.Module, rows: dict[str, torch.Tensor], dtype: torch.dty
     )
 
 
+def _rows_mask(rows: dict[str, torch.Tensor], cp: CPGroup, base: str, dtype: torch.dtype) -> torch.Tensor | None:
+    """This rank's query rows of the mask `_full_mask` builds, [b, 1, T/C, T], built for those rows alone (a (T × T)
+    mask on every rank was 16 GiB per layer call at 128k tokens, bool): causal, each packed sample confined to itself
+    (transformers' rule: positions that do not step by one start a sample, only without an attention mask), padded
+    keys masked; None where the model would build none for sdpa (one unpadded sample a row: the causal path)."""
+    pos, padding = rows["position_ids"], rows.get("attention_mask")
+    b, T = pos.shape
+    samples = None
+    if padding is None:
+        steps = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
+        samples = (steps != 1).cumsum(-1)
+        samples = None if (samples[:, -1] == 0).all() else samples
+    if samples is None and (padding is None or padding.bool().all()) and base == "sdpa":
+        return None
+    part = T // cp.size
+    queries = torch.arange(cp.index * part, (cp.index + 1) * part, device=pos.device)
+    keys = torch.arange(T, device=pos.device)
+    allowed = (keys[None, None, :] <= queries[None, :, None]).expand(b, part, T)
+    if samples is not None:
+        allowed = allowed & (samples[:, queries, None] == samples[:, None, :])
+    if padding is not None:
+        allowed = allowed & padding.bool()[:, None, :]
+    allowed = allowed[:, None]
+    if base != "eager":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=pos.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 @contextlib.contextmanager
 def split(model: nn.Module, batch: dict[str, torch.Tensor], cp: CPGroup) -> Iterator[dict[str, torch.Tensor]]:
     """Around one micro-batch's forward and backward: yields this rank's part of `batch` (model kwargs:
@@ -311,10 +339,10 @@ def split(model: nn.Module, batch: dict[str, torch.Tensor], cp: CPGroup) -> Iter
     base = config._attn_implementation
     local = {k: _cut(rows[k], cp).contiguous() for k in ("input_ids", "position_ids", "shift_labels")}
     local["labels"] = local["shift_labels"]  # the loss runs when labels are given; it reads shift_labels
-    mask = _full_mask(model, rows, cp.compute_dtype)
-    split = _Split(
-        cp.group, cp.size, base, mask, rows["position_ids"], index=me, heads_split=splits_heads(config, cp.size)
-    )
+    heads = splits_heads(config, cp.size)
+    # Ulysses attends over the whole rows (each rank its heads); the gathered path over this rank's query rows only
+    mask = _full_mask(model, rows, cp.compute_dtype) if heads else _rows_mask(rows, cp, base, cp.compute_dtype)
+    split = _Split(cp.group, cp.size, base, mask, rows["position_ids"], index=me, heads_split=heads)
     _ACTIVE.append(split)
     config._attn_implementation = ATTENTION
     try:
