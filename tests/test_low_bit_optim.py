@@ -1,5 +1,5 @@
 """--optim adamw_torch_8bit / adamw_torch_4bit: AdamW with torchao's block-quantised moments, whose blocks lie within
-rows so that any sharding keeps the same state. Quick: the update equals torchao's own AdamW8bit/AdamW4bit where
+rows so that any sharding keeps the same state; --optim adamw_anyprecision with bf16 moments (HF's --optim_args). Quick: the update equals torchao's own AdamW8bit/AdamW4bit where
 their blocks coincide, a split of the rows (FSDP2's shards, uneven ones too) changes nothing, the state round-trips
 as uint8, the plan counts its bytes, and the refusals. Slow: real FSDP2 runs on 1 and 2 ranks (the same losses), a
 2-rank checkpoint resumed on 1 rank, near full AdamW's losses, the HF engine's curve. The bytes each rank holds
@@ -14,7 +14,7 @@ import torch
 from conftest import TINY, assert_close, fsdp_runs, losses, python
 
 from anygpu.config.args import parse_args
-from anygpu.config.optimizers import row_block, state_bytes
+from anygpu.config.optimizers import BF16, BF16_ARGS, row_block, state_bytes
 from anygpu.errors import UsageError
 from anygpu.planning import memory_plan
 from anygpu.tools import plan as plan_tool
@@ -111,6 +111,60 @@ def test_the_state_round_trips_as_uint8_and_the_next_step_is_exact(optim):
     assert torch.equal(a, b)
 
 
+def test_bf16_moments_are_adamw_rounded_to_bf16_after_each_step():
+    """adamw_anyprecision with bf16 moments: each step is torch.optim.AdamW's in fp32 from the stored moments, which
+    are then kept rounded to bf16 (a hand-written reference); the state is bf16 (4 bytes a parameter), round-trips as
+    bf16, and the losses' direction stays AdamW's."""
+    torch.manual_seed(3)
+    weights = [torch.randn(48, 32), torch.randn(32)]
+    got = train(lambda g: LowBitAdamW(g, BF16, weight_decay=0.0, **HYPER), weights)
+    beta1, beta2 = HYPER["betas"]
+    for i, (w, decay) in enumerate(zip(weights, (0.1, 0.0))):
+        p, m, v = w.clone(), torch.zeros_like(w), torch.zeros_like(w)
+        for step in range(1, 5):
+            g = grads(step - 1, tuple(w.shape))
+            m = m.lerp(g, 1 - beta1)
+            v = v * beta2 + g * g * (1 - beta2)
+            p = p * (1 - HYPER["lr"] * decay) - HYPER["lr"] / (1 - beta1**step) * m / (
+                (v.sqrt() / (1 - beta2**step) ** 0.5) + HYPER["eps"]
+            )
+            m, v = m.bfloat16().float(), v.bfloat16().float()  # what the next step reads back
+        torch.testing.assert_close(got[i], p, rtol=1e-6, atol=1e-7)
+    fp32 = train(lambda g: torch.optim.AdamW(g, **HYPER), weights)
+    for a, b in zip(got, fp32):
+        assert not torch.equal(a, b) and torch.allclose(a, b, rtol=1e-2, atol=1e-3)
+    a = torch.nn.Parameter(torch.randn(16, 8))
+    opt = LowBitAdamW([a], BF16, weight_decay=0.0, **HYPER)
+    a.grad = torch.ones(16, 8)
+    opt.step()
+    other = LowBitAdamW([torch.nn.Parameter(a.detach().clone())], BF16, weight_decay=0.0, **HYPER)
+    other.load_state_dict(copy.deepcopy(opt.state_dict()))
+    state = next(iter(other.state.values()))
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    assert (
+        sum(t.numel() * t.element_size() for t in opt.state[a].values() if t.dim())
+        == state_bytes((16, 8), 128, BF16)
+        == 4 * 128
+    )
+
+
+@pytest.mark.parametrize(
+    "optim_args, said",
+    [
+        ("momentum_dtype=bfloat16", "both moments in bfloat16"),
+        (f"{BF16_ARGS},use_kahan_summation=True", "use_kahan_summation compensates bf16 weights"),
+        ("betas=0.9", "betas unknown"),
+    ],
+)
+def test_optim_args_that_cannot_work_are_refused(optim_args, said):
+    with pytest.raises(UsageError, match=said):
+        parse_args([*TINY, "--optim", "adamw_anyprecision", "--optim_args", optim_args, "--output_dir", "/tmp/unused"])
+    with pytest.raises(UsageError, match="is for --optim adamw_anyprecision"):
+        parse_args([*TINY, "--optim_args", BF16_ARGS, "--output_dir", "/tmp/unused"])
+    _, _, args = parse_args([*TINY, "--optim", "adamw_anyprecision", "--output_dir", "/tmp/unused"])
+    assert args.optim_state == "adamw_torch"  # float32 moments, its default as in HF: AdamW
+
+
 @pytest.mark.parametrize("optim", LOW_BIT)
 def test_the_counted_bytes_are_the_states(optim):
     """`state_bytes` (the plan's and the start-up checks' count) is what the optimizer allocates, for row blocks,
@@ -184,12 +238,23 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lowbit")
     d = {f"{o}-{n}": root / f"{o}-{n}" for o in ("8bit", "4bit") for n in (1, 2)}
     d.update(adamw=root / "adamw", resumed=root / "resumed", hf=root / "hf")
-    arg = lambda name, optim: [*SIX, "--optim", f"adamw_torch_{optim}", "--output_dir", str(d[name])]  # noqa: E731
-    two = fsdp_runs(2, [arg("8bit-2", "8bit"), arg("4bit-2", "4bit")])
+    d.update({"bf16-1": root / "bf16-1", "bf16-2": root / "bf16-2", "bf16-resumed": root / "bf16-resumed"})
+
+    def arg(name: str, optim: str) -> list[str]:
+        chosen = (
+            ["--optim", "adamw_anyprecision", "--optim_args", BF16_ARGS]
+            if optim == "bf16"
+            else ["--optim", f"adamw_torch_{optim}"]
+        )
+        return [*SIX, *chosen, "--output_dir", str(d[name])]
+
+    two = fsdp_runs(2, [arg("8bit-2", "8bit"), arg("4bit-2", "4bit"), arg("bf16-2", "bf16")])
     one = fsdp_runs(
         1,
         [arg("8bit-1", "8bit"), arg("4bit-1", "4bit"), [*SIX, "--output_dir", str(d["adamw"])],
-         [*arg("resumed", "8bit"), "--resume_from_checkpoint", str(d["8bit-2"] / "checkpoint-3")]],
+         [*arg("resumed", "8bit"), "--resume_from_checkpoint", str(d["8bit-2"] / "checkpoint-3")],
+         arg("bf16-1", "bf16"),
+         [*arg("bf16-resumed", "bf16"), "--resume_from_checkpoint", str(d["bf16-2"] / "checkpoint-3")]],
     )  # fmt: skip
     hf = python("run_hf_standalone.py", arg("hf", "8bit"))
     return {"dirs": d, "two": two, "one": one, "hf": hf.stdout}
@@ -226,3 +291,16 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank_exactly(runs):
     out = runs["one"][3]
     assert "resumed from" in out and "was 2 ranks, now 1" in out, out[-2000:]
     assert_close(losses(runs["dirs"]["8bit-2"]), losses(runs["dirs"]["resumed"]), rel=1e-5, steps=range(4, 7))
+
+
+@pytest.mark.slow
+def test_bf16_moments_keep_the_curve_on_any_world_size_and_resume(runs):
+    """bf16 moments: 2 ranks = 1 rank, near fp32 AdamW, and the 2-rank checkpoint (bf16 moments, sharded) resumed on 1
+    rank continues as the uninterrupted run."""
+    d = runs["dirs"]
+    assert "optimizer: AdamW with bf16 moments" in runs["two"][2]
+    assert_close(losses(d["bf16-1"]), losses(d["bf16-2"]), rel=1e-5, steps=range(1, 7))
+    assert losses(d["bf16-1"]) != losses(d["adamw"])
+    assert_close(losses(d["adamw"]), losses(d["bf16-1"]), rel=1e-3, steps=range(1, 7))
+    assert "was 2 ranks, now 1" in runs["one"][5]
+    assert_close(losses(d["bf16-2"]), losses(d["bf16-resumed"]), rel=1e-5, steps=range(4, 7))

@@ -24,7 +24,7 @@ from anygpu.config import attention, locate
 from anygpu.config.mixture import as_argument, parse_mixture
 from anygpu.config.objective import ObjectiveArguments, check_with_model
 from anygpu.config.ranges import check_ranges
-from anygpu.config.optimizers import OPTIMIZERS
+from anygpu.config.optimizers import OPTIMIZERS, state_kind
 from anygpu.errors import UsageError, exit_refused
 from anygpu.launch import suggest
 
@@ -385,7 +385,15 @@ class TrainArguments(ObjectiveArguments):
             "help": "The optimizer, by Hugging Face's names: adamw_torch (AdamW, fp32 moments; adamw_torch_fused is "
             "the same here), adamw_torch_8bit or adamw_torch_4bit (AdamW with 8- or 4-bit moments, torchao's "
             "block-wise quantisation: 2.03 or 1.06 bytes of state per parameter instead of 8, the same curve on any "
-            "world size; docs/memory.md#low-bit-optimizer-state).",
+            "world size; docs/memory.md#low-bit-optimizer-state), or adamw_anyprecision with --optim_args "
+            "momentum_dtype=bfloat16,variance_dtype=bfloat16 (bf16 moments: 4 bytes; float32, its default, is AdamW).",
+        },
+    )
+    optim_args: str | None = field(
+        default=None,
+        metadata={
+            "resume": SAME,
+            "help": "--optim adamw_anyprecision's options, Hugging Face's form: momentum_dtype=bfloat16,variance_dtype=bfloat16.",
         },
     )
     learning_rate: float = field(default=1e-3, metadata={"resume": SAME, "help": "Peak AdamW learning rate."})
@@ -677,6 +685,11 @@ class TrainArguments(ObjectiveArguments):
         },
     )
 
+    @property
+    def optim_state(self) -> str:
+        """What AdamW keeps as its moments (`anygpu.config.optimizers.state_kind`): fp32, low-bit or bf16."""
+        return state_kind(self.optim, self.optim_args)
+
     def __post_init__(self) -> None:
         check_ranges(self)
         if self.lr_scheduler_type not in SCHEDULERS:
@@ -714,6 +727,10 @@ class TrainArguments(ObjectiveArguments):
                 "keeps the same 8-bit state (torchao's), and shards it."
             )
         _check_choice("optim", self.optim, OPTIMIZERS)
+        try:
+            state_kind(self.optim, self.optim_args)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         _check_choice("export_dtype", self.export_dtype, EXPORT_DTYPES)
         _check_choice("gradient_checkpointing_policy", self.gradient_checkpointing_policy, CHECKPOINTING_POLICIES)
         if self.gradient_checkpointing_policy == "selective":

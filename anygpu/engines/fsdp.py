@@ -75,7 +75,7 @@ def fitted_mesh(
     if lora.is_peft(model) and train_args.bf16:
         lora.hold_frozen_in(model, torch.bfloat16)
     qlora.apply(model, model_args.load_in_4bit)
-    return mesh.widen(shape, lambda group: parallel.state_bytes_per_rank(model, group, train_args.optim), budget)
+    return mesh.widen(shape, lambda group: parallel.state_bytes_per_rank(model, group, train_args.optim_state), budget)
 
 
 def build_model(
@@ -102,7 +102,7 @@ def build_model(
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     checkpointing = train_args.gradient_checkpointing_policy if train_args.gradient_checkpointing else None
     if train_args.cpu_offload:  # before any memory is taken: the node's ranks' state must fit its host memory
-        per_rank = parallel.state_bytes_per_rank(model, shape.shard_group, train_args.optim)
+        per_rank = parallel.state_bytes_per_rank(model, shape.shard_group, train_args.optim_state)
         offload.check_host_memory(per_rank, mesh.local_world_size_from_env(), hardware.host_memory_bytes())
     parallel.shard_model(
         model, info.device, shape, train_args.bf16, checkpointing, train_args.torch_compile,

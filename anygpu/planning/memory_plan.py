@@ -39,7 +39,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 
 from anygpu.config import nf4
-from anygpu.config.optimizers import LOW_BIT, state_bytes
+from anygpu.config.optimizers import FP32, LOW_BIT, state_bytes
 from anygpu.runtime.mesh import fsdp_rows
 
 STRATEGIES = ("ddp", "fsdp2", "fsdp2_offload", "zero2", "zero2_offload", "zero3", "zero3_offload")
@@ -95,7 +95,7 @@ class Shapes:
     # packed rows (samples concatenated, positions restarting) under an attention that takes a mask (sdpa, eager):
     # transformers builds a dense (T × T) mask of the whole row for them (`attention_mask_bytes`)
     dense_mask: bool = False
-    # --optim: AdamW's moments in fp32 (8 bytes a parameter) or low-bit (`anygpu.config.optimizers.state_bytes`)
+    # AdamW's moments: a state kind (`anygpu.config.optimizers.state_kind`): fp32 (8 bytes a parameter), bf16 or low-bit
     optim: str = "adamw_torch"
 
     @property
@@ -609,7 +609,7 @@ def strategies_for(shapes: Shapes, hsdp: bool, cp: int) -> tuple[str, ...]:
         strategies = tuple(s for s in strategies if s in DPO_STRATEGIES)
     if shapes.four_bit:  # QLoRA: the FSDP2 engine's FSDP2 and HSDP, without offload
         strategies = tuple(s for s in strategies if s in ("fsdp2", HSDP))
-    if shapes.optim in LOW_BIT:  # DeepSpeed's flat partitions cannot hold the row-blocked state
+    if shapes.optim != FP32:  # DeepSpeed's flat partitions: not the row-blocked nor the bf16 state
         strategies = tuple(s for s in strategies if not s.startswith("zero"))
     return strategies
 
@@ -658,7 +658,7 @@ def make_plan(
     rec = result.recommended
     if cp == 1 and machine.gpu_memory_bytes and (rec is None or rec.strategy.endswith("offload")):
         result.cp_advice = cp_advice(shapes, machine, block_size, lora)
-    if shapes.optim not in LOW_BIT and machine.gpu_memory_bytes and (rec is None or rec.cpu_bytes):
+    if shapes.optim == FP32 and machine.gpu_memory_bytes and (rec is None or rec.cpu_bytes):
         result.low_bit_advice = low_bit_advice(result, lora, mfu, flops_per_token)
     if shapes.dense_mask and machine.gpu_memory_bytes:
         mask_note(result, replace(shapes, dense_mask=False), lora, mfu, flops_per_token)

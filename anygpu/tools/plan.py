@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from anygpu.config import attention
-from anygpu.config.optimizers import LOW_BIT, OPTIMIZERS
+from anygpu.config.optimizers import FP32, LOW_BIT, OPTIMIZERS, flag, state_kind
 from anygpu.launch.suggest import ArgumentParser, did_you_mean
 from anygpu.planning import memory_plan
 from anygpu.planning.gpus import GPUS
@@ -79,9 +79,15 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
         "--optim",
         choices=OPTIMIZERS,
         default="adamw_torch",
-        help="The engines' --optim: adamw_torch (fp32 moments, 8 bytes a parameter) or adamw_torch_8bit / "
-        "adamw_torch_4bit (~2.03 / ~1.06 bytes; DDP and FSDP2 rows only). With adamw_torch, a plan that needs offload "
-        "or fits nothing also says what 8-bit state would change.",
+        help="The engines' --optim: adamw_torch (fp32 moments, 8 bytes a parameter), adamw_torch_8bit / "
+        "adamw_torch_4bit (~2.03 / ~1.06 bytes), adamw_anyprecision with --optim_args for bf16 moments (4 bytes); "
+        "all but adamw_torch: DDP and FSDP2 rows only. With adamw_torch, a plan that needs offload or fits nothing "
+        "also says what 8-bit state would change.",
+    )
+    p.add_argument(
+        "--optim_args",
+        default=None,
+        help="The engines' --optim_args for adamw_anyprecision: momentum_dtype=bfloat16,variance_dtype=bfloat16.",
     )
     p.add_argument(
         "--packing",
@@ -189,6 +195,10 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--{name} {getattr(args, name)} must be a positive whole number, e.g. 1024 or 64"
     if args.num_gpus is not None and args.num_gpus < 1:
         return f"--num_gpus {args.num_gpus} must be at least 1, e.g. 8"
+    try:
+        state_kind(args.optim, args.optim_args)
+    except ValueError as e:
+        return str(e)
     if args.num_nodes < 1:
         return f"--num_nodes {args.num_nodes} must be at least 1, e.g. 2"
     if args.num_gpus is not None and args.num_gpus % args.num_nodes:
@@ -300,7 +310,10 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
         full = dataclasses.replace(full, sequences_per_item=2, reference=args.precompute_ref_log_probs == "false")
         lora = dataclasses.replace(lora, sequences_per_item=2)
     dense_mask = args.packing == "true" and args.attn_implementation in attention.DENSE_MASK
-    full, lora = (dataclasses.replace(s, dense_mask=dense_mask, optim=args.optim) for s in (full, lora))
+    full, lora = (
+        dataclasses.replace(s, dense_mask=dense_mask, optim=state_kind(args.optim, args.optim_args))
+        for s in (full, lora)
+    )
     machine = detect_machine(
         args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes, args.host_memory_gb
     )
@@ -470,9 +483,9 @@ def recommendation(result: PlanResult) -> list[str]:
 def optim_lines(result: PlanResult) -> list[str]:
     """The low-bit optimizer the plan counts, or the one that would spare the recommended offload."""
     rec, optim = result.recommended, result.shapes.optim
-    if rec is not None and optim in LOW_BIT:
+    if rec is not None and optim != FP32:
         return [
-            f"  with --optim {optim} (either engine; AdamW's moments: {gib(rec.per_gpu_bytes['optimizer'])} GiB per GPU, "
+            f"  with {flag(optim)} (either engine; AdamW's moments: {gib(rec.per_gpu_bytes['optimizer'])} GiB per GPU, "
             "docs/memory.md#low-bit-optimizer-state)"
         ]
     if result.low_bit_advice is None:

@@ -1,5 +1,7 @@
-"""AdamW whose moments are stored in 8 or 4 bits (`--optim adamw_torch_8bit` / `adamw_torch_4bit`), for plain
-tensors and FSDP2's DTensors alike.
+"""AdamW whose moments are stored in 8 or 4 bits (`--optim adamw_torch_8bit` / `adamw_torch_4bit`), or in bf16
+(`--optim adamw_anyprecision --optim_args momentum_dtype=bfloat16,variance_dtype=bfloat16`), for plain tensors and
+FSDP2's DTensors alike. bf16 moments are tensors like the parameter (elementwise: any sharding keeps them), updated in
+fp32 and stored rounded to nearest; the step uses the fp32 values, as the low-bit ones do.
 
 The quantisation is torchao's (its dynamic maps, block-wise absmax scales, its quantisers), the step torchao's
 AdamW's: both moments are dequantised to fp32, updated, requantised, and the step uses the fp32 values. Two things
@@ -22,7 +24,7 @@ from torch import Tensor
 
 from torchao.optim.quant_utils import quantize_4bit_with_qmap, quantize_8bit_with_qmap
 
-from anygpu.config.optimizers import LOW_BIT, row_block
+from anygpu.config.optimizers import BF16, LOW_BIT, row_block
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 CODES, SCALE = "_codes", "_scale"
@@ -69,7 +71,7 @@ class LowBitAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, optim: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.optim, self.bits = optim, LOW_BIT[optim]
+        self.optim, self.bits = optim, 16 if optim == BF16 else LOW_BIT[optim]
         self._maps: dict[tuple[bool, torch.device], Tensor] = {}
 
     def _map(self, signed: bool, device: torch.device) -> Tensor:
@@ -82,6 +84,10 @@ class LowBitAdamW(torch.optim.Optimizer):
         local = _local(p)
         block = row_block(tuple(p.shape), self.optim) if _rows_sharded(p) else None
         state: dict = {"step": torch.tensor(0.0)}
+        if self.bits == 16:
+            for name in MOMENTS:
+                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=torch.bfloat16)
+            return state
         if block is None:
             for name in MOMENTS:
                 state[name] = torch.zeros_like(p, memory_format=torch.preserve_format, dtype=torch.float32)
@@ -117,6 +123,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         size = lr / (1 - beta1**step)
         bc2_sqrt = math.sqrt(1 - beta2**step)
         param, grad = _local(p), _local(p.grad)
+        if "exp_avg" in state and state["exp_avg"].dtype == torch.bfloat16:
+            self._update_bf16(param, grad, _local(state["exp_avg"]), _local(state["exp_avg_sq"]), group, size, bc2_sqrt)
+            return
         if "exp_avg" in state:  # fp32 moments: torch.optim.AdamW's single-tensor update
             m, v = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
             param.mul_(1 - lr * wd)
@@ -142,6 +151,23 @@ class LowBitAdamW(torch.optim.Optimizer):
             p32.mul_(1 - lr * wd).addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-size)
             param[cut].copy_(p32.view_as(param[cut]))
 
+    @staticmethod
+    def _update_bf16(param: Tensor, grad: Tensor, m: Tensor, v: Tensor, group: dict, size: float, bc2: float) -> None:
+        """bf16 moments: each chunk's moments updated in fp32 (torch.optim.AdamW's formula), stored rounded to bf16;
+        the step from the fp32 values."""
+        beta1, beta2 = group["betas"]
+        flat = [t.view(-1) for t in (param, grad, m, v)]
+        for start in range(0, flat[0].numel(), CHUNK_ELEMENTS):
+            p_, g_, m_, v_ = (t[start : start + CHUNK_ELEMENTS] for t in flat)
+            g32 = g_.float()
+            m32 = m_.float().lerp_(g32, 1 - beta1)
+            v32 = v_.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
+            m_.copy_(m32)
+            v_.copy_(v32)
+            p_.mul_(1 - group["lr"] * group["weight_decay"]).addcdiv_(
+                m32, (v32.sqrt() / bc2).add_(group["eps"]), value=-size
+            )
+
     def _dequantize(self, codes: Tensor, scale: Tensor, qmap: Tensor) -> Tensor:
         """fp32 values of rows stored as (codes, scale): (rows, row elements)."""
         if self.bits == 4:
@@ -160,9 +186,11 @@ class LowBitAdamW(torch.optim.Optimizer):
         scale.copy_(absmax.view_as(scale))
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As torch's, except that the codes stay uint8 (torch casts every non-step state to the parameter's dtype)."""
-        codes = {i: {k: v for k, v in s.items() if k.endswith(CODES)} for i, s in state_dict["state"].items()}
-        rest = {i: {k: v for k, v in s.items() if not k.endswith(CODES)} for i, s in state_dict["state"].items()}
+        """As torch's, except that the codes stay uint8 and bf16 moments bf16 (torch casts every non-step state to the
+        parameter's dtype)."""
+        own = lambda k, v: k.endswith(CODES) or getattr(v, "dtype", None) == torch.bfloat16  # noqa: E731
+        codes = {i: {k: v for k, v in s.items() if own(k, v)} for i, s in state_dict["state"].items()}
+        rest = {i: {k: v for k, v in s.items() if not own(k, v)} for i, s in state_dict["state"].items()}
         super().load_state_dict({**state_dict, "state": rest})
         saved = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)

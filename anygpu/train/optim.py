@@ -10,7 +10,7 @@ from torch import nn
 from transformers import get_scheduler
 
 from anygpu.config.args import TrainArguments
-from anygpu.config.optimizers import LOW_BIT
+from anygpu.config.optimizers import BF16, LOW_BIT, flag, state_kind
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -23,13 +23,14 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, args: TrainArguments, device: torch.device) -> torch.optim.Optimizer:
-    """--optim's AdamW: torch's (fused where the device has the kernel), or with 8- or 4-bit moments."""
-    if args.optim in LOW_BIT:
+    """--optim's AdamW: torch's (fused where the device has the kernel), or with bf16, 8- or 4-bit moments."""
+    kind = state_kind(args.optim, getattr(args, "optim_args", None))
+    if kind in LOW_BIT or kind == BF16:
         from anygpu.train.low_bit_adamw import LowBitAdamW
 
         return LowBitAdamW(
             param_groups(model, args.weight_decay),
-            args.optim,
+            kind,
             lr=args.learning_rate,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon,
@@ -47,7 +48,12 @@ def build_optimizer(model: nn.Module, args: TrainArguments, device: torch.device
 
 
 def note(optim: str) -> str | None:
-    """The banner's line for a low-bit optimizer (None for AdamW's fp32 moments)."""
+    """The banner's line for a state kind other than AdamW's fp32 moments (None for those)."""
+    if optim == BF16:
+        return (
+            f"optimizer: AdamW with bf16 moments ({flag(BF16).removeprefix('--optim ')}: 4 bytes of state per "
+            "parameter instead of 8, the step in fp32; the same state on any world size)"
+        )
     bits = LOW_BIT.get(optim)
     if bits is None:
         return None

@@ -15,7 +15,7 @@ from typing import Any
 
 from anygpu import errors
 from anygpu.config.args import DataArguments, HFEngineArguments, ModelArguments, TrainArguments, parse_args
-from anygpu.config.optimizers import LOW_BIT
+from anygpu.config.optimizers import FP32
 from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.engines.hf.gpu_count import check_processes_per_node
 from anygpu.engines.trunk import startup
@@ -57,10 +57,10 @@ def refuse_early(
             "(accelerate_configs/ddp.yaml) or one process; for a sharded policy and reference use the FSDP2 engine "
             "(run_fsdp_standalone.py, or the launchers' --engine fsdp)."
         )
-    if train_args.optim in LOW_BIT and plan.kind == "deepspeed":
+    if train_args.optim_state != FP32 and plan.kind == "deepspeed":
         raise UsageError(
             f"--optim {train_args.optim} under {plan.describe()}: DeepSpeed ZeRO hands the optimizer its own flat "
-            "partitions, which the low-bit state's row blocks cannot follow; use the fsdp or ddp accelerate config, "
+            "partitions, which this state (low-bit row blocks, bf16 moments) is not built for; use the fsdp or ddp accelerate config, "
             "the FSDP2 engine (--engine fsdp), or --optim adamw_torch."
         )
     hf_strategy.apply_env(plan)

@@ -167,7 +167,7 @@ def banner(engine: str, prep, model, train_args, tf32: bool, layout: str, object
     both engines share), the objective's lines (--objective dpo) and the engine's own layout line (its mesh or strategy)."""
     from anygpu.data.prepare import summary_lines
 
-    state = optim.note(train_args.optim)
+    state = optim.note(train_args.optim_state)
     lines = [*summary_lines(prep, model, train_args, tf32), *([state] if state else []), *objective, layout]
     return "\n".join([f"anygpu {engine} engine", *lines])
 
