@@ -266,3 +266,15 @@ def test_a_model_with_nothing_to_quantise_is_refused():
                                              lora_target_modules=None, lora_modules_to_save=None))  # fmt: skip
     with pytest.raises(UsageError, match="--load_in_4bit true: llama has no frozen nn.Linear weight"):
         qlora.apply(model, True)
+
+
+@pytest.mark.slow  # three 8B meta models (~8 s): no process is started
+def test_a_lora_plan_that_needs_offload_says_a_4bit_base_fits(capsys):
+    from anygpu.tools import plan as plan_tool
+
+    args = ["--config_name", "llama-8b", "--gpu_memory_gb", "16", "--num_gpus", "1", "--block_size", "2048",
+            "--global_batch_size", "8", "--finetune", "lora"]  # fmt: skip
+    assert plan_tool.main(args) == 0
+    out = capsys.readouterr().out
+    assert "recommendation: fsdp2_offload" in out or "nothing fits" in out, out
+    assert "or without offload, the base in 4 bits (QLoRA): --use_peft true --load_in_4bit true with fsdp2" in out, out

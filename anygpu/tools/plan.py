@@ -353,7 +353,30 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
                 for r in result.rows
             ]
         out.append(result)
+    if args.finetune == "lora":
+        out[1].notes += qlora_advice(args, out[1], targets, dp_shard, fpt)
     return out[0], out[1]
+
+
+def qlora_advice(args: argparse.Namespace, lora: PlanResult, targets, dp_shard, fpt: float) -> list[str]:
+    """Where LoRA over the bf16 base needs offload or fits nothing: whether a 4-bit base (QLoRA) fits on the GPUs."""
+    rec = lora.recommended
+    if not lora.machine.gpu_memory_bytes or (rec is not None and not rec.cpu_bytes):
+        return []
+    four, _, _ = load_shapes(args.model_name_or_path, args.config_name, args.lora_r, targets, load_in_4bit=True)
+    four = dataclasses.replace(four, dense_mask=lora.shapes.dense_mask, optim=lora.shapes.optim)
+    alt = memory_plan.make_plan(
+        four, lora.machine, args.block_size, args.global_batch_size, lora=True, mfu=args.mfu, flops_per_token=fpt,
+        dp_shard=dp_shard, cp=args.cp,
+    )  # fmt: skip
+    row = alt.recommended
+    if row is None or row.cpu_bytes:
+        return []
+    return [
+        f"  or without offload, the base in 4 bits (QLoRA): --use_peft true --load_in_4bit true with {row.strategy}, "
+        f"the FSDP2 engine (peak ≈ {gib(row.total)} GiB per GPU; anygpu plan --finetune qlora; "
+        "docs/memory.md#qlora-a-4-bit-base)"
+    ]
 
 
 def dp_shard_of(args: argparse.Namespace, machine: Machine) -> int | None:
