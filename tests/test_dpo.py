@@ -43,7 +43,7 @@ def dpo(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("dpo")
     base, ref = build_models(root)
     files = write_kinds(root, train=24, validation=8)
-    out = {name: root / name for name in "abcdefghijk"}
+    out = {name: root / name for name in "abcdefghijkz"}
     said = {}
     # 1 rank: the reference run (the reference's log-probs computed), a frozen reference copy with padded rows and
     # micro-batches of 3, LoRA (its base's log-probs computed)
@@ -82,8 +82,11 @@ def dpo(tmp_path_factory) -> dict:
             job(base, ref, files, out["f"], *hsdp, "--resume_from_checkpoint", "latest"),
         ],
     )
-    # the HF engine, DDP over 2 processes
+    # the HF engine, DDP over 2 processes, and DeepSpeed ZeRO-2 (optimizer state and gradients partitioned)
     hf_runs(2, [job(base, ref, files, out["h"], "--per_device_train_batch_size", "2")])
+    said["z"] = hf_runs(
+        2, [job(base, ref, files, out["z"], "--per_device_train_batch_size", "2")], config="deepspeed_zero2"
+    )[0]
     said.update(a=one[0], c=one[2], d=two[0], e=two[1], f=four[1], i=two[2], j=two[3], k=two[4])
     return {"out": out, "said": said, "base": base, "ref": ref, "files": files, "root": root}
 
@@ -115,6 +118,7 @@ def assert_same(a: list[dict], b: list[dict], what: str) -> None:
         ("d", "2 ranks, micro-batches of 1, the cache read"),
         ("g", "4 ranks, HSDP 2 × 2"),
         ("h", "the HF engine, DDP over 2 processes"),
+        ("z", "the HF engine, DeepSpeed ZeRO-2 over 2 processes"),
         ("i", "one CP group of 2 ranks (--cp 2), the cache read"),
         ("j", "--cp 2, a frozen reference copy split like the policy, padded rows, micro-batches of 3"),
         ("f", "3 ranks, resumed after step 2 on 4 ranks as HSDP 2 × 2"),
@@ -125,6 +129,8 @@ def test_the_same_curve(dpo, run, what):
     assert sorted(losses(dpo["out"][run])) == list(range(1, STEPS + 1)), what
     assert_same(got, ref, what)
     assert len([r for r in got if "eval_loss" in r]) == 2, what  # step 0 and the end
+    if run == "z":  # DeepSpeed took the run (its batch numbers are the engine's), not a fallback
+        assert "strategy: DeepSpeed ZeRO-2 over 2 processes" in dpo["said"]["z"], dpo["said"]["z"][-2000:]
 
 
 @pytest.mark.slow

@@ -243,7 +243,7 @@ def test_a_reference_with_another_vocabulary(folders, tmp_path, capsys):
     assert f"--ref_model_name_or_path {folders.other}: its vocabulary of 2048 differs from the policy's (1024" in err
 
 
-def test_the_hf_engine_trains_pairs_under_ddp_only(monkeypatch):
+def test_the_hf_engine_trains_pairs_under_ddp_and_zero2_only(monkeypatch):
     from anygpu.config.args import HFEngineArguments
     from anygpu.engines.hf import engine
     from anygpu.errors import UsageError
@@ -253,3 +253,5 @@ def test_the_hf_engine_trains_pairs_under_ddp_only(monkeypatch):
     m, d, t, e = parse_args(["--model_name_or_path", "/tmp", "--objective", "dpo"], extra=(HFEngineArguments,))
     with pytest.raises(UsageError, match="--objective dpo with the HF engine under .*use the FSDP2 engine"):
         engine.refuse_early(m, t, e)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")  # partitioned optimizer state and gradients: trained
+    assert engine.refuse_early(m, t, e).kind == "deepspeed"

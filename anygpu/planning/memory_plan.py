@@ -58,7 +58,7 @@ SAFETY = 0.90  # plan to use at most 90% of a GPU's memory
 GIB = 2**30
 # The FSDP2 engine's HSDP: its rows exist only where the shard group is smaller than the job (make_plan's dp_shard).
 HSDP = "hsdp"
-DPO_STRATEGIES = ("ddp", "fsdp2", HSDP)  # --objective dpo: the HF engine trains pairs under DDP only
+DPO_STRATEGIES = ("ddp", "zero2", "fsdp2", HSDP)  # --objective dpo: the HF engine trains pairs under DDP and ZeRO-2
 
 
 @dataclass(frozen=True)

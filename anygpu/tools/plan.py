@@ -459,7 +459,7 @@ def recommendation(result: PlanResult) -> list[str]:
     if rec is None:
         return nothing_fits(result)
     where = (
-        "the FSDP2 engine, run_fsdp_standalone.py (the HF engine trains pairs under DDP only)"
+        "the FSDP2 engine, run_fsdp_standalone.py (the HF engine trains pairs under DDP and ZeRO-2 only)"
         if result.shapes.sequences_per_item > 1 and rec.strategy == "fsdp2"
         else f"accelerate config accelerate_configs/{rec.accelerate_config}.yaml"
     )

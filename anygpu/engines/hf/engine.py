@@ -51,10 +51,12 @@ def refuse_early(
     startup.check_attention(model_args.attn_implementation, train_args, "hf")
     startup.check_levers(model_args, train_args, "hf")
     plan = hf_strategy.plan(hf_strategy.requested(), on_cpu, engine_args.allow_strategy_fallback)
-    if train_args.is_dpo and plan.kind not in ("single", "ddp"):
+    zero2 = plan.kind == "deepspeed" and str(plan.request.zero_stage) == "2"
+    if train_args.is_dpo and plan.kind not in ("single", "ddp") and not zero2:
         raise UsageError(
             f"--objective dpo with the HF engine under {plan.describe()}: it trains preference pairs with DDP "
-            "(accelerate_configs/ddp.yaml) or one process; for a sharded policy and reference use the FSDP2 engine "
+            "(accelerate_configs/ddp.yaml), DeepSpeed ZeRO-2 (deepspeed_zero2.yaml) or one process; for a sharded "
+            "policy and reference use the FSDP2 engine "
             "(run_fsdp_standalone.py, or the launchers' --engine fsdp)."
         )
     if train_args.optim_state != FP32 and plan.kind == "deepspeed":
