@@ -135,7 +135,7 @@ def test_the_plan_counts_pairs_and_the_reference():
     assert "reference" not in pick(pre).per_gpu_bytes and "reference" not in pick(frozen_lora).per_gpu_bytes
     params = pick(frozen).per_gpu_bytes["parameters"]  # fp32 masters, sharded: the reference is half that in bf16
     assert abs(pick(frozen).per_gpu_bytes["reference"] - params / 2) <= 0.01 * params
-    assert {r.strategy for r in frozen.rows} == {"ddp", "fsdp2"}
+    assert {r.strategy for r in frozen.rows} == {"ddp", "zero2", "fsdp2"}
 
 
 # ---------------------------------------------------------------------- one-line refusals, before any work

@@ -546,7 +546,7 @@ def objective_lines(result: PlanResult) -> list[str]:
     )
     return [
         f"objective dpo: micro-batches and the global batch count pairs (two sequences each); {ref}; strategies: "
-        "ddp (either engine), fsdp2 and hsdp with the FSDP2 engine (run_fsdp_standalone.py)"
+        "ddp (either engine), zero2 (the HF engine), fsdp2 and hsdp with the FSDP2 engine (run_fsdp_standalone.py)"
     ]
 
 
