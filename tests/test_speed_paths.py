@@ -167,7 +167,9 @@ def test_engines_do_not_import_deepspeed_until_used():
     import sys
 
     code = (
-        "import sys, anygpu.engines.fsdp, anygpu.engines.hf.engine, anygpu.engines.hf.trainer; "
+        # the native engine without --use_peft: no peft either (transformers' schedules would import it: 1.8 s)
+        "import sys, anygpu.engines.fsdp; assert 'peft' not in sys.modules, 'peft imported'; "
+        "import anygpu.engines.hf.engine, anygpu.engines.hf.trainer; "
         "assert 'deepspeed' not in sys.modules, 'deepspeed imported'; "
         # unwrapping a model (Trainer's start-up, save_pretrained) neither, once the engines' guard is on; a
         # DeepSpeed engine is still unwrapped once DeepSpeed is in use

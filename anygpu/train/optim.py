@@ -7,10 +7,10 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from transformers import get_scheduler
 
 from anygpu.config.args import TrainArguments
 from anygpu.config.optimizers import BF16, LOW_BIT, flag, state_kind
+from anygpu.train import schedules
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -64,12 +64,9 @@ def note(optim: str) -> str | None:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainArguments, num_training_steps: int):
-    return get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        num_warmup_steps=min(args.warmup_steps, num_training_steps),
-        num_training_steps=num_training_steps,
-    )
+    """--lr_scheduler_type's schedule, transformers' formulas (`anygpu.train.schedules`)."""
+    warmup = min(args.warmup_steps, num_training_steps)
+    return schedules.build(args.lr_scheduler_type, optimizer, warmup, num_training_steps)
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -1,0 +1,42 @@
+"""--lr_scheduler_type's schedules (`anygpu.train.schedules`, written to spare the native engine transformers'
+peft import) against transformers' `get_scheduler`: the same learning rate at every step, every type, with and
+without warm-up, warm-up as long as the run, and through a state_dict round trip mid-run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import get_scheduler
+
+from anygpu.config.args import SCHEDULERS
+from anygpu.train import schedules
+
+
+def lrs(make, steps: int) -> list[float]:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+    sched = make(opt)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+@pytest.mark.parametrize("warmup, total", [(0, 7), (3, 20), (10, 10), (1, 1)])
+def test_every_step_is_transformers(name, warmup, total):
+    ours = lrs(lambda o: schedules.build(name, o, warmup, total), total + 2)
+    theirs = lrs(lambda o: get_scheduler(name, o, num_warmup_steps=warmup, num_training_steps=total), total + 2)
+    assert ours == pytest.approx(theirs, rel=1e-12, abs=0.0)
+
+
+def test_a_resumed_schedule_continues_where_it_stopped():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    first = schedules.build("cosine", opt, 2, 10)
+    for _ in range(4):
+        opt.step()
+        first.step()
+    again = schedules.build("cosine", torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 2, 10)
+    again.load_state_dict(first.state_dict())
+    assert again.get_last_lr() == first.get_last_lr() and again.last_epoch == 4
