@@ -71,11 +71,17 @@ def fitted_mesh(
         budget = torch.cuda.get_device_properties(device).total_memory // 2
     else:
         return shape, None
-    model = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args)
+    model = adapted(modeling.build_meta_model(prep.config, model_args), model_args, train_args)
+    return mesh.widen(shape, lambda group: parallel.state_bytes_per_rank(model, group, train_args.optim_state), budget)
+
+
+def adapted(model: torch.nn.Module, model_args: ModelArguments, train_args: TrainArguments) -> torch.nn.Module:
+    """The meta model with its LoRA adapter (--use_peft), the frozen base in bf16 under --bf16 (as the memory plan
+    counts it: 2 bytes per frozen parameter) and its linear weights in 4 bits under --load_in_4bit, before sharding."""
+    model = lora.wrap(model, model_args)
     if lora.is_peft(model) and train_args.bf16:
         lora.hold_frozen_in(model, torch.bfloat16)
-    qlora.apply(model, model_args.load_in_4bit)
-    return mesh.widen(shape, lambda group: parallel.state_bytes_per_rank(model, group, train_args.optim_state), budget)
+    return qlora.apply(model, model_args.load_in_4bit)
 
 
 def build_model(
@@ -90,10 +96,7 @@ def build_model(
     model = modeling.build_meta_model(prep.config, model_args)
     shape = shape or mesh_shape(train_args, info.world_size)
     fp8.convert(model, train_args.fp8, info.device, parallel.needs_sharding(shape.world_size, train_args.bf16))
-    model = lora.wrap(model, model_args)  # adapter before sharding
-    if lora.is_peft(model) and train_args.bf16:
-        lora.hold_frozen_in(model, torch.bfloat16)  # as the memory plan counts it: 2 bytes per frozen parameter
-    qlora.apply(model, model_args.load_in_4bit)  # the base's linear weights in 4 bits, before FSDP2 shards them
+    model = adapted(model, model_args, train_args)  # adapter before sharding
     modeling.check_loss_kwargs(model)
     dropout.install(model, train_args.seed, off=train_args.is_dpo)
     lean_loss.install(model, train_args.lean_loss)  # patches lm_head's forward before FSDP2 swaps the classes

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from anygpu.config.args import TrainArguments
-from anygpu.config.optimizers import BF16, LOW_BIT, flag, state_kind
+from anygpu.config.optimizers import BF16, FP32, LOW_BIT, flag, state_kind
 from anygpu.train import schedules
 
 
@@ -25,7 +25,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(model: nn.Module, args: TrainArguments, device: torch.device) -> torch.optim.Optimizer:
     """--optim's AdamW: torch's (fused where the device has the kernel), or with bf16, 8- or 4-bit moments."""
     kind = state_kind(args.optim, getattr(args, "optim_args", None))
-    if kind in LOW_BIT or kind == BF16:
+    if kind != FP32:  # bf16, 8- or 4-bit moments
         from anygpu.train.low_bit_adamw import LowBitAdamW
 
         return LowBitAdamW(
