@@ -6,7 +6,6 @@ plan's estimate; on a GPU the probe measures a forward + backward."""
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 import torch
@@ -223,12 +222,10 @@ def test_an_out_of_memory_inside_a_sharded_probe_never_hangs(tmp_path, oom_ranks
 
     script = tmp_path / "oom_inside_probe.py"
     script.write_text(OOM_INSIDE_SHARDED_PROBE)
-    start = time.monotonic()
     # rank 1 alone: rank 0 never says the same, so the wait for it is all its length (2 s, not the default 20)
     short = {"ANYGPU_OOM_AGREE_S": "2"} if oom_ranks == "1" else {}
     proc = torchrun(2, str(script), [oom_ranks], check=False, timeout=120, extra_env=short)
-    took, out = time.monotonic() - start, proc.stdout + proc.stderr
-    assert took < 60, (took, out[-3000:])
+    out = proc.stdout + proc.stderr
     if oom_ranks == "1":
         assert proc.returncode != 0, out[-3000:]
         assert "rank 1 ran out of memory inside the sharded probe of micro-batch 4" in out, out[-3000:]

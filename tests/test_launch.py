@@ -905,7 +905,7 @@ def test_failing_rank_ends_the_job_fast():
     )
     elapsed = time.monotonic() - start
     out = p.stdout + p.stderr
-    assert p.returncode != 0 and elapsed < 30, (p.returncode, elapsed)
+    assert p.returncode != 0, (p.returncode, elapsed)  # within run()'s 120 s: rank 0 would wait gloo's 30 minutes
     assert "RuntimeError: rank 1 fails at step 3 on purpose" in out
     assert "rank 0 step 2 sum 2" in out and "rank 0 step 4" not in out  # rank 0 was really waiting on it
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -90,9 +89,8 @@ print("step boundary reached after", p.requested, flush=True)
 """
 
 
-def run(mode: str, output_dir: Path, save_on_preempt: str = "true") -> tuple[subprocess.CompletedProcess, float]:
-    start = time.time()
-    proc = subprocess.run(
+def run(mode: str, output_dir: Path, save_on_preempt: str = "true") -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-c", SCRIPT, mode, save_on_preempt, str(output_dir)],
         cwd=ROOT,
         capture_output=True,
@@ -100,7 +98,6 @@ def run(mode: str, output_dir: Path, save_on_preempt: str = "true") -> tuple[sub
         env={**env(), "ANYGPU_SIGTERM_GRACE_S": "1", "PYTHONPATH": str(ROOT)},
         timeout=60,
     )
-    return proc, time.time() - start
 
 
 def assert_lock_released(output_dir: Path) -> None:
@@ -119,27 +116,27 @@ def assert_lock_released(output_dir: Path) -> None:
     ],
 )
 def test_a_healthy_job_always_reaches_its_step_boundary(mode, tmp_path):
-    proc, _ = run(mode, tmp_path)
+    proc = run(mode, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"step boundary reached after {'SIGUSR1' if mode == 'usr1' else 'SIGTERM'}" in proc.stdout
 
 
 def test_a_process_stuck_in_a_collective_exits_fast_without_a_checkpoint(tmp_path):
-    proc, seconds = run("stuck", tmp_path)
-    assert proc.returncode == 75 and seconds < 15, (proc.returncode, seconds)
+    proc = run("stuck", tmp_path)  # had it waited out its 30-s "collective", it would have exited 0
+    assert proc.returncode == 75, proc.returncode
     assert "no progress for 1 s, stuck in a collective" in proc.stderr
     assert_lock_released(tmp_path)
 
 
 def test_a_second_sigterm_exits_at_once(tmp_path):
-    proc, seconds = run("second", tmp_path)
-    assert proc.returncode == 75 and seconds < 15
+    proc = run("second", tmp_path)
+    assert proc.returncode == 75, proc.returncode
     assert "second SIGTERM: exiting at once" in proc.stderr and "previous checkpoint is intact" in proc.stderr
     assert_lock_released(tmp_path)
 
 
 def test_save_on_preempt_false_exits_at_the_first_signal(tmp_path):
-    proc, _ = run("long-step", tmp_path, "false")
+    proc = run("long-step", tmp_path, "false")
     assert proc.returncode == 75 and "--save_on_preempt false" in proc.stderr
     assert_lock_released(tmp_path)
 
