@@ -34,6 +34,14 @@ import torch.distributed.run as distrib_run  # noqa: E402
 import anygpu.engines.fsdp  # noqa: E402,F401  (the imports every rank would otherwise repeat)
 import anygpu.engines.hf.engine  # noqa: E402,F401
 import matplotlib  # noqa: E402  (loss.png at every run's end: 0.6 s of a tiny run's 2.1 s, imported here once)
+import transformers.loss.loss_utils  # noqa: E402,F401  (what transformers imports lazily in every run: ~3 s of CPU,
+from transformers import LlamaForCausalLM  # noqa: E402,F401  torch._dynamo, torchao and scipy among it; the
+from transformers.models.llama import configuration_llama  # noqa: E402,F401  tiny preset is a Llama)
+import torch.distributed.checkpoint  # noqa: E402,F401  (the checkpoints: 1 s, imported when the first is written)
+import transformers.trainer  # noqa: E402,F401  (the HF engine's Trainer, and the peft it imports: 0.4 s)
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping  # noqa: E402
+
+get_checkpoint_conversion_mapping("llama")  # transformers builds its table of every family at first use (0.5 s)
 
 matplotlib.use("Agg")
 import matplotlib.pyplot  # noqa: E402,F401
