@@ -135,7 +135,9 @@ def test_the_plan_counts_pairs_and_the_reference():
     assert "reference" not in pick(pre).per_gpu_bytes and "reference" not in pick(frozen_lora).per_gpu_bytes
     params = pick(frozen).per_gpu_bytes["parameters"]  # fp32 masters, sharded: the reference is half that in bf16
     assert abs(pick(frozen).per_gpu_bytes["reference"] - params / 2) <= 0.01 * params
-    assert {r.strategy for r in frozen.rows} == {"ddp", "zero2", "fsdp2"}
+    assert {r.strategy for r in frozen.rows} == {"ddp", "zero2", "zero3", "fsdp2"}
+    # under ZeRO-3 the reference is sharded by FSDP2 (its rows), as under FSDP2
+    assert pick(frozen, "zero3").per_gpu_bytes["reference"] == pick(frozen).per_gpu_bytes["reference"]
 
 
 # ---------------------------------------------------------------------- one-line refusals, before any work
@@ -243,15 +245,17 @@ def test_a_reference_with_another_vocabulary(folders, tmp_path, capsys):
     assert f"--ref_model_name_or_path {folders.other}: its vocabulary of 2048 differs from the policy's (1024" in err
 
 
-def test_the_hf_engine_trains_pairs_under_ddp_and_zero2_only(monkeypatch):
+def test_the_hf_engine_trains_pairs_under_every_strategy_but_dataparallel(monkeypatch):
     from anygpu.config.args import HFEngineArguments
-    from anygpu.engines.hf import engine
+    from anygpu.engines.hf import engine, strategy
     from anygpu.errors import UsageError
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")  # the policy partitioned: a sharded reference copy
     m, d, t, e = parse_args(["--model_name_or_path", "/tmp", "--objective", "dpo"], extra=(HFEngineArguments,))
-    with pytest.raises(UsageError, match="--objective dpo with the HF engine under .*use the FSDP2 engine"):
-        engine.refuse_early(m, t, e)
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")  # partitioned optimizer state and gradients: trained
     assert engine.refuse_early(m, t, e).kind == "deepspeed"
+    for kind in ("single", "ddp", "fsdp", "deepspeed"):
+        engine.check_objective(t, strategy.Plan(strategy.Request(kind, 2), kind, False, None))
+    one_process = strategy.Plan(strategy.Request("dataparallel", 1), "dataparallel", False, None)
+    with pytest.raises(UsageError, match="--objective dpo with the HF engine under .*one process driving every"):
+        engine.check_objective(t, one_process)

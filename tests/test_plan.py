@@ -296,13 +296,13 @@ def test_no_gpu_here_and_none_given(monkeypatch):
 
 @pytest.mark.parametrize("extra", [("--objective", "dpo"), ("--cp", "2")])
 def test_runners_up_are_strategies_the_job_can_use(extra):
-    """--objective dpo trains under DDP, ZeRO-2, FSDP2 and HSDP only, --cp under the FSDP2 engine's FSDP2: the runners-up
-    list none of the others (it once offered ZeRO-3 for a DPO job the HF engine refuses under ZeRO)."""
+    """--objective dpo trains under DDP, ZeRO-2, ZeRO-3, FSDP2 and HSDP, not under offload; --cp under the FSDP2 engine's
+    FSDP2: the runners-up list none of the others."""
     args = ("--config_name", "llama-1b", "--block_size", "4096", "--gpu", "h100", "--dp_shard", "4", *extra)
     out = run_plan(*args).stdout
     assert "recommendation: " in out, out
     others = out.split("runners-up")[1].splitlines()[1:-1] if "runners-up" in out else []
-    allowed = {"ddp", "zero2", "fsdp2", "hsdp"} if "dpo" in extra else {"fsdp2"}
+    allowed = {"ddp", "zero2", "zero3", "fsdp2", "hsdp"} if "dpo" in extra else {"fsdp2"}
     assert {line.split()[0] for line in others} <= allowed, out
 
 

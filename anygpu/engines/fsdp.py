@@ -10,7 +10,6 @@ the global-batch token mean whatever W, C, m and A.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -25,7 +24,7 @@ from anygpu.checkpoint import async_store, resume_guard, store
 from anygpu.config.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
 from anygpu.data.loader import StepBatches, read_step, step_loader
 from anygpu.data.prepare import Prepared, check_run, prepare
-from anygpu.engines.trunk import finish, objectives, startup
+from anygpu.engines.trunk import finish, objectives, reference_model, startup
 from anygpu.engines.trunk.evaluator import evaluate_run
 from anygpu.engines.trunk.log import RunLog
 from anygpu.engines.trunk.schedule import SaveClock, Schedule
@@ -122,42 +121,6 @@ def build_model(
     if lora.is_peft(model):
         lora.init_adapter(model, train_args.seed)
     return model
-
-
-def build_reference(
-    prep: Prepared,
-    model_args: ModelArguments,
-    train_args: TrainArguments,
-    info: distributed.DistInfo,
-    shape: mesh.MeshShape | None = None,
-):
-    """--objective dpo's frozen reference (--ref_model_name_or_path, else the starting model): sharded like the policy
-    (`shape`, default `mesh_shape`'s), no gradients, no optimizer, held in the compute dtype (the mixed-precision
-    forward casts to it anyway)."""
-    args = dataclasses.replace(
-        model_args,
-        model_name_or_path=train_args.ref_model_name_or_path or model_args.model_name_or_path,
-        config_name=None,
-        use_peft=False,
-        merge_lora=False,
-    )
-    config = modeling.fit_config_to_tokenizer(modeling.resolve_config(args), prep.tokenizer, from_scratch=False)
-    model = modeling.build_meta_model(config, args).requires_grad_(False)
-    if train_args.bf16:
-        lora.hold_frozen_in(model, torch.bfloat16)
-    dropout.disable(model)
-    lean_loss.install(model, train_args.lean_loss)
-    modeling.flatten_packed_rows(model)
-    mask_hint.install(model, prep.collator.packed)
-    buffers = {n: b.clone() for n, b in model.named_buffers()}
-    shape = shape or mesh_shape(train_args, info.world_size)
-    parallel.shard_model(model, info.device, shape, train_args.bf16, None, False, cpu_offload=train_args.cpu_offload)
-    offload.materialize(model, info.device, train_args.cpu_offload)
-    if not parallel.is_sharded(model):
-        model.tie_weights()
-    modeling.restore_buffers(model, buffers)
-    modeling.load_pretrained_weights(model, args.model_name_or_path)
-    return model.eval(), model
 
 
 def steps(
@@ -267,9 +230,10 @@ class FSDPTrainer:
         self.resume, self.resumed, self.changed = self._resume_target(claimed)
         self.mesh_shape, self.mesh_note = fitted_mesh(self.mesh_shape, prep, model_args, train_args, info.device)
         self.model = build_model(prep, model_args, train_args, info, self.mesh_shape)
+        shape = self.mesh_shape
         self.objective = objectives.build(
             prep, self.model, self.model, model_args, data_args, train_args, info,
-            lambda: build_reference(prep, model_args, train_args, info, self.mesh_shape),
+            lambda: reference_model.with_call(reference_model.build(prep, model_args, train_args, info, shape)),
         )  # fmt: skip
         self.auto_probe = self._auto_micro_batch()
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)

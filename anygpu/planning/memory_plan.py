@@ -58,7 +58,7 @@ SAFETY = 0.90  # plan to use at most 90% of a GPU's memory
 GIB = 2**30
 # The FSDP2 engine's HSDP: its rows exist only where the shard group is smaller than the job (make_plan's dp_shard).
 HSDP = "hsdp"
-DPO_STRATEGIES = ("ddp", "zero2", "fsdp2", HSDP)  # --objective dpo: the HF engine trains pairs under DDP and ZeRO-2
+DPO_STRATEGIES = ("ddp", "zero2", "zero3", "fsdp2", HSDP)  # --objective dpo: not under offload
 
 
 @dataclass(frozen=True)
@@ -253,10 +253,8 @@ def reference_bytes(shapes: Shapes, strategy: str, precision: str, world: int, r
     if strategy.endswith("offload"):
         return 0
     e = 2 if precision == "bf16" else 4
-    if strategy.startswith(("fsdp2", HSDP)):
+    if strategy.startswith(("fsdp2", HSDP, "zero3")):  # under ZeRO-3 too FSDP2 shards it (engines/trunk/reference_model)
         return e * sum(fsdp_rows(p.shape, world, rank) for p in shapes.params)
-    if strategy.startswith("zero3"):
-        return e * sum(_even(p.numel, world) for p in shapes.params)
     return e * shapes.num_params
 
 
@@ -605,7 +603,7 @@ def strategies_for(shapes: Shapes, hsdp: bool, cp: int) -> tuple[str, ...]:
     alone under context parallelism or a 4-bit base, no DeepSpeed with low-bit optimizer state."""
     strategies = (*STRATEGIES, HSDP) if hsdp else STRATEGIES
     strategies = strategies if cp == 1 else ("fsdp2",)
-    if shapes.sequences_per_item > 1:  # --objective dpo: DDP (either engine), the FSDP2 engine's FSDP2 and HSDP
+    if shapes.sequences_per_item > 1:  # --objective dpo: DDP, ZeRO-2, ZeRO-3, FSDP2 and HSDP (not under offload)
         strategies = tuple(s for s in strategies if s in DPO_STRATEGIES)
     if shapes.four_bit:  # QLoRA: the FSDP2 engine's FSDP2 and HSDP, without offload
         strategies = tuple(s for s in strategies if s in ("fsdp2", HSDP))

@@ -27,6 +27,17 @@ from anygpu.train import trackers
 logger = logging.getLogger("anygpu")
 
 
+def check_objective(train_args: TrainArguments, plan: hf_strategy.Plan) -> None:
+    """--objective dpo trains under one process, DDP, FSDP and every ZeRO stage (its reference: whole beside an
+    unsharded policy, else a frozen copy FSDP2 shards over the processes); not under DataParallel."""
+    if train_args.is_dpo and plan.kind not in ("single", "ddp", "fsdp", "deepspeed"):
+        raise UsageError(
+            f"--objective dpo with the HF engine under {plan.describe()}: one process driving several GPUs has no "
+            "process group to shard the reference over; use one process per GPU (accelerate_configs/ddp.yaml, "
+            "fsdp.yaml or a DeepSpeed config) or the FSDP2 engine (run_fsdp_standalone.py)."
+        )
+
+
 def refuse_early(
     model_args: ModelArguments, train_args: TrainArguments, engine_args: HFEngineArguments
 ) -> hf_strategy.Plan:
@@ -51,14 +62,7 @@ def refuse_early(
     startup.check_attention(model_args.attn_implementation, train_args, "hf")
     startup.check_levers(model_args, train_args, "hf")
     plan = hf_strategy.plan(hf_strategy.requested(), on_cpu, engine_args.allow_strategy_fallback)
-    zero2 = plan.kind == "deepspeed" and str(plan.request.zero_stage) == "2"
-    if train_args.is_dpo and plan.kind not in ("single", "ddp") and not zero2:
-        raise UsageError(
-            f"--objective dpo with the HF engine under {plan.describe()}: it trains preference pairs with DDP "
-            "(accelerate_configs/ddp.yaml), DeepSpeed ZeRO-2 (deepspeed_zero2.yaml) or one process; for a sharded "
-            "policy and reference use the FSDP2 engine "
-            "(run_fsdp_standalone.py, or the launchers' --engine fsdp)."
-        )
+    check_objective(train_args, plan)
     if train_args.optim_state != FP32 and plan.kind == "deepspeed":
         raise UsageError(
             f"--optim {train_args.optim} under {plan.describe()}: DeepSpeed ZeRO hands the optimizer its own flat "

@@ -26,7 +26,7 @@ from anygpu.engines.hf.trainer import (
     TrunkCallback,
     zero3_state_dict,
 )
-from anygpu.engines.trunk import finish, objectives, startup
+from anygpu.engines.trunk import finish, objectives, reference_model, startup
 from anygpu.engines.trunk.log import RunLog
 from anygpu.engines.trunk.schedule import SaveClock, Schedule
 from anygpu.engines.trunk.state import HF_STATE_FILE, RunState
@@ -142,13 +142,20 @@ class HFRun:
         checkpoint; a precomputed reference's columns join the training pairs Trainer reads."""
         model = self.trainer.model
         found = objectives.build(
-            self.prep, model, self._autocast(model), self.model_args, data_args, self.args, self.info, self._reference
-        )
+            self.prep, model, self._autocast(model), self.model_args, data_args, self.args, self.info, self._reference,
+            policy_runs=not hf_strategy.shards_parameters(self.plan),
+        )  # fmt: skip
         self.trainer.train_dataset = self.prep.datasets["train"]
         return found
 
     def _reference(self):
-        """--objective dpo's frozen reference (--ref_model_name_or_path, else the starting model) on the device."""
+        """--objective dpo's frozen reference (--ref_model_name_or_path, else the starting model) on the device: whole,
+        or under FSDP and ZeRO-3 sharded over every rank by FSDP2 as the FSDP2 engine shards its own."""
+        if hf_strategy.shards_parameters(self.plan):
+            shape = reference_model.over_every_rank(self.info)
+            with construct.plain_model_construction(self.targs.deepspeed_plugin):  # FSDP2's, not zero.Init's
+                model = reference_model.build(self.prep, self.model_args, self.args, self.info, shape)
+            return reference_model.with_call(model, self._autocast(model))
         args = dataclasses.replace(
             self.model_args,
             model_name_or_path=self.args.ref_model_name_or_path or self.model_args.model_name_or_path,

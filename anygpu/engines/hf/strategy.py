@@ -196,6 +196,12 @@ def check_resume_world(resume: Path | None, plan: Plan) -> None:
         )
 
 
+def shards_parameters(plan: Plan) -> bool:
+    """FSDP or ZeRO-3: before Trainer wraps the model, rank 0 alone holds it (FSDP2's efficient loading) or every
+    rank a partition (zero.Init), so nothing can run its forward until then."""
+    return plan.kind == "fsdp" or (plan.kind == "deepspeed" and (plan.request.zero_stage or 2) >= 3)
+
+
 def lean_loss_off_reason(plan: Plan) -> str | None:
     """Strategies the lean loss stays off under: it calls lm_head per chunk, outside the module hooks they rely on."""
     if plan.kind == "dataparallel":

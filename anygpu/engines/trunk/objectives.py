@@ -30,9 +30,19 @@ def selection_of(prep, data_args) -> str:
 
 
 def build(
-    prep, model, call: Callable, model_args, data_args, train_args, info, frozen_reference: BuildReference
+    prep,
+    model,
+    call: Callable,
+    model_args,
+    data_args,
+    train_args,
+    info,
+    frozen_reference: BuildReference,
+    policy_runs: bool = True,
 ) -> dpo.DPOObjective | None:
-    """The objective; with a precomputed reference, `prep.datasets` gain the reference's log-prob columns."""
+    """The objective; with a precomputed reference, `prep.datasets` gain the reference's log-prob columns.
+    `policy_runs`: the policy can run the precompute pass now (not where the HF engine's FSDP or ZeRO-3 holds it on
+    rank 0 alone or partitioned until Trainer wraps it: the pass then runs on a frozen sharded copy of its weights)."""
     if not train_args.is_dpo:
         return None
     cfg = dpo.LossConfig.of(train_args)
@@ -51,7 +61,7 @@ def build(
 
         @contextlib.contextmanager
         def source() -> Iterator[reference.RefForward]:
-            if ref_path is None:  # the policy as it starts
+            if ref_path is None and policy_runs:  # the policy as it starts
                 yield reference.forward_of(model, call, disable_adapter=adapter)
                 return
             ref_model, ref_call = frozen_reference()  # built for the pass alone, freed after it
