@@ -186,7 +186,8 @@ class Zygote:
         return all(k.startswith(cls.RUN_TIME_VARIABLES) for k in differ)
 
     @classmethod
-    def run(cls, argv: list[str], full_env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    def _request(cls, request: dict) -> int:
+        """Send one request to this worker's zygote (started at first use); the child's pid."""
         if cls.proc is None or cls.proc.poll() is not None:
             cls.proc = subprocess.Popen(
                 [sys.executable, "tests/scripts/zygote.py"],
@@ -196,14 +197,29 @@ class Zygote:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
             )
+        cls.proc.stdin.write(json.dumps({"cwd": str(ROOT), **request}) + "\n")
+        cls.proc.stdin.flush()
+        return json.loads(cls.proc.stdout.readline())["pid"]
+
+    @classmethod
+    def start(cls, argv: list[str], full_env: dict[str, str]) -> ZygoteJob:
+        """`python ARGV` started beside the test, as `start_job`'s Popen would be (stderr folded into stdout)."""
+        folder = Path(tempfile.mkdtemp(prefix="zygote-job-"))
+        out = folder / "output"
+        out.touch()
+        code = folder / "code"
+        pid = cls._request(
+            {"argv": argv, "env": full_env, "stdout": str(out), "stderr": str(out), "code_file": str(code)}
+        )
+        return ZygoteJob([sys.executable, *argv], pid, out, code)
+
+    @classmethod
+    def run(cls, argv: list[str], full_env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             out.touch()
             err.touch()
-            request = {"argv": argv, "env": full_env, "cwd": str(ROOT), "stdout": str(out), "stderr": str(err)}
-            cls.proc.stdin.write(json.dumps(request) + "\n")
-            cls.proc.stdin.flush()
-            pid = json.loads(cls.proc.stdout.readline())["pid"]
+            pid = cls._request({"argv": argv, "env": full_env, "stdout": str(out), "stderr": str(err)})
             ready, _, _ = select.select([cls.proc.stdout], [], [], timeout)
             if not ready:
                 abort_with_stacks([pid, *descendants(pid)])  # the zygote enabled faulthandler: every fork has it
@@ -216,6 +232,57 @@ class Zygote:
                 )
             code = json.loads(cls.proc.stdout.readline())["code"]
             return subprocess.CompletedProcess([sys.executable, *argv], code, out.read_text(), err.read_text())
+
+
+class ZygoteJob:
+    """A job forked by the zygote and running beside the test, with the part of Popen's interface the tests use
+    (pid, poll, wait, communicate, send_signal, kill, returncode); its output (stdout and stderr, in order) is read
+    from a file, its exit code from the file the zygote writes when it ends (-N: killed by signal N, as Popen)."""
+
+    def __init__(self, args: list[str], pid: int, output: Path, code: Path) -> None:
+        self.args, self.pid, self._output, self._code = args, pid, output, code
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._code.exists():
+            self.returncode = int(self._code.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        return self._output.read_text(), None
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def start_job(cmd: list[str], full_env: dict[str, str]) -> subprocess.Popen | ZygoteJob:
+    """`cmd` running beside the test in a process group of its own, stdout and stderr together: forked by the
+    zygote where it can be (`Zygote.can_fork`, `can_run`: ~9 s of CPU less for a warm launcher), else a Popen."""
+    if Zygote.can_fork(cmd) and Zygote.can_run(full_env):
+        return Zygote.start(cmd[1:], full_env)
+    return subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 # torchrun / accelerate launch with ranks forked from a launcher that has imported the engines (~4 s of CPU

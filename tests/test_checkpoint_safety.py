@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -155,6 +156,23 @@ def test_one_writer_per_output_dir(tmp_path, capsys):
     assert json.loads((tmp_path / run_guard.LOCK).read_text())["pid"] == os.getpid()
     run_guard.release_locks()
     assert not (tmp_path / run_guard.LOCK).exists()
+
+
+def test_a_killed_holder_not_yet_reaped_holds_no_lock(tmp_path, capsys):
+    """A rank SIGKILLed with its launcher is a zombie until init reaps it (seconds in some containers), and a zombie
+    still answers signal 0: the next run takes the lock over instead of calling the folder in use."""
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child never ended"
+        time.sleep(0.01)  # ended, not reaped: Popen waits only when asked
+    try:
+        (tmp_path / run_guard.LOCK).write_text(json.dumps({"host": os.uname().nodename, "pid": zombie.pid}))
+        run_guard.claim_output_dir(args(tmp_path), rank=0)
+        assert f"of process {zombie.pid}" in capsys.readouterr().err
+        run_guard.release_locks()
+    finally:
+        zombie.wait()
 
 
 def test_tensorboard_events_past_the_resumed_step_are_dropped(tmp_path):

@@ -25,6 +25,7 @@ from conftest import (
     losses,
     outputs,
     python,
+    start_job,
     torchrun,
     torchrun_cmd,
 )
@@ -57,17 +58,9 @@ def steps_logged(output_dir: Path) -> list[int]:
     return [json.loads(ln)["step"] for ln in path.read_text().splitlines() if '"loss"' in ln] if path.exists() else []
 
 
-def start(cmd: list[str], **extra: str) -> subprocess.Popen:
-    """A job in its own process group (so a test can SIGKILL all of it)."""
-    return subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env={**env(), **extra},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+def start(cmd: list[str], **extra: str):
+    """A job in its own process group (so a test can SIGKILL all of it), forked by the zygote where it can be."""
+    return start_job(cmd, {**env(), **extra})
 
 
 def wait_until(condition, timeout: float = 240, what: str = "") -> None:
@@ -132,7 +125,7 @@ def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(referen
     # args.json is rewritten once the resume has cut metrics.jsonl back to step 5
     wait_until(lambda: (tmp_path / "args.json").stat().st_mtime_ns != before or proc.poll() is not None, what="resume")
     wait_until(lambda: len(steps_logged(tmp_path)) >= stop_after or proc.poll() is not None, what=f"step {stop_after}")
-    os.kill(proc.pid, signal.SIGTERM)  # torchrun alone (its forked ranks share its process group)
+    proc.send_signal(signal.SIGTERM)  # torchrun alone (its forked ranks share its process group)
     out, _ = proc.communicate(timeout=300)
     assert "at step 5" in out, out[-3000:]
     saved = [c.name for c in tmp_path.glob("checkpoint-*")]

@@ -219,6 +219,8 @@ def _read_lock(path: Path) -> dict[str, Any] | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs on this host: not a zombie (a killed rank whose parent died too waits for init to reap
+    it, seconds in some containers, yet answers signal 0)."""
     if pid <= 0:
         return False
     try:
@@ -227,7 +229,10 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (macOS): signal 0 is all there is
 
 
 # ---------------------------------------------------------------------- once the process group exists
