@@ -30,3 +30,6 @@ def quiet_library_warnings() -> None:
     # process, nothing the user can act on. The FP8 path needs none of those extensions.
     logging.getLogger("torchao").setLevel(logging.ERROR)
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    # --ep: the gradient norm of the experts (sharded over both dims of their mesh) is reduced one dim after the
+    # other, which DTensor calls suboptimal at every step; the order is the same on every rank, and it is one scalar.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)

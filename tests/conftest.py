@@ -401,6 +401,7 @@ LONGEST_FILES = (  # by their measured time on the 2-core machine, 3 workers, 20
     "test_sft.py",
     "test_hf_deepspeed.py",
     "test_dpo.py",
+    "test_expert_parallel.py",
     "test_memory_scaling.py",
     "test_verify.py",
     "test_preempt.py",

@@ -212,6 +212,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # a 2-rank launch each
 @pytest.mark.parametrize("oom_ranks", ["1", "0,1"])
 def test_an_out_of_memory_inside_a_sharded_probe_never_hangs(tmp_path, oom_ranks):
     """A real FSDP2-sharded model over 2 gloo ranks, probed at micro-batches 4, 2, 1; an out-of-memory is raised

@@ -513,6 +513,18 @@ class TrainArguments(ObjectiveArguments):
             "gathered. The losses do not depend on C (docs/long-context.md).",
         },
     )
+    ep: int = field(
+        default=1,
+        metadata={
+            "resume": FREE,
+            "help": "FSDP2 engine, expert parallelism: split the experts of every mixture-of-experts layer over E "
+            "consecutive ranks and send each token to its experts' ranks and back (all-to-all; transformers' own "
+            "expert-parallel plan and dispatch), so a rank computes and holds only its E-th of the experts; the "
+            "experts are FSDP2-sharded over the (dp_shard × cp) / E copies left, everything else as without it. E "
+            "must divide the experts and dp_shard × cp. The losses, the router loss and the gradient norm do not "
+            "depend on E, and checkpoints resume under any other E (docs/moe.md).",
+        },
+    )
     logging_steps: int = field(
         default=10, metadata={"resume": FREE, "help": "Log loss, tokens/s and memory every N steps."}
     )

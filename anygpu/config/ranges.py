@@ -74,6 +74,7 @@ RANGES: dict[str, Range] = {
     "dp_replicate": Range(1, example="2 (or leave it out: one per node)"),
     "dp_shard": Range(1, example="8 (or leave it out: the processes per node)"),
     "cp": Range(1, example="2 (1: no context parallelism)"),
+    "ep": Range(1, example="2 (1: no expert parallelism)"),
 }
 
 

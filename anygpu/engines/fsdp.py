@@ -37,6 +37,7 @@ from anygpu.runtime import (
     compile_stats,
     context_parallel,
     distributed,
+    expert_parallel,
     faults,
     hardware,
     mesh,
@@ -106,9 +107,10 @@ def build_model(
     if train_args.cpu_offload:  # before any memory is taken: the node's ranks' state must fit its host memory
         per_rank = parallel.state_bytes_per_rank(model, shape.shard_group, train_args.optim_state)
         offload.check_host_memory(per_rank, mesh.local_world_size_from_env(), hardware.host_memory_bytes())
+    expert_parallel.check(model, train_args.ep, shape)
     parallel.shard_model(
         model, info.device, shape, train_args.bf16, checkpointing, train_args.torch_compile,
-        cpu_offload=train_args.cpu_offload,
+        cpu_offload=train_args.cpu_offload, ep=train_args.ep,
     )  # fmt: skip
     offload.materialize(model, info.device, train_args.cpu_offload)
     if not parallel.is_sharded(model):
@@ -352,6 +354,8 @@ class FSDPTrainer:
             shape += "; their shards in host memory, the optimizer step on the CPU (--cpu_offload: the same curve)"
         if self.mesh_note:
             shape += f" ({self.mesh_note})"
+        if self.args.ep > 1:
+            shape += "\n" + expert_parallel.describe(self.model, self.args.ep, self.mesh_shape)
         return startup.banner(
             "FSDP2", self.prep, self.model, self.args, self.tf32, shape, objectives.describe(self.objective)
         )

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from anygpu.config import nf4
 from anygpu.config.optimizers import state_bytes
 from anygpu.runtime import checkpointing as checkpointing_mod
-from anygpu.runtime import offload
+from anygpu.runtime import expert_parallel, offload
 from anygpu.runtime.blocks import decoder_layers
 from anygpu.runtime.mesh import DIM_NAMES, MeshShape, fsdp_rows
 
@@ -61,11 +61,13 @@ def shard_model(
     compile_blocks: bool,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    ep: int = 1,
 ) -> nn.Module:
     """Shard `model` (parameters still on meta) over `mesh_shape`; returns it wrapped in place (or plain, see
     `needs_sharding`: the same losses, and DCP checkpoints load either way on any world size and mesh).
     `checkpointing`: an activation checkpointing policy (`anygpu.runtime.checkpointing`; True is full), or None.
-    `cpu_offload`: every unit's shards in host memory (`anygpu.runtime.offload`)."""
+    `cpu_offload`: every unit's shards in host memory (`anygpu.runtime.offload`). `ep`: the experts split over
+    E ranks first, each experts module a unit of its own over the copies left (`anygpu.runtime.expert_parallel`)."""
     layers = decoder_layers(model)
     checkpointing_mod.enable(model, "full" if checkpointing is True else checkpointing or None)
     if compile_blocks:
@@ -75,6 +77,10 @@ def shard_model(
     if not needs_sharding(world_size, bf16, cpu_offload):
         return model
     mesh = build_mesh(device, mesh_shape)
+    experts, experts_mesh = [], None
+    if ep > 1:  # before the layers' units: FSDP2 takes a child's parameters before its parent's
+        ep_mesh, one_rank, experts_mesh = expert_parallel.meshes(device, mesh_shape, ep)
+        experts = expert_parallel.split(model, ep_mesh, one_rank)
     off = offload.policy(cpu_offload, device)
     # bf16 compute and all-gathers, fp32 gradient reduction and master weights. The policy also casts the
     # floating-point forward inputs to bf16: the loss's token count (num_items_in_batch) is an integer for that.
@@ -84,6 +90,10 @@ def shard_model(
     # With one rank per shard group, resharding frees nothing worth the re-gather in the backward.
     reshard = reshard_after_forward and mesh_shape.shard_group > 1
     group = mesh_shape.shard_group
+    for module in experts:
+        expert_parallel.shard(
+            module, experts_mesh, mesh_shape.world_size, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard
+        )
     for i, layer in enumerate(layers):
         # The last layer's parameters are gathered again at once by the backward: keep them.
         last = i == len(layers) - 1

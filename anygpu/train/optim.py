@@ -97,6 +97,18 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch
 
 
 def _dtensor_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The total norm of FSDP2's gradients, each mesh's (the experts' under --ep live on a mesh of their own) reduced
+    over that mesh, then combined."""
+    by_mesh: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        by_mesh[getattr(g, "device_mesh", None)].append(g)
+    if len(by_mesh) == 1:
+        return _mesh_norm(grads)
+    parts = [_mesh_norm(group) for group in by_mesh.values()]
+    return torch.linalg.vector_norm(torch.stack([p.to(parts[0].device) for p in parts]), 2.0)
+
+
+def _mesh_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
     total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
     if not hasattr(total, "full_tensor"):

@@ -1,0 +1,178 @@
+"""--ep E (expert parallelism, the FSDP2 engine): the experts of every MoE layer split over E ranks, tokens sent to
+them with all-to-all. Three families from Hub-layout folders (Qwen3-MoE with its router loss on, Mixtral in bf16
+files of 20 KB, OLMoE) keep the 1-rank curve (every step's loss, gradient norm and the evaluation, 1e-5) with E = 2
+on 2 ranks (one copy of each expert) and on 4 ranks (two copies, FSDP2 over them); a checkpoint written under E = 2
+on 2 ranks resumes under E = 4 on 4; the export is the 1-rank run's, in the source's own layout. Three launches."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import TINY, fsdp_runs, records
+from hub_sources import build
+
+ARGS = [a for a in TINY if a not in ("--config_name", "tiny")] + ["--max_eval_samples", "8", "--export_final", "false"]
+FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def job(source: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    return [*ARGS, "--model_name_or_path", str(source), "--max_steps", str(steps), "--output_dir", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def ep(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("ep")
+    src = build(root, FAMILIES)
+    config = src["qwen3_moe"] / "config.json"  # the router's load-balancing loss in the training loss
+    config.write_text(json.dumps({**json.loads(config.read_text()), "output_router_logits": True,
+                                  "router_aux_loss_coef": 0.05}))  # fmt: skip
+    out = {name: root / name for name in ("q1", "m1", "o1", "q2", "m2", "o2", "q4")}
+    said = {}
+    one = fsdp_runs(
+        1,
+        [
+            job(src["qwen3_moe"], out["q1"], 4, "--export_final", "true"),
+            job(src["mixtral"], out["m1"], 3),
+            job(src["olmoe"], out["o1"], 3),
+        ],
+    )
+    # E = 2 on 2 ranks: one copy of each expert; Qwen3-MoE with activation checkpointing, stopped after step 2
+    two = fsdp_runs(
+        2,
+        [
+            job(src["qwen3_moe"], out["q2"], 4, "--ep", "2", "--gradient_checkpointing", "true", "--save_steps", "2",
+                "--stop_at_step", "2"),
+            job(src["mixtral"], out["m2"], 3, "--ep", "2"),
+            job(src["olmoe"], out["o2"], 3, "--ep", "2"),
+        ],
+    )  # fmt: skip
+    # 4 ranks: E = 2 (two copies of each expert, FSDP2 over them), exported; then the E = 2 run resumed under E = 4
+    four = fsdp_runs(
+        4,
+        [
+            job(src["qwen3_moe"], out["q4"], 4, "--ep", "2", "--export_final", "true"),
+            job(src["qwen3_moe"], out["q2"], 4, "--ep", "4", "--resume_from_checkpoint", "latest"),
+        ],
+    )
+    said.update(q1=one[0], q2=two[0], q4=four[0], q2r=four[1])
+    return {"out": out, "said": said, "src": src}
+
+
+def assert_same(got: list[dict], ref: list[dict], what: str) -> None:
+    keys = ("loss", "grad_norm", "eval_loss")
+    index = {(r["step"], "eval_loss" in r): r for r in ref}
+    assert {(r["step"], "eval_loss" in r) for r in got} == set(index), what
+    for rec in got:
+        other = index[(rec["step"], "eval_loss" in rec)]
+        for key in (k for k in keys if k in rec):
+            assert abs(rec[key] - other[key]) <= 1e-5 * abs(other[key]), (what, rec["step"], key, rec, other)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "run,ref,what",
+    [
+        ("q2", "q1", "Qwen3-MoE, E = 2 on 2 ranks to step 2, resumed under E = 4 on 4 ranks"),
+        ("q4", "q1", "Qwen3-MoE, E = 2 on 4 ranks (two copies of each expert)"),
+        ("m2", "m1", "Mixtral (bf16 files), E = 2 on 2 ranks"),
+        ("o2", "o1", "OLMoE, E = 2 on 2 ranks"),
+    ],
+)
+def test_the_same_curve_as_one_rank(ep, run, ref, what):
+    assert_same(records(ep["out"][run]), records(ep["out"][ref]), what)
+
+
+@pytest.mark.slow
+def test_the_router_loss_is_in_the_curve_and_the_banner_names_the_expert_mesh(ep):
+    import torch
+
+    from anygpu.model import moe
+
+    with torch.device("meta"):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ep["src"]["qwen3_moe"]))
+    assert moe.aux_loss_coef(model) == 0.05  # the equal curves above include the router's loss
+    said = ep["said"]
+    assert "experts: 4 in each of 2 MoE layers split over 2 ranks (--ep 2), 2 per rank" in said["q2"], said["q2"]
+    assert "one copy" in said["q2"] and "FSDP2-sharded over its 2 copies" in said["q4"], said["q4"]
+    assert "resumed from" in said["q2r"] and "at step 2 (was 2 ranks, now 4" in said["q2r"], said["q2r"][-3000:]
+    assert "split over 4 ranks (--ep 4), 1 per rank" in said["q2r"]
+
+
+@pytest.mark.slow
+def test_the_export_is_the_one_rank_models_in_the_sources_layout(ep):
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict:
+        out = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            out.update(load_file(f))
+        return out
+
+    one, four, source = (
+        tensors(p) for p in (ep["out"]["q1"] / "final", ep["out"]["q4"] / "final", ep["src"]["qwen3_moe"])
+    )
+    assert sorted(four) == sorted(one) == sorted(source)  # one tensor per expert, as the source has them
+    for name, value in one.items():
+        assert four[name].shape == value.shape and four[name].allclose(value, rtol=1e-5, atol=1e-6), name
+
+
+# ---------------------------------------------------------------------- refusals (quick)
+def meta_model(model_type: str, **config):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hub_sources import SOURCES
+
+    data = {**SOURCES[model_type][0], **config} if model_type in SOURCES else {"model_type": model_type, **config}
+    data = dict(data)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(data.pop("model_type"), **data))
+
+
+@pytest.mark.parametrize(
+    "model_type,ep,shape,message",
+    [
+        ("qwen3_moe", 3, (1, 6), "--ep 3 does not divide the 4 experts of qwen3_moe: use one of [1, 2]"),
+        (
+            "mixtral",
+            4,
+            (1, 2),
+            "--ep 4 does not divide the 2 ranks of a shard group (dp_shard × cp): use one of [1, 2]",
+        ),
+        ("llama", 2, (1, 2), "--ep 2: llama has no experts to split"),
+    ],
+)
+def test_an_expert_split_that_cannot_work_is_refused(model_type, ep, shape, message):
+    from hub_sources import SMALL
+
+    from anygpu.errors import UsageError
+    from anygpu.runtime import expert_parallel
+    from anygpu.runtime.mesh import MeshShape
+
+    model = meta_model(model_type, **({} if model_type != "llama" else SMALL))
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        expert_parallel.check(model, ep, MeshShape(*shape))
+    expert_parallel.check(model, 1, MeshShape(*shape))  # --ep 1: nothing to check
+
+
+@pytest.mark.parametrize(
+    "args,engine,message",
+    [
+        (["--ep", "2"], "hf", "--ep 2: expert parallelism is the FSDP2 engine's"),
+        (["--ep", "2", "--cpu_offload", "true"], "fsdp", "--ep 2 with --cpu_offload true: not combined yet"),
+        (["--ep", "2", "--model_name_or_path", "/tmp", "--use_peft", "true"], "fsdp", "--ep 2 with --use_peft true"),
+        (["--ep", "2", "--torch_compile", "true"], "fsdp", "--ep 2 with --torch_compile true: not combined yet"),
+    ],
+)
+def test_ep_where_it_does_not_run_is_refused(args, engine, message):
+    from anygpu.config.args import parse_args
+    from anygpu.engines.trunk import startup
+    from anygpu.errors import UsageError
+
+    m, _, t = parse_args(args if "--model_name_or_path" in args else ["--config_name", "tiny", *args])
+    with pytest.raises(UsageError, match=message):
+        startup.check_ep(m, t, engine)
