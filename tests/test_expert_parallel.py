@@ -2,11 +2,13 @@
 them with all-to-all. Three families from Hub-layout folders (Qwen3-MoE with its router loss on, Mixtral in bf16
 files of 20 KB, OLMoE) keep the 1-rank curve (every step's loss, gradient norm and the evaluation, 1e-5) with E = 2
 on 2 ranks (one copy of each expert) and on 4 ranks (two copies, FSDP2 over them); a checkpoint written under E = 2
-on 2 ranks resumes under E = 4 on 4; the export is the 1-rank run's, in the source's own layout. Three launches."""
+on 2 ranks resumes under E = 4 on 4; the export is the 1-rank run's, in the source's own layout; a rank reads only its
+experts of the Hub files. Four launches."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -118,6 +120,25 @@ def test_the_export_is_the_one_rank_models_in_the_sources_layout(ep):
     assert sorted(four) == sorted(one) == sorted(source)  # one tensor per expert, as the source has them
     for name, value in one.items():
         assert four[name].shape == value.shape and four[name].allclose(value, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_each_rank_reads_only_its_experts(ep, tmp_path):
+    """Mixtral's Hub files (one tensor per expert, bf16, 20 KB shards) into E = 2 on 2 ranks: each rank reads the
+    elements of its two experts only, half of the expert weights, and its half of the rest (FSDP2's rows)."""
+    from conftest import torchrun
+    from safetensors import safe_open
+
+    source = ep["src"]["mixtral"]
+    totals = {"experts": 0, "other": 0}
+    for f in source.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                totals["experts" if ".experts." in key else "other"] += math.prod(st.get_slice(key).get_shape())
+    proc = torchrun(2, "tests/scripts/ep_read_elements.py", job(source, tmp_path, 1, "--ep", "2"))
+    every = json.loads(proc.stdout.split("READ ", 1)[1].splitlines()[0])
+    assert [r["experts"] for r in every] == [totals["experts"] // 2] * 2, (every, totals)
+    assert [r["other"] for r in every] == [totals["other"] // 2] * 2, (every, totals)  # every size here splits evenly
 
 
 # ---------------------------------------------------------------------- refusals (quick)
