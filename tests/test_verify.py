@@ -201,6 +201,8 @@ def test_a_correct_bf16_job_passes_at_the_default_tolerance(tmp_path):
         (["--", "--resume_from_checkpoint", "latest"], "job argument --resume_from_checkpoint latest: verify starts"),
         (["--cp", "3"], "--cp 3: 3 divides none of --world_sizes 1,2: give a C that divides one of them, e.g. 2"),
         (["--cp", "2", "--engines", "hf"], "--cp 2: context parallelism is the FSDP2 engine's: add --engines fsdp"),
+        (["--ep", "4"], "--ep 4: 4 divides none of --world_sizes 1,2: give a E that divides one of them, e.g. 2"),
+        (["--ep", "2", "--engines", "hf"], "--ep 2: expert parallelism is the FSDP2 engine's: add --engines fsdp"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, says, tmp_path, capsys):
@@ -258,4 +260,17 @@ def test_each_cp_is_one_more_fsdp_run_at_the_largest_world_size_it_divides(tmp_p
         ("fsdp-w4-cp2", 4, 2),
         ("fsdp-w4-cp4", 4, 4),
         ("fsdp-w1to4-at1", 4, 1),
+    ]
+
+
+def test_each_ep_is_one_more_fsdp_run_at_the_largest_world_size_it_divides(tmp_path):
+    """--ep 2 with --world_sizes 1,2 and --cp 2: fsdp-w2-cp2, then fsdp-w2-ep2 with --ep 2 in its arguments."""
+    from anygpu.tools.verify import plan_runs
+
+    runs = plan_runs(tmp_path, [1, 2], ["fsdp"], None, [2], [2])
+    assert [(r.name, r.world_size, r.cp, r.ep) for r in runs] == [
+        ("fsdp-w1", 1, 1, 1),
+        ("fsdp-w2", 2, 1, 1),
+        ("fsdp-w2-cp2", 2, 2, 1),
+        ("fsdp-w2-ep2", 2, 1, 2),
     ]

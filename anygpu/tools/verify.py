@@ -3,6 +3,7 @@ certify that they agree.
 
     anygpu verify --world_sizes 1,2,4 --engines fsdp,hf --resume_at 2 -- --model_name_or_path gpt2 ...
     anygpu verify --world_sizes 1,4 --cp 2,4 -- ...    # also sequences split over 2 and 4 of the 4 ranks
+    anygpu verify --world_sizes 1,2 --ep 2 -- --model_name_or_path MOE ...   # also the experts split over 2 ranks
 
 Every run is started as the vendor launcher would start it (one process per GPU, or CPU processes with
 gloo where there is no GPU or with --cpu), in its own folder <output_dir>/verify/<run>. The first run is
@@ -60,6 +61,7 @@ class Run:
     resumed_from: str | None = None  # a checkpoint of another run (--resume_at)
     save_at: int | None = None  # keep a checkpoint of this step for a resumed run
     cp: int = 1  # the FSDP2 engine's --cp (context parallelism)
+    ep: int = 1  # the FSDP2 engine's --ep (expert parallelism)
     seconds: float | None = None
     global_batch_size: int | None = None
     loss: dict[int, float] = field(default_factory=dict)
@@ -105,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the largest world size C divides, with --cp C (its sequences split over C ranks), e.g. 2,4.",
     )
     p.add_argument(
+        "--ep",
+        default="",
+        help="Comma-separated expert-parallel degrees E to compare too (FSDP2 engine, a mixture-of-experts model): "
+        "each is one more run at the largest world size E divides, with --ep E (the experts split over E ranks), "
+        "e.g. 2,4.",
+    )
+    p.add_argument(
         "--resume_at",
         type=int,
         metavar="K",
@@ -145,18 +154,30 @@ def parse_list(flag: str, text: str, convert, valid: str) -> list:
 
 def check_cps(opts: argparse.Namespace, sizes: list[int], engines: list[str]) -> list[int]:
     """The --cp degrees to compare (each must divide one of the world sizes; FSDP2 engine only)."""
-    if not opts.cp.strip():
+    return check_degrees("--cp", opts.cp, "C", "context parallelism", opts.world_sizes, sizes, engines)
+
+
+def check_eps(opts: argparse.Namespace, sizes: list[int], engines: list[str]) -> list[int]:
+    """The --ep degrees to compare (each must divide one of the world sizes; FSDP2 engine only)."""
+    return check_degrees("--ep", opts.ep, "E", "expert parallelism", opts.world_sizes, sizes, engines)
+
+
+def check_degrees(
+    flag: str, text: str, letter: str, what: str, world_sizes: str, sizes: list[int], engines: list[str]
+) -> list[int]:
+    """A list of parallel degrees (`flag`'s `text`) other than 1, each dividing one of the world sizes."""
+    if not text.strip():
         return []
-    cps = [c for c in parse_list("--cp", opts.cp, int, "context-parallel degrees such as 2,4") if c != 1]
-    if cps and "fsdp" not in engines:
-        raise UsageError(f"--cp {opts.cp}: context parallelism is the FSDP2 engine's: add --engines fsdp")
-    for c in cps:
-        if c < 1 or not any(w % c == 0 for w in sizes):
+    degrees = [d for d in parse_list(flag, text, int, "degrees such as 2,4") if d != 1]
+    if degrees and "fsdp" not in engines:
+        raise UsageError(f"{flag} {text}: {what} is the FSDP2 engine's: add --engines fsdp")
+    for d in degrees:
+        if d < 1 or not any(w % d == 0 for w in sizes):
             raise UsageError(
-                f"--cp {opts.cp}: {c} divides none of --world_sizes {opts.world_sizes}: give a C that divides "
+                f"{flag} {text}: {d} divides none of --world_sizes {world_sizes}: give a {letter} that divides "
                 f"one of them, e.g. {max(sizes)}"
             )
-    return cps
+    return degrees
 
 
 def check_options(opts: argparse.Namespace) -> tuple[list[int], list[str]]:
@@ -260,15 +281,22 @@ def job_overrides(out: Path, max_steps: int) -> list[str]:
 
 
 def plan_runs(
-    root: Path, sizes: list[int], engines: list[str], resume_at: int | None, cps: list[int] = ()
+    root: Path,
+    sizes: list[int],
+    engines: list[str],
+    resume_at: int | None,
+    cps: list[int] = (),
+    eps: list[int] = (),
 ) -> list[Run]:
-    """Every engine at every world size (the first is the reference), the FSDP2 engine with each --cp C at the
-    largest world size C divides, then each engine's resumed run."""
+    """Every engine at every world size (the first is the reference), the FSDP2 engine with each --cp C and each
+    --ep E at the largest world size it divides, then each engine's resumed run."""
     runs = [Run(f"{e}-w{w}", e, w, str(root / f"{e}-w{w}")) for e in engines for w in sizes]
-    for c in cps:
-        w = max((w for w in sizes if w % c == 0), default=None)
-        if w is not None:
-            runs.append(Run(f"fsdp-w{w}-cp{c}", "fsdp", w, str(root / f"fsdp-w{w}-cp{c}"), cp=c))
+    for kind, degrees in (("cp", cps), ("ep", eps)):
+        for d in degrees:
+            w = max((w for w in sizes if w % d == 0), default=None)
+            if w is not None:
+                name = f"fsdp-w{w}-{kind}{d}"
+                runs.append(Run(name, "fsdp", w, str(root / name), **{kind: d}))
     if resume_at is not None:
         first, last = sizes[0], sizes[-1]
         for e in engines:
@@ -316,6 +344,8 @@ def launch(run: Run, job: list[str], max_steps: int, cpu: bool, vendor: str, pro
         args += ["--resume_from_checkpoint", run.resumed_from]
     if run.cp > 1:
         args += ["--cp", str(run.cp)]
+    if run.ep > 1:
+        args += ["--ep", str(run.ep)]
     flags = [
         "--vendor",
         vendor,
@@ -551,6 +581,7 @@ def parse(argv: list[str]) -> Job:
     opts = parser.parse_args(mine)
     sizes, engines = check_options(opts)
     cps = check_cps(opts, sizes, engines)
+    eps = check_eps(opts, sizes, engines)
     output_dir, precision = check_job(job, engines, sizes, cps)
     root = Path(output_dir) / "verify"
     vendor = vendor_here()
@@ -558,7 +589,7 @@ def parse(argv: list[str]) -> Job:
     where = ""
     if not opts.compare_only:
         sizes, where = usable_sizes(sizes, opts.cpu, vendor, probe)
-    runs = plan_runs(root, sizes, engines, opts.resume_at, cps)
+    runs = plan_runs(root, sizes, engines, opts.resume_at, cps, eps)
     if len(runs) < 2:
         raise UsageError(
             f"--world_sizes {opts.world_sizes}: only world size {sizes[0]} can run here, which leaves "
