@@ -7,6 +7,7 @@ experts of the Hub files. Four launches."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -197,3 +198,33 @@ def test_ep_where_it_does_not_run_is_refused(args, engine, message):
     m, _, t = parse_args(args if "--model_name_or_path" in args else ["--config_name", "tiny", *args])
     with pytest.raises(UsageError, match=message):
         startup.check_ep(m, t, engine)
+
+
+def test_the_plan_counts_the_experts_and_what_ep_gathers(tmp_path, capsys):
+    """`anygpu plan` on a MoE config: the experts line; --ep 4 of 8 GPUs gathers a quarter of each layer's experts,
+    names the all-to-all per step and leaves only the FSDP2 engine's rows; a dense model with --ep is refused."""
+    from hub_sources import SOURCES
+
+    from anygpu.planning import memory_plan
+    from anygpu.tools import plan
+
+    config = tmp_path / "moe.json"
+    data = dict(SOURCES["qwen3_moe"][0], num_experts=8, hidden_size=256, moe_intermediate_size=128)
+    config.write_text(json.dumps(data))
+    common = ["--config_name", str(config), "--gpu", "h100", "--num_gpus", "8", "--block_size", "128"]
+    assert plan.main(common) == 0
+    out = capsys.readouterr().out
+    assert "experts: 8 in each of 2 MoE layers (top 2)" in out and "--ep 8 (E divides the experts" in out, out
+    shapes = plan.load_shapes(None, str(config))[0]
+    experts = 8 * 3 * 256 * 128  # gate_up (2 × 128 × 256) and down (256 × 128) per expert
+    assert shapes.layer_expert_numel == experts and shapes.num_experts == 8 and shapes.moe_layers == 2
+    split = memory_plan.gathered_layer_numel(dataclasses.replace(shapes, ep=4))
+    assert shapes.layer_param_numel - split == experts * 3 // 4
+    assert (
+        memory_plan.all_to_all_bytes(dataclasses.replace(shapes, ep=4), 100, "bf16")
+        == 100 * 2 * 256 * 2 * 4 * 2 * 3 // 4
+    )
+    full, _ = plan.plan(plan.build_parser().parse_args([*common, "--ep", "4"]))
+    assert {r.strategy for r in full.rows} <= {"fsdp2", "hsdp"} and any("--ep 4: 2 per GPU" in n for n in full.notes)
+    assert plan.main(["--config_name", "tiny", "--num_gpus", "8", "--gpu", "h100", "--ep", "2"]) == 2
+    assert "--ep 2: llama has no experts to split" in capsys.readouterr().err

@@ -97,6 +97,13 @@ class Shapes:
     dense_mask: bool = False
     # AdamW's moments: a state kind (`anygpu.config.optimizers.state_kind`): fp32 (8 bytes a parameter), bf16 or low-bit
     optim: str = "adamw_torch"
+    # mixtures of experts: the experts' weights of one MoE layer, their count and top-k; `ep`: --ep E (FSDP2 engine),
+    # under which a rank gathers only its E-th of them with a layer (`anygpu.runtime.expert_parallel`)
+    layer_expert_numel: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_layers: int = 0
+    ep: int = 1
 
     @property
     def num_params(self) -> int:
@@ -146,11 +153,13 @@ def shapes_from_model(
             continue
         seen.add(id(p))
         params.append(Param(name, tuple(p.shape), trainable=p.requires_grad, four_bit=id(p) in four_bit))
+    from anygpu.runtime import expert_parallel
     from anygpu.runtime.blocks import decoder_layers
 
     layers = decoder_layers(model)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    experts = expert_parallel.experts_modules(model)
     return Shapes(
         tuple(params),
         config.hidden_size,
@@ -160,8 +169,13 @@ def shapes_from_model(
         getattr(config, "num_key_value_heads", None) or heads,
         head_dim,
         config.vocab_size,
-        sum(p.numel() for p in layers[0].parameters()) if layers else 0,
+        # the largest layer: a MoE family's dense first layers (DeepSeek-V3) are smaller than its MoE layers
+        max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
         *_embedding_and_head(model),
+        layer_expert_numel=sum(p.numel() for p in experts[0].parameters()) if experts else 0,
+        num_experts=expert_parallel.num_experts(model),
+        experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0),
+        moe_layers=len(experts),
     )
 
 
@@ -308,11 +322,28 @@ def transient_bytes(shapes: Shapes, strategy: str, precision: str, world: int, l
     e = 2 if precision == "bf16" else 4
     lean = lean_head_bytes(shapes, precision) if lean_loss else 0
     if strategy.startswith(("fsdp2", "zero3", HSDP)) and (world > 1 or strategy.endswith("offload")):
-        unit = max(shapes.layer_param_numel, shapes.embedding_numel, shapes.head_numel)
+        unit = max(gathered_layer_numel(shapes), shapes.embedding_numel, shapes.head_numel)
         return 2 * unit * (e + e) + lean
     if strategy == "ddp" and precision == "bf16":
         return shapes.num_params * 2 + lean  # autocast's bf16 copies of the weights (ZeRO-2 keeps bf16 weights itself)
     return lean
+
+
+def gathered_layer_numel(shapes: Shapes) -> int:
+    """The elements FSDP2 gathers for the largest decoder layer: all of it, or under --ep E its dense part and its
+    E-th of the experts."""
+    return shapes.layer_param_numel - shapes.layer_expert_numel * (shapes.ep - 1) // shapes.ep
+
+
+def all_to_all_bytes(shapes: Shapes, tokens: int, precision: str) -> int:
+    """--ep: what one rank sends per optimizer step for `tokens` of its tokens: each token's hidden state to its top-k
+    experts and back, in the forward and again in the backward, at every MoE layer (balanced routing; (E-1)/E of it
+    leaves the rank)."""
+    if shapes.ep == 1 or not shapes.layer_expert_numel:
+        return 0
+    e = 2 if precision == "bf16" else 4
+    per_layer = tokens * shapes.experts_per_token * shapes.hidden_size * e * 4
+    return per_layer * shapes.moe_layers * (shapes.ep - 1) // shapes.ep
 
 
 def attention_mask_bytes(shapes: Shapes, rows: int, block_size: int, precision: str, cp: int = 1) -> int:
@@ -611,6 +642,8 @@ def strategies_for(shapes: Shapes, hsdp: bool, cp: int) -> tuple[str, ...]:
         strategies = tuple(s for s in strategies if s in ("fsdp2", HSDP))
     if shapes.optim != FP32:  # DeepSpeed's flat partitions: not the row-blocked nor the bf16 state
         strategies = tuple(s for s in strategies if not s.startswith("zero"))
+    if shapes.ep > 1:  # --ep: the FSDP2 engine's FSDP2 and HSDP, without offload
+        strategies = tuple(s for s in strategies if s in ("fsdp2", HSDP))
     return strategies
 
 

@@ -142,6 +142,14 @@ def _cluster_arguments(p: argparse.ArgumentParser) -> None:
         "activations of --block_size / C tokens; the rows are then FSDP2's alone (default 1). With 1, a plan "
         "where nothing fits without offload recommends the smallest C that does (docs/long-context.md).",
     )
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="The FSDP2 engine's expert parallelism (a mixture-of-experts model): the experts split over E GPUs, "
+        "each gathering its E-th of them with a layer; the rows are then FSDP2's alone (default 1). A MoE plan "
+        "says what E divides the experts and a node's GPUs, and the all-to-all volume (docs/moe.md).",
+    )
     p.add_argument("--gpu_memory_gb", type=float, help="Memory per GPU in GiB (default: detected).")
     p.add_argument(
         "--host_memory_gb",
@@ -213,6 +221,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return f"--dp_shard {args.dp_shard} does not divide --num_gpus {args.num_gpus}: use one of {divisors} (e.g. the GPUs of one node)"
     if args.cp < 1 or (args.num_gpus is not None and args.num_gpus % args.cp) or args.block_size % args.cp:
         return f"--cp {args.cp} must divide --num_gpus and --block_size {args.block_size}, e.g. 2"
+    if args.ep < 1 or (args.num_gpus is not None and args.num_gpus % args.ep):
+        return f"--ep {args.ep} must divide --num_gpus, e.g. 8 (the GPUs of one node)"
     if args.host_memory_gb is not None and args.host_memory_gb <= 0:
         return f"--host_memory_gb {args.host_memory_gb} must be positive, e.g. 2048"
     if args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0:
@@ -310,8 +320,12 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
         full = dataclasses.replace(full, sequences_per_item=2, reference=args.precompute_ref_log_probs == "false")
         lora = dataclasses.replace(lora, sequences_per_item=2)
     dense_mask = args.packing == "true" and args.attn_implementation in attention.DENSE_MASK
+    if args.ep > 1 and not full.layer_expert_numel:
+        raise ValueError(f"--ep {args.ep}: {config.model_type} has no experts to split; leave --ep out.")
+    if full.num_experts and full.num_experts % args.ep:
+        raise ValueError(f"--ep {args.ep} does not divide the {full.num_experts} experts of {config.model_type}.")
     full, lora = (
-        dataclasses.replace(s, dense_mask=dense_mask, optim=state_kind(args.optim, args.optim_args))
+        dataclasses.replace(s, dense_mask=dense_mask, optim=state_kind(args.optim, args.optim_args), ep=args.ep)
         for s in (full, lora)
     )
     machine = detect_machine(
@@ -355,7 +369,38 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
         out.append(result)
     if args.finetune == "lora":
         out[1].notes += qlora_advice(args, out[1], targets, dp_shard, fpt)
+    for result, shapes in zip(out, (full, lora)):
+        result.notes += experts_lines(args, shapes, machine)
     return out[0], out[1]
+
+
+def experts_lines(args: argparse.Namespace, shapes: memory_plan.Shapes, machine: Machine) -> list[str]:
+    """A MoE model's line: its experts, what --ep E gathers per layer, the all-to-all per step, the E to use."""
+    if not shapes.layer_expert_numel:
+        return []
+    per_node = machine.num_gpus // max(1, machine.num_nodes)
+    best = max(d for d in range(1, per_node + 1) if shapes.num_experts % d == 0 and per_node % d == 0)
+    e = 2  # bf16, the precision a plan recommends on GPUs
+    gathered = lambda s: gib(memory_plan.gathered_layer_numel(s) * e) + " GiB"  # noqa: E731
+    tokens = args.global_batch_size * args.block_size // max(1, machine.num_gpus)
+    line = (
+        f"experts: {shapes.num_experts} in each of {shapes.moe_layers} MoE layers (top {shapes.experts_per_token}), "
+        f"{gib(shapes.layer_expert_numel * e)} of a layer's {gib(shapes.layer_param_numel * e)} GiB in bf16"
+    )
+    if shapes.ep == 1:
+        split = dataclasses.replace(shapes, ep=best)
+        return [
+            line + f"; every GPU gathers them all with each layer ({gathered(shapes)}).",
+            f"  --ep {best} (E divides the experts and a node's {per_node} GPUs): {shapes.num_experts // best} per GPU, "
+            f"gathered layer {gathered(split)}; all-to-all {gib(memory_plan.all_to_all_bytes(split, tokens, 'bf16'))} "
+            "GiB sent per GPU per step (docs/moe.md).",
+        ]
+    volume = memory_plan.all_to_all_bytes(shapes, tokens, "bf16")
+    return [
+        line + f"; --ep {shapes.ep}: {shapes.num_experts // shapes.ep} per GPU, gathered layer {gathered(shapes)}, "
+        f"all-to-all {gib(volume)} GiB sent per GPU per step ({tokens} tokens each; E ≤ a node's {per_node} GPUs keeps it "
+        "on NVLink/xGMI)."
+    ]
 
 
 def qlora_advice(args: argparse.Namespace, lora: PlanResult, targets, dp_shard, fpt: float) -> list[str]:
