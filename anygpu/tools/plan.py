@@ -316,18 +316,8 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     lora, _, _ = load_shapes(
         args.model_name_or_path, args.config_name, args.lora_r, targets, load_in_4bit=args.finetune == "qlora"
     )
-    if args.objective == "dpo":  # two sequences per pair; a frozen reference unless precomputed (LoRA: its base)
-        full = dataclasses.replace(full, sequences_per_item=2, reference=args.precompute_ref_log_probs == "false")
-        lora = dataclasses.replace(lora, sequences_per_item=2)
-    dense_mask = args.packing == "true" and args.attn_implementation in attention.DENSE_MASK
-    if args.ep > 1 and not full.layer_expert_numel:
-        raise ValueError(f"--ep {args.ep}: {config.model_type} has no experts to split; leave --ep out.")
-    if full.num_experts and full.num_experts % args.ep:
-        raise ValueError(f"--ep {args.ep} does not divide the {full.num_experts} experts of {config.model_type}.")
-    full, lora = (
-        dataclasses.replace(s, dense_mask=dense_mask, optim=state_kind(args.optim, args.optim_args), ep=args.ep)
-        for s in (full, lora)
-    )
+    check_ep(args.ep, full, config.model_type)
+    full, lora = for_the_run(args, full), for_the_run(args, lora, is_lora=True)
     machine = detect_machine(
         args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes, args.host_memory_gb
     )
@@ -372,6 +362,24 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     for result, shapes in zip(out, (full, lora)):
         result.notes += experts_lines(args, shapes, machine)
     return out[0], out[1]
+
+
+def for_the_run(args: argparse.Namespace, shapes: Shapes, is_lora: bool = False) -> Shapes:
+    """The model's shapes with what the run adds: DPO's pairs (and a frozen reference unless precomputed; LoRA's is
+    its base), packed rows' dense masks, the optimizer state, --ep."""
+    if args.objective == "dpo":
+        reference = args.precompute_ref_log_probs == "false" and not is_lora
+        shapes = dataclasses.replace(shapes, sequences_per_item=2, reference=reference)
+    dense_mask = args.packing == "true" and args.attn_implementation in attention.DENSE_MASK
+    return dataclasses.replace(shapes, dense_mask=dense_mask, optim=state_kind(args.optim, args.optim_args), ep=args.ep)
+
+
+def check_ep(ep: int, shapes: memory_plan.Shapes, model_type: str) -> None:
+    """--ep on a model without experts, or not dividing them: refused (ValueError: one line, exit 2)."""
+    if ep > 1 and not shapes.layer_expert_numel:
+        raise ValueError(f"--ep {ep}: {model_type} has no experts to split; leave --ep out.")
+    if shapes.num_experts and shapes.num_experts % ep:
+        raise ValueError(f"--ep {ep} does not divide the {shapes.num_experts} experts of {model_type}.")
 
 
 def experts_lines(args: argparse.Namespace, shapes: memory_plan.Shapes, machine: Machine) -> list[str]:
