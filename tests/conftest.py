@@ -111,6 +111,16 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def innermost_frames(text: str, frames: int = 8) -> str:
+    """Each thread's innermost `frames` frames from faulthandler's dumps in `text` (most recent call first), where a
+    hang waits: the tail of a long output keeps only the last process's outermost frames."""
+    lines, out = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if line.startswith(("Current thread 0x", "Thread 0x")):
+            out += [line, *lines[i + 1 : i + 1 + frames], ""]
+    return "\n".join(out)
+
+
 def abort_with_stacks(pids: list[int]) -> None:
     """SIGABRT to each (those with faulthandler on print every thread's Python stack), then SIGKILL to what is left."""
     for signum in (signal.SIGABRT, signal.SIGKILL):
@@ -138,7 +148,8 @@ def outputs(procs: list[subprocess.Popen], timeout: float) -> list[str]:
     pytest.fail(
         f"still running after {timeout:.0f} s:\n"
         + "\n\n".join(
-            f"--- process {i} (exit {p.returncode})\n{log[-8000:]}" for i, (p, log) in enumerate(zip(procs, logs))
+            f"--- process {i} (exit {p.returncode})\n{log[-8000:]}\n--- where each thread waited\n{innermost_frames(log)}"
+            for i, (p, log) in enumerate(zip(procs, logs))
         )
     )
 
@@ -229,6 +240,7 @@ class Zygote:
                 pytest.fail(
                     f"{' '.join(argv)} still running after {timeout:.0f} s (every process's Python stack below, "
                     f"from SIGABRT):\n--- stdout\n{out.read_text()[-4000:]}\n--- stderr\n{err.read_text()[-12000:]}"
+                    f"\n--- where each thread waited\n{innermost_frames(err.read_text())}"
                 )
             code = json.loads(cls.proc.stdout.readline())["code"]
             return subprocess.CompletedProcess([sys.executable, *argv], code, out.read_text(), err.read_text())
