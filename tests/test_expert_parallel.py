@@ -1,9 +1,9 @@
 """--ep E (expert parallelism, the FSDP2 engine): the experts of every MoE layer split over E ranks, tokens sent to
 them with all-to-all. Three families from Hub-layout folders (Qwen3-MoE with its router loss on, Mixtral in bf16
 files of 20 KB, OLMoE) keep the 1-rank curve (every step's loss, gradient norm and the evaluation, 1e-5) with E = 2
-on 2 ranks (one copy of each expert) and on 4 ranks (two copies, FSDP2 over them); a checkpoint written under E = 2
-on 2 ranks resumes under E = 4 on 4; the export is the 1-rank run's, in the source's own layout; a rank reads only its
-experts of the Hub files. Four launches."""
+on 2 ranks (one copy of each expert), with --cp 2, on 4 ranks (two copies, FSDP2 over them) and under HSDP 2 × 2; a
+checkpoint written under E = 2 on 2 ranks resumes under E = 4 on 4; the export is the 1-rank run's, in the source's
+own layout; a rank reads only its experts of the Hub files. Four launches."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def ep(tmp_path_factory) -> dict:
     config = src["qwen3_moe"] / "config.json"  # the router's load-balancing loss in the training loss
     config.write_text(json.dumps({**json.loads(config.read_text()), "output_router_logits": True,
                                   "router_aux_loss_coef": 0.05}))  # fmt: skip
-    out = {name: root / name for name in ("q1", "m1", "o1", "q2", "m2", "o2", "q4")}
+    out = {name: root / name for name in ("q1", "m1", "o1", "q2", "m2", "o2", "q4", "qc", "qh")}
     said = {}
     one = fsdp_runs(
         1,
@@ -49,6 +49,7 @@ def ep(tmp_path_factory) -> dict:
                 "--stop_at_step", "2"),
             job(src["mixtral"], out["m2"], 3, "--ep", "2"),
             job(src["olmoe"], out["o2"], 3, "--ep", "2"),
+            job(src["qwen3_moe"], out["qc"], 4, "--ep", "2", "--cp", "2"),  # each sequence split over the 2 ranks too
         ],
     )  # fmt: skip
     # 4 ranks: E = 2 (two copies of each expert, FSDP2 over them), exported; then the E = 2 run resumed under E = 4
@@ -57,6 +58,7 @@ def ep(tmp_path_factory) -> dict:
         [
             job(src["qwen3_moe"], out["q4"], 4, "--ep", "2", "--export_final", "true"),
             job(src["qwen3_moe"], out["q2"], 4, "--ep", "4", "--resume_from_checkpoint", "latest"),
+            job(src["qwen3_moe"], out["qh"], 4, "--ep", "2", "--dp_replicate", "2", "--dp_shard", "2"),  # HSDP
         ],
     )
     said.update(q1=one[0], q2=two[0], q4=four[0], q2r=four[1])
@@ -81,6 +83,10 @@ def assert_same(got: list[dict], ref: list[dict], what: str) -> None:
         ("q4", "q1", "Qwen3-MoE, E = 2 on 4 ranks (two copies of each expert)"),
         ("m2", "m1", "Mixtral (bf16 files), E = 2 on 2 ranks"),
         ("o2", "o1", "OLMoE, E = 2 on 2 ranks"),
+        ("qc", "q1", "Qwen3-MoE, E = 2 and --cp 2 on 2 ranks"),
+        # the experts' gradients once came out halved here (FSDP2's all-reduce across replica groups averages): the
+        # losses hid it (AdamW's step barely depends on the gradient's scale), the gradient norm did not
+        ("qh", "q1", "Qwen3-MoE, E = 2 under HSDP 2 × 2"),
     ],
 )
 def test_the_same_curve_as_one_rank(ep, run, ref, what):

@@ -84,12 +84,14 @@ def split(model: nn.Module, ep_mesh: DeviceMesh, one_rank: DeviceMesh) -> list[n
     return modules
 
 
-def shard(experts: nn.Module, mesh: DeviceMesh, world_size: int, **fsdp_kwargs) -> None:
-    """FSDP2 over the copies of each expert (before its decoder layer's unit takes the rest)."""
+def shard(experts: nn.Module, mesh: DeviceMesh, world_size: int, replicas: int = 1, **fsdp_kwargs) -> None:
+    """FSDP2 over the copies of each expert (before its decoder layer's unit takes the rest). The gradients are to be
+    divided by the data-parallel world size W; under HSDP FSDP2's all-reduce across the `replicas` groups averages
+    (it divides by their count itself), so the factor set on the reduce-scatter is W / replicas."""
     from torch.distributed.fsdp import fully_shard
 
     fully_shard(experts, mesh=mesh, **fsdp_kwargs)
-    experts.set_gradient_divide_factor(float(world_size))
+    experts.set_gradient_divide_factor(float(world_size // replicas))
     if mesh.size() > 1:
         # a divide factor other than the group size is a PREMUL_SUM, which gloo refuses: sum, then divide locally
         experts.set_force_sum_reduction_for_comms(True)

@@ -92,8 +92,9 @@ def shard_model(
     group = mesh_shape.shard_group
     for module in experts:
         expert_parallel.shard(
-            module, experts_mesh, mesh_shape.world_size, mp_policy=mp, offload_policy=off, reshard_after_forward=reshard
-        )
+            module, experts_mesh, mesh_shape.world_size, mesh_shape.dp_replicate,
+            mp_policy=mp, offload_policy=off, reshard_after_forward=reshard,
+        )  # fmt: skip
     for i, layer in enumerate(layers):
         # The last layer's parameters are gathered again at once by the backward: keep them.
         last = i == len(layers) - 1
