@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from anygpu.errors import UsageError
+from anygpu.model import hub_weights
 from anygpu.runtime.mesh import MeshShape
 
 DISPATCH = "ep_dispatch_experts"  # transformers' style for an experts module whose forward dispatches tokens
@@ -25,14 +26,14 @@ DISPATCH = "ep_dispatch_experts"  # transformers' style for an experts module wh
 
 def plan(model: nn.Module) -> dict[str, str]:
     """The model's expert-parallel plan, one entry per parameter and experts module (transformers' expansion)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = hub_weights.hf_model(model)
     rules = getattr(base, "ep_plan", None) or {}
     return base._expand_parallel_plan(rules) if rules else {}
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """The experts modules the plan dispatches tokens to, in model order."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = hub_weights.hf_model(model)
     return [base.get_submodule(name) for name, style in plan(model).items() if style == DISPATCH]
 
 
@@ -53,11 +54,10 @@ def check(model: nn.Module, ep: int, shape: MeshShape) -> None:
             "expert-parallel plan); leave --ep out."
         )
     experts = num_experts(model)
+    ok = [d for d in range(1, experts + 1) if experts % d == 0 and shape.shard_group % d == 0]
     if experts % ep:
-        ok = [d for d in range(1, experts + 1) if experts % d == 0 and shape.shard_group % d == 0]
         raise UsageError(f"--ep {ep} does not divide the {experts} experts of {kind}: use one of {ok}.")
     if shape.shard_group % ep:
-        ok = [d for d in range(1, shape.shard_group + 1) if shape.shard_group % d == 0 and experts % d == 0]
         raise UsageError(
             f"--ep {ep} does not divide the {shape.shard_group} ranks of a shard group (dp_shard × cp): use one of {ok}."
         )
@@ -78,7 +78,7 @@ def split(model: nn.Module, ep_mesh: DeviceMesh, one_rank: DeviceMesh) -> list[n
     dispatches its tokens with all-to-all; returns the experts modules."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = hub_weights.hf_model(model)
     modules = experts_modules(model)
     apply_expert_parallelism(base, ep_mesh, one_rank, plan(model), ep_implementation="all_to_all")
     return modules
