@@ -31,6 +31,7 @@ from torch import nn
 from anygpu.errors import UsageError
 from anygpu.config.nf4 import is_4bit
 from anygpu.model import lora
+from anygpu.runtime.blocks import hf_model
 
 INDEX = "model.safetensors.index.json"
 
@@ -68,11 +69,6 @@ def storage_dtype(path: str) -> torch.dtype:
                 if dtype is not None:
                     counts[dtype] = counts.get(dtype, 0) + math.prod(piece.get_shape())
     return max(counts, key=counts.get) if counts else torch.float32
-
-
-def hf_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if lora.is_peft(model) else model
 
 
 @contextlib.contextmanager

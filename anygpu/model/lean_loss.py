@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from anygpu.errors import UsageError
+from anygpu.runtime.blocks import hf_model
 
 
 IGNORE_INDEX = -100
@@ -136,18 +137,13 @@ class _Lean:
     log_probs: torch.Tensor | None = None
 
 
-def _base(model: nn.Module) -> nn.Module:
-    """The transformers model under a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _state(model: nn.Module) -> _Lean | None:
-    return getattr(_base(model), "_anygpu_lean", None)
+    return getattr(hf_model(model), "_anygpu_lean", None)
 
 
 def unsupported_reason(model: nn.Module) -> str | None:
     """Why the lean loss cannot serve this model (None: it can)."""
-    base = _base(model)
+    base = hf_model(model)
     if base.get_output_embeddings() is None:
         return f"{type(base).__name__} has no output projection"
     if _post(base) is None:
@@ -162,13 +158,13 @@ def install(model: nn.Module, enabled: bool, off_reason: str | None = None) -> s
     """Route the model's token cross-entropy through the lean loss (under `active`); returns the banner line,
     also kept for `note`."""
     line = _install(model, enabled, off_reason)
-    _base(model)._anygpu_lean_note = line
+    hf_model(model)._anygpu_lean_note = line
     return line
 
 
 def note(model: nn.Module) -> str | None:
     """The banner line of `install` (None if it was never called)."""
-    return getattr(_base(model), "_anygpu_lean_note", None)
+    return getattr(hf_model(model), "_anygpu_lean_note", None)
 
 
 def _install(model: nn.Module, enabled: bool, off_reason: str | None) -> str:
@@ -177,7 +173,7 @@ def _install(model: nn.Module, enabled: bool, off_reason: str | None) -> str:
     reason = off_reason or unsupported_reason(model)
     if reason is not None:
         return f"loss: the model's own (full logits): lean loss off, {reason}"
-    base = _base(model)
+    base = hf_model(model)
     head = base.get_output_embeddings()
     state = _Lean(head_forward=head.forward, post=_post(base))
 

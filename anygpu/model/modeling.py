@@ -23,7 +23,7 @@ from anygpu.config.args import PRESETS_DIR, ModelArguments, preset_names
 from anygpu.errors import UsageError
 from anygpu.model import hub_weights, init_weights, lora
 from anygpu.runtime import context_parallel
-from anygpu.runtime.blocks import decoder_layer_classes
+from anygpu.runtime.blocks import decoder_layer_classes, hf_model
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +217,7 @@ def check_loss_kwargs(model: nn.Module) -> None:
     """Refuse a model whose loss cannot take `num_items_in_batch` (the global-batch token count), as Trainer decides it."""
     import inspect
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper
+    base = hf_model(model)
     accepts = getattr(base, "accepts_loss_kwargs", None)
     if accepts is None:
         accepts = any(

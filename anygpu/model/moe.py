@@ -24,16 +24,12 @@ from torch import nn
 
 from anygpu.data.collate import real_tokens
 from anygpu.runtime import context_parallel
-
-
-def _base(model: nn.Module) -> nn.Module:
-    """The transformers model under a peft wrapper (the wrapper's class has no router-loss function)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+from anygpu.runtime.blocks import hf_model
 
 
 def aux_loss_coef(model: nn.Module) -> float:
     """The weight of the router loss in the training loss (0 when the config leaves it out)."""
-    model = _base(model)
+    model = hf_model(model)
     config = getattr(model, "config", None)
     if not getattr(config, "output_router_logits", False):
         return 0.0
@@ -58,7 +54,7 @@ def _balancing_fn(model: nn.Module):
 
 def per_sample_aux(model: nn.Module, router_logits: tuple[torch.Tensor, ...], mask: torch.Tensor) -> torch.Tensor:
     """The model's load-balancing loss of each row alone over its real tokens (`mask`, rows × length), shape (rows,)."""
-    model = _base(model)
+    model = hf_model(model)
     fn = _balancing_fn(model)
     num_experts = getattr(model, "num_experts", None) or model.config.num_local_experts
     top_k = getattr(model, "num_experts_per_tok", None) or model.config.num_experts_per_tok

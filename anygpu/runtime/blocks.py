@@ -8,6 +8,11 @@ from torch import nn
 from anygpu.errors import UsageError
 
 
+def hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "peft_config") else model
+
+
 def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:
     """The transformer block classes to shard and checkpoint one by one (HF's `_no_split_modules`)."""
     names = set(getattr(model, "_no_split_modules", None) or [])

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from anygpu.errors import UsageError
-from anygpu.model import hub_weights
+from anygpu.runtime.blocks import hf_model
 from anygpu.runtime.mesh import MeshShape
 
 DISPATCH = "ep_dispatch_experts"  # transformers' style for an experts module whose forward dispatches tokens
@@ -26,14 +26,14 @@ DISPATCH = "ep_dispatch_experts"  # transformers' style for an experts module wh
 
 def plan(model: nn.Module) -> dict[str, str]:
     """The model's expert-parallel plan, one entry per parameter and experts module (transformers' expansion)."""
-    base = hub_weights.hf_model(model)
+    base = hf_model(model)
     rules = getattr(base, "ep_plan", None) or {}
     return base._expand_parallel_plan(rules) if rules else {}
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """The experts modules the plan dispatches tokens to, in model order."""
-    base = hub_weights.hf_model(model)
+    base = hf_model(model)
     return [base.get_submodule(name) for name, style in plan(model).items() if style == DISPATCH]
 
 
@@ -78,7 +78,7 @@ def split(model: nn.Module, ep_mesh: DeviceMesh, one_rank: DeviceMesh) -> list[n
     dispatches its tokens with all-to-all; returns the experts modules."""
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-    base = hub_weights.hf_model(model)
+    base = hf_model(model)
     modules = experts_modules(model)
     apply_expert_parallelism(base, ep_mesh, one_rank, plan(model), ep_implementation="all_to_all")
     return modules
