@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import TINY, fsdp_runs, records
@@ -18,6 +19,8 @@ from hub_sources import build
 
 ARGS = [a for a in TINY if a not in ("--config_name", "tiny")] + ["--max_eval_samples", "8", "--export_final", "false"]
 FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
+# the attention adapted, the experts frozen (and split); an lr that moves the adapter visibly in 3 steps
+LORA = ["--use_peft", "true", "--lora_target_modules", "q_proj,k_proj,v_proj,o_proj", "--learning_rate", "1e-2"]
 
 
 def job(source: Path, out: Path, steps: int, *extra: str) -> list[str]:
@@ -31,7 +34,7 @@ def ep(tmp_path_factory) -> dict:
     config = src["qwen3_moe"] / "config.json"  # the router's load-balancing loss in the training loss
     config.write_text(json.dumps({**json.loads(config.read_text()), "output_router_logits": True,
                                   "router_aux_loss_coef": 0.05}))  # fmt: skip
-    out = {name: root / name for name in ("q1", "m1", "o1", "q2", "m2", "o2", "q4", "qc", "qh")}
+    out = {name: root / name for name in ("q1", "m1", "o1", "q2", "m2", "o2", "q4", "qc", "qh", "l1", "l2")}
     said = {}
     one = fsdp_runs(
         1,
@@ -39,6 +42,7 @@ def ep(tmp_path_factory) -> dict:
             job(src["qwen3_moe"], out["q1"], 4, "--export_final", "true"),
             job(src["mixtral"], out["m1"], 3),
             job(src["olmoe"], out["o1"], 3),
+            job(src["qwen3_moe"], out["l1"], 3, *LORA, "--export_final", "true"),
         ],
     )
     # E = 2 on 2 ranks: one copy of each expert; Qwen3-MoE with activation checkpointing, stopped after step 2
@@ -50,6 +54,7 @@ def ep(tmp_path_factory) -> dict:
             job(src["mixtral"], out["m2"], 3, "--ep", "2"),
             job(src["olmoe"], out["o2"], 3, "--ep", "2"),
             job(src["qwen3_moe"], out["qc"], 4, "--ep", "2", "--cp", "2"),  # each sequence split over the 2 ranks too
+            job(src["qwen3_moe"], out["l2"], 3, "--ep", "2", *LORA, "--export_final", "true"),
         ],
     )  # fmt: skip
     # 4 ranks: E = 2 (two copies of each expert, FSDP2 over them), exported; then the E = 2 run resumed under E = 4
@@ -87,6 +92,7 @@ def assert_same(got: list[dict], ref: list[dict], what: str) -> None:
         # the experts' gradients once came out halved here (FSDP2's all-reduce across replica groups averages): the
         # losses hid it (AdamW's step barely depends on the gradient's scale), the gradient norm did not
         ("qh", "q1", "Qwen3-MoE, E = 2 under HSDP 2 × 2"),
+        ("l2", "l1", "Qwen3-MoE with a LoRA adapter on the attention, E = 2 on 2 ranks"),
     ],
 )
 def test_the_same_curve_as_one_rank(ep, run, ref, what):
@@ -130,9 +136,20 @@ def test_the_export_is_the_one_rank_models_in_the_sources_layout(ep):
 
 
 @pytest.mark.slow
+def test_the_adapter_under_ep_is_the_one_rank_adapter(ep):
+    from safetensors.torch import load_file
+
+    one, two = (load_file(ep["out"][run] / "final" / "adapter_model.safetensors") for run in ("l1", "l2"))
+    assert sorted(two) == sorted(one) and any(".q_proj.lora_B." in name for name in one), sorted(one)
+    for name, value in one.items():
+        assert value.abs().sum() > 0 and two[name].allclose(value, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.slow
 def test_each_rank_reads_only_its_experts(ep, tmp_path):
-    """Mixtral's Hub files (one tensor per expert, bf16, 20 KB shards) into E = 2 on 2 ranks: each rank reads the
-    elements of its two experts only, half of the expert weights, and its half of the rest (FSDP2's rows)."""
+    """Mixtral's Hub files (one tensor per expert, bf16, 20 KB shards) into E = 2 on 2 ranks, with and without a LoRA
+    adapter: each rank reads the elements of its two experts only, half of the expert weights, and its half of the
+    rest (FSDP2's rows)."""
     from conftest import torchrun
     from safetensors import safe_open
 
@@ -142,10 +159,13 @@ def test_each_rank_reads_only_its_experts(ep, tmp_path):
         with safe_open(str(f), "pt") as st:
             for key in st.keys():
                 totals["experts" if ".experts." in key else "other"] += math.prod(st.get_slice(key).get_shape())
-    proc = torchrun(2, "tests/scripts/ep_read_elements.py", job(source, tmp_path, 1, "--ep", "2"))
-    every = json.loads(proc.stdout.split("READ ", 1)[1].splitlines()[0])
-    assert [r["experts"] for r in every] == [totals["experts"] // 2] * 2, (every, totals)
-    assert [r["other"] for r in every] == [totals["other"] // 2] * 2, (every, totals)  # every size here splits evenly
+    runs = [job(source, tmp_path / "full", 1, "--ep", "2"), job(source, tmp_path / "lora", 1, "--ep", "2", *LORA)]
+    proc = torchrun(2, "tests/scripts/ep_read_elements.py", [*runs[0], ":::", *runs[1]])
+    lines = [json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("READ ")]
+    assert len(lines) == 2, proc.stdout[-3000:]
+    for every, what in zip(lines, ("full", "LoRA")):
+        assert [r["experts"] for r in every] == [totals["experts"] // 2] * 2, (what, every, totals)
+        assert [r["other"] for r in every] == [totals["other"] // 2] * 2, (what, every, totals)  # sizes split evenly
 
 
 # ---------------------------------------------------------------------- refusals (quick)
@@ -192,7 +212,6 @@ def test_an_expert_split_that_cannot_work_is_refused(model_type, ep, shape, mess
     [
         (["--ep", "2"], "hf", "--ep 2: expert parallelism is the FSDP2 engine's"),
         (["--ep", "2", "--cpu_offload", "true"], "fsdp", "--ep 2 with --cpu_offload true: not combined yet"),
-        (["--ep", "2", "--model_name_or_path", "/tmp", "--use_peft", "true"], "fsdp", "--ep 2 with --use_peft true"),
         (["--ep", "2", "--torch_compile", "true"], "fsdp", "--ep 2 with --torch_compile true: not combined yet"),
     ],
 )
@@ -204,6 +223,37 @@ def test_ep_where_it_does_not_run_is_refused(args, engine, message):
     m, _, t = parse_args(args if "--model_name_or_path" in args else ["--config_name", "tiny", *args])
     with pytest.raises(UsageError, match=message):
         startup.check_ep(m, t, engine)
+
+
+def lora_args(**kw) -> SimpleNamespace:
+    fields = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_modules_to_save=None)
+    return SimpleNamespace(**{**fields, **kw})
+
+
+def test_lora_on_the_experts_weights_is_refused_under_ep_and_an_attention_adapter_is_not():
+    """peft adapts a MoE's 3-D expert weights when the targets map onto them (all-linear): under --ep that adapter
+    would not be split, so it is refused by name; an adapter outside the experts passes, with --ep 1 too."""
+    from anygpu.errors import UsageError
+    from anygpu.model import lora
+    from anygpu.runtime import expert_parallel
+    from anygpu.runtime.mesh import MeshShape
+
+    experts = lora.wrap(meta_model("qwen3_moe"), lora_args(lora_target_modules=["all-linear"]))
+    with pytest.raises(UsageError, match=r"--ep 2 with LoRA on the experts' own weights \(down_proj, gate_up_proj;"):
+        expert_parallel.check(experts, 2, MeshShape(1, 2))
+    expert_parallel.check(experts, 1, MeshShape(1, 2))
+    attention = lora.wrap(meta_model("qwen3_moe"), lora_args(lora_target_modules=["q_proj", "v_proj"]))
+    expert_parallel.check(attention, 2, MeshShape(1, 2))
+    assert "parameters down_proj" in lora.trainable_line(experts)  # the banner names the adapted expert weights
+
+
+def test_lora_dropout_where_peft_adapts_the_experts_is_refused_by_name():
+    from anygpu.errors import UsageError
+    from anygpu.model import lora
+
+    args = lora_args(lora_target_modules=["all-linear"], lora_dropout=0.05)
+    with pytest.raises(UsageError, match="--lora_dropout 0.05 with --lora_target_modules all-linear on mixtral: .* use --lora_dropout 0"):
+        lora.wrap(meta_model("mixtral"), args)
 
 
 def test_the_plan_counts_the_experts_and_what_ep_gathers(tmp_path, capsys):

@@ -21,6 +21,8 @@ import math
 import torch
 from torch import nn
 
+from anygpu.errors import UsageError
+
 PREFIX = "base_model.model."
 # the query and value projections' names across transformers' families (attention inputs, fused or not)
 QUERY_VALUE = {"q_proj", "v_proj", "query", "value", "query_key_value", "qkv_proj", "c_attn", "Wqkv", "qkv"}
@@ -58,7 +60,18 @@ def wrap(model: nn.Module, args) -> nn.Module:
         modules_to_save=args.lora_modules_to_save,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:
+        if "lora_dropout" not in str(err):
+            raise
+        # peft adapts the 3-D expert weights of a MoE (all-linear, or gate_proj/up_proj/down_proj, map onto them)
+        # through ParamWrapper, which has no dropout
+        targets = ",".join(args.lora_target_modules) if args.lora_target_modules else "left out (peft's choice)"
+        raise UsageError(
+            f"--lora_dropout {args.lora_dropout} with --lora_target_modules {targets} on {model.config.model_type}: peft adapts the experts' own weights there, and its adapter for them "
+            "takes no dropout; use --lora_dropout 0, or target modules outside the experts (e.g. q_proj,k_proj,v_proj,o_proj)."
+        ) from None
 
 
 def hold_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
@@ -85,8 +98,6 @@ def _conv1d():
 
 def check_targets(model: nn.Module, targets: list[str]) -> None:
     """Every --lora_target_modules name matches a module (as peft matches: the name or its last parts)."""
-    from anygpu.errors import UsageError
-
     names = [name for name, _ in model.named_modules()]
     missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
@@ -141,6 +152,9 @@ def init_adapter(model: nn.Module, seed: int) -> None:
 def trainable_line(model: nn.Module) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    targets = model.peft_config["default"].target_modules
+    config = model.peft_config["default"]
+    targets = config.target_modules
     targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list, tuple)) else targets
+    if getattr(config, "target_parameters", None):  # peft adapts a MoE's experts (3-D weights) by parameter name
+        targets += f"; parameters {', '.join(sorted(config.target_parameters))}"
     return f"LoRA: {trainable / 1e6:.3f}M trainable / {total / 1e6:.1f}M parameters ({100 * trainable / total:.2f}%); targets {targets}"

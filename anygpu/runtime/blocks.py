@@ -10,7 +10,7 @@ from anygpu.errors import UsageError
 
 def hf_model(model: nn.Module) -> nn.Module:
     """The transformers model inside a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "peft_config") else model
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def decoder_layer_classes(model: nn.Module) -> tuple[type, ...]:

@@ -61,6 +61,26 @@ def check(model: nn.Module, ep: int, shape: MeshShape) -> None:
         raise UsageError(
             f"--ep {ep} does not divide the {shape.shard_group} ranks of a shard group (dp_shard × cp): use one of {ok}."
         )
+    check_adapter(model, ep)
+
+
+def check_adapter(model: nn.Module, ep: int) -> None:
+    """Refuse a LoRA adapter on the experts' own weights: peft wraps the experts module (ParamWrapper, one low-rank
+    pair over all experts), and transformers' expert split finds neither the module nor its weights by their names."""
+    base = hf_model(model)
+    rules = plan(model)
+    if not any(hasattr(base.get_submodule(name), "base_layer") for name, style in rules.items() if style == DISPATCH):
+        return
+    # the plan's own patterns: its expansion follows parameter names, which the wrapper has moved
+    weights = {name.rsplit(".", 1)[-1] for name, style in base.ep_plan.items() if style != DISPATCH}
+    targets = getattr(model.peft_config["default"], "target_parameters", None) or []
+    adapted = sorted(t for t in targets if t.rsplit(".", 1)[-1] in weights)
+    raise UsageError(
+        f"--ep {ep} with LoRA on the experts' own weights ({', '.join(adapted)}; --lora_target_modules all-linear, "
+        "gate_proj, up_proj or down_proj map onto them): expert parallelism does not split an adapter over the "
+        "experts yet; adapt the modules outside the experts (e.g. --lora_target_modules q_proj,k_proj,v_proj,o_proj), "
+        "or use --ep 1."
+    )
 
 
 def meshes(device: torch.device, shape: MeshShape, ep: int) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:

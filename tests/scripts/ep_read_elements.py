@@ -1,6 +1,7 @@
-"""Under torchrun: build the FSDP2 engine's model from a Hub folder (its args, e.g. with --ep) and print, gathered on
-rank 0, how many elements of the checkpoint's expert tensors and of the others each rank read (`READ [...]`), by
-counting what the loader's deferred reads (`hub_weights._reader`) return."""
+"""Under torchrun: build the FSDP2 engine's model from a Hub folder for each set of arguments (sets apart by `:::`,
+e.g. with --ep) and print, gathered on rank 0, how many elements of the checkpoint's expert tensors and of the
+others each rank read (`READ [...]`, a line per set), by counting what the loader's deferred reads
+(`hub_weights._reader`) return."""
 
 import json
 import sys
@@ -34,11 +35,16 @@ def counting_reader(handle, key, params, shard, tensor_idx):
 
 
 hub_weights._reader = counting_reader
-model_args, data_args, train_args = parse_args(sys.argv[1:])
 info = distributed.init_distributed()
-prep = prepare(model_args, data_args, train_args, info)
-fsdp_engine.build_model(prep, model_args, train_args, info)
-every = [None] * info.world_size
-dist.all_gather_object(every, counts)
-if info.is_main:
-    print("READ " + json.dumps(every), flush=True)
+sets, argv = [[]], sys.argv[1:]
+for arg in argv:
+    sets.append([]) if arg == ":::" else sets[-1].append(arg)
+for one in sets:
+    counts.update(experts=0, other=0)
+    model_args, data_args, train_args = parse_args(one)
+    prep = prepare(model_args, data_args, train_args, info)
+    fsdp_engine.build_model(prep, model_args, train_args, info)
+    every = [None] * info.world_size
+    dist.all_gather_object(every, dict(counts))
+    if info.is_main:
+        print("READ " + json.dumps(every), flush=True)

@@ -71,7 +71,6 @@ def check_ep(model_args, train_args, engine: str) -> None:
             "(DistributedConfig) is not wired into Trainer: use --ep 1 with the HF engine."
         )
     others = {
-        "--use_peft true": model_args.use_peft,
         f"--fp8 {train_args.fp8}": train_args.fp8,
         "--torch_compile true": train_args.torch_compile,
         "--cpu_offload true": train_args.cpu_offload,
@@ -80,8 +79,8 @@ def check_ep(model_args, train_args, engine: str) -> None:
     for name, on in others.items():
         if on:
             raise UsageError(
-                f"--ep {ep} with {name}: not combined yet (expert parallelism runs with FSDP2/HSDP, --cp, the lean "
-                f"loss, activation checkpointing and bf16); drop one of them (--ep 1)."
+                f"--ep {ep} with {name}: not combined yet (expert parallelism runs with FSDP2/HSDP, --cp, LoRA outside "
+                f"the experts, the lean loss, activation checkpointing and bf16); drop one of them (--ep 1)."
             )
 
 
