@@ -34,7 +34,7 @@ def ep(tmp_path_factory) -> dict:
     config = src["qwen3_moe"] / "config.json"  # the router's load-balancing loss in the training loss
     config.write_text(json.dumps({**json.loads(config.read_text()), "output_router_logits": True,
                                   "router_aux_loss_coef": 0.05}))  # fmt: skip
-    out = {name: root / name for name in ("q1", "m1", "o1", "q2", "m2", "o2", "q4", "qc", "qh", "l1", "l2")}
+    out = {name: root / name for name in ("q1", "m1", "o1", "q2", "m2", "o2", "q4", "qc", "qh", "l1", "l2", "qe", "me")}
     said = {}
     one = fsdp_runs(
         1,
@@ -43,6 +43,7 @@ def ep(tmp_path_factory) -> dict:
             job(src["mixtral"], out["m1"], 3),
             job(src["olmoe"], out["o1"], 3),
             job(src["qwen3_moe"], out["l1"], 3, *LORA, "--export_final", "true"),
+            job(src["qwen3_moe"], out["qe"], 4, "--experts_implementation", "eager"),  # the loop, not grouped_mm
         ],
     )
     # E = 2 on 2 ranks: one copy of each expert; Qwen3-MoE with activation checkpointing, stopped after step 2
@@ -55,6 +56,7 @@ def ep(tmp_path_factory) -> dict:
             job(src["olmoe"], out["o2"], 3, "--ep", "2"),
             job(src["qwen3_moe"], out["qc"], 4, "--ep", "2", "--cp", "2"),  # each sequence split over the 2 ranks too
             job(src["qwen3_moe"], out["l2"], 3, "--ep", "2", *LORA, "--export_final", "true"),
+            job(src["mixtral"], out["me"], 3, "--ep", "2", "--experts_implementation", "eager"),
         ],
     )  # fmt: skip
     # 4 ranks: E = 2 (two copies of each expert, FSDP2 over them), exported; then the E = 2 run resumed under E = 4
@@ -66,7 +68,7 @@ def ep(tmp_path_factory) -> dict:
             job(src["qwen3_moe"], out["qh"], 4, "--ep", "2", "--dp_replicate", "2", "--dp_shard", "2"),  # HSDP
         ],
     )
-    said.update(q1=one[0], q2=two[0], q4=four[0], q2r=four[1])
+    said.update(q1=one[0], qe=one[4], q2=two[0], q4=four[0], q2r=four[1])
     return {"out": out, "said": said, "src": src}
 
 
@@ -93,6 +95,9 @@ def assert_same(got: list[dict], ref: list[dict], what: str) -> None:
         # losses hid it (AdamW's step barely depends on the gradient's scale), the gradient norm did not
         ("qh", "q1", "Qwen3-MoE, E = 2 under HSDP 2 × 2"),
         ("l2", "l1", "Qwen3-MoE with a LoRA adapter on the attention, E = 2 on 2 ranks"),
+        # the experts computed by the family's per-expert loop instead of one grouped GEMM: the same numbers
+        ("qe", "q1", "Qwen3-MoE, --experts_implementation eager on 1 rank"),
+        ("me", "m1", "Mixtral (bf16 files), --experts_implementation eager, E = 2 on 2 ranks"),
     ],
 )
 def test_the_same_curve_as_one_rank(ep, run, ref, what):
@@ -115,6 +120,8 @@ def test_the_router_loss_is_in_the_curve_and_the_banner_names_the_expert_mesh(ep
     assert "one copy" in said["q2"] and "FSDP2-sharded over its 2 copies" in said["q4"], said["q4"]
     assert "resumed from" in said["q2r"] and "at step 2 (was 2 ranks, now 4" in said["q2r"], said["q2r"][-3000:]
     assert "split over 4 ranks (--ep 4), 1 per rank" in said["q2r"]
+    assert "experts compute: grouped_mm (one grouped GEMM over all experts" in said["q1"], said["q1"]
+    assert "experts compute: eager (the family's per-expert loop" in said["qe"], said["qe"]
 
 
 @pytest.mark.slow
@@ -247,12 +254,27 @@ def test_lora_on_the_experts_weights_is_refused_under_ep_and_an_attention_adapte
     assert "parameters down_proj" in lora.trainable_line(experts)  # the banner names the adapted expert weights
 
 
+def test_an_experts_implementation_is_refused_for_a_dense_model_or_by_an_unknown_name():
+    from anygpu.config.args import parse_args
+    from anygpu.errors import UsageError
+    from anygpu.model import modeling
+
+    model_args = parse_args(["--config_name", "tiny", "--experts_implementation", "eager"])[0]
+    with pytest.raises(UsageError, match="--experts_implementation eager: llama has no experts module"):
+        modeling.resolve_config(model_args)
+    with pytest.raises(UsageError, match="--experts_implementation 'grouped' is unknown: use grouped_mm, eager"):
+        parse_args(["--config_name", "tiny", "--experts_implementation", "grouped"])
+
+
 def test_lora_dropout_where_peft_adapts_the_experts_is_refused_by_name():
     from anygpu.errors import UsageError
     from anygpu.model import lora
 
     args = lora_args(lora_target_modules=["all-linear"], lora_dropout=0.05)
-    with pytest.raises(UsageError, match="--lora_dropout 0.05 with --lora_target_modules all-linear on mixtral: .* use --lora_dropout 0"):
+    with pytest.raises(
+        UsageError,
+        match="--lora_dropout 0.05 with --lora_target_modules all-linear on mixtral: .* use --lora_dropout 0",
+    ):
         lora.wrap(meta_model("mixtral"), args)
 
 

@@ -82,6 +82,16 @@ class ModelArguments:
             "help": "Attention kernel: sdpa (eager for a family without sdpa, e.g. gpt-oss), eager, or flash_attention_2/3 (needs its flash-attn package, a GPU and --bf16).",
         },
     )
+    experts_implementation: str | None = field(
+        default=None,
+        metadata={
+            "resume": FREE,
+            "help": "Mixture-of-experts families: how the experts compute their tokens — grouped_mm (transformers' "
+            "default: one grouped GEMM over all experts, torch's grouped_mm where the device has it, a per-expert "
+            "loop elsewhere), eager (the family's per-expert loop) or batched_mm. The same numbers within the "
+            "dtype's tolerance (docs/moe.md).",
+        },
+    )
     trust_remote_code: bool = field(
         default=False,
         metadata={"resume": FREE, "help": "Run model/tokenizer code from the model's folder. Off unless you trust it."},
@@ -135,6 +145,10 @@ class ModelArguments:
         if self.attn_implementation not in attention.IMPLEMENTATIONS:
             raise UsageError(
                 f"--attn_implementation {self.attn_implementation!r} is unknown: use sdpa, eager or flash_attention_2."
+            )
+        if self.experts_implementation not in (None, *attention.EXPERTS):
+            raise UsageError(
+                f"--experts_implementation {self.experts_implementation!r} is unknown: use {', '.join(attention.EXPERTS)}."
             )
         if self.lora_r < 1:
             raise UsageError(f"--lora_r {self.lora_r} must be at least 1, e.g. 16.")

@@ -282,6 +282,7 @@ def summary_lines(prep: Prepared, model, train_args: TrainArguments, tf32: bool)
                 qlora.note(model),
                 fp8.note(model),
                 checkpointing.note(model),
+                modeling.experts_line(model),
             )
             if line
         ],

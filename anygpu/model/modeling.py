@@ -30,10 +30,42 @@ logger = logging.getLogger(__name__)
 
 def resolve_config(args: ModelArguments) -> PretrainedConfig:
     """The model's config: from --config_name (preset, file or folder), else the pretrained model's; the
-    attention kernel fitted to it (`fit_attention`)."""
+    attention kernel fitted to it (`fit_attention`), the experts implementation set (`set_experts`)."""
     config = _config_of(args)
     fit_attention(config, args)
+    set_experts(config, args.experts_implementation)
     return config
+
+
+def has_experts_implementation(config: PretrainedConfig) -> bool:
+    """Whether the family's experts module takes transformers' experts implementations (its MoE families do)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return cls is not None and cls._can_set_experts_implementation()
+
+
+def set_experts(config: PretrainedConfig, implementation: str | None) -> None:
+    """--experts_implementation into the config, which every construction path reads; refused for a model with no
+    experts module that takes it."""
+    if implementation is None:
+        return
+    if not has_experts_implementation(config):
+        raise UsageError(
+            f"--experts_implementation {implementation}: {config.model_type} has no experts module that takes one "
+            "(a dense model, or a family without transformers' experts implementations); leave it out."
+        )
+    config._experts_implementation = implementation
+
+
+def experts_line(model: nn.Module) -> str | None:
+    """The banner's note on how the experts compute, for a family that has the choice."""
+    config = hf_model(model).config
+    if not has_experts_implementation(config):
+        return None
+    used = config._experts_implementation or "grouped_mm"
+    how = {"grouped_mm": "one grouped GEMM over all experts", "eager": "the family's per-expert loop"}
+    return f"experts compute: {used} ({how.get(used, used)}; --experts_implementation)"
 
 
 def _config_of(args: ModelArguments) -> PretrainedConfig:
