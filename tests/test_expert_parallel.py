@@ -34,7 +34,10 @@ def ep(tmp_path_factory) -> dict:
     config = src["qwen3_moe"] / "config.json"  # the router's load-balancing loss in the training loss
     config.write_text(json.dumps({**json.loads(config.read_text()), "output_router_logits": True,
                                   "router_aux_loss_coef": 0.05}))  # fmt: skip
-    out = {name: root / name for name in ("q1", "m1", "o1", "q2", "m2", "o2", "q4", "qc", "qh", "l1", "l2", "qe", "me")}
+    out = {
+        name: root / name
+        for name in ("q1", "m1", "o1", "q2", "m2", "o2", "q4", "qc", "qh", "l1", "l2", "qe", "me", "qt")
+    }
     said = {}
     one = fsdp_runs(
         1,
@@ -57,6 +60,9 @@ def ep(tmp_path_factory) -> dict:
             job(src["qwen3_moe"], out["qc"], 4, "--ep", "2", "--cp", "2"),  # each sequence split over the 2 ranks too
             job(src["qwen3_moe"], out["l2"], 3, "--ep", "2", *LORA, "--export_final", "true"),
             job(src["mixtral"], out["me"], 3, "--ep", "2", "--experts_implementation", "eager"),
+            # compiled layers around the dispatch (its data-dependent all-to-all is a graph break): 2 steps, no eval
+            job(src["qwen3_moe"], out["qt"], 4, "--ep", "2", "--torch_compile", "true", "--stop_at_step", "2",
+                "--eval_on_start", "false"),
         ],
     )  # fmt: skip
     # 4 ranks: E = 2 (two copies of each expert, FSDP2 over them), exported; then the E = 2 run resumed under E = 4
@@ -68,7 +74,7 @@ def ep(tmp_path_factory) -> dict:
             job(src["qwen3_moe"], out["qh"], 4, "--ep", "2", "--dp_replicate", "2", "--dp_shard", "2"),  # HSDP
         ],
     )
-    said.update(q1=one[0], qe=one[4], q2=two[0], q4=four[0], q2r=four[1])
+    said.update(q1=one[0], qe=one[4], q2=two[0], qt=two[6], q4=four[0], q2r=four[1])
     return {"out": out, "said": said, "src": src}
 
 
@@ -102,6 +108,18 @@ def assert_same(got: list[dict], ref: list[dict], what: str) -> None:
 )
 def test_the_same_curve_as_one_rank(ep, run, ref, what):
     assert_same(records(ep["out"][run]), records(ep["out"][ref]), what)
+
+
+@pytest.mark.slow
+def test_compiled_layers_under_ep_keep_the_curve(ep):
+    """--torch_compile with --ep 2: inductor's layers, the dispatch between their graphs; steps 1-2 within 1e-4 of
+    the eager 1-rank run (the dense engine's compile test holds inductor to that), compiled once (no recompilation)."""
+    got, ref = records(ep["out"]["qt"]), {r["step"]: r for r in records(ep["out"]["q1"]) if "loss" in r}
+    assert [r["step"] for r in got if "loss" in r] == [1, 2], got
+    for rec in (r for r in got if "loss" in r):
+        for key in ("loss", "grad_norm"):
+            assert abs(rec[key] - ref[rec["step"]][key]) <= 1e-4 * abs(ref[rec["step"]][key]), (key, rec, ref)
+    assert "torch.compile:" in ep["said"]["qt"] and "recompil" not in ep["said"]["qt"], ep["said"]["qt"][-3000:]
 
 
 @pytest.mark.slow
@@ -219,7 +237,6 @@ def test_an_expert_split_that_cannot_work_is_refused(model_type, ep, shape, mess
     [
         (["--ep", "2"], "hf", "--ep 2: expert parallelism is the FSDP2 engine's"),
         (["--ep", "2", "--cpu_offload", "true"], "fsdp", "--ep 2 with --cpu_offload true: not combined yet"),
-        (["--ep", "2", "--torch_compile", "true"], "fsdp", "--ep 2 with --torch_compile true: not combined yet"),
     ],
 )
 def test_ep_where_it_does_not_run_is_refused(args, engine, message):

@@ -60,7 +60,7 @@ def check_levers(model_args, train_args, engine: str) -> None:
 
 
 def check_ep(model_args, train_args, engine: str) -> None:
-    """--ep where it runs: the FSDP2 engine; not yet with the levers that rewrite the experts or trace the dispatch."""
+    """--ep where it runs: the FSDP2 engine; not yet with the levers that rewrite or move the experts' weights."""
     ep = train_args.ep
     if ep == 1:
         return
@@ -72,7 +72,6 @@ def check_ep(model_args, train_args, engine: str) -> None:
         )
     others = {
         f"--fp8 {train_args.fp8}": train_args.fp8,
-        "--torch_compile true": train_args.torch_compile,
         "--cpu_offload true": train_args.cpu_offload,
         "--objective dpo": train_args.is_dpo,
     }
@@ -80,7 +79,7 @@ def check_ep(model_args, train_args, engine: str) -> None:
         if on:
             raise UsageError(
                 f"--ep {ep} with {name}: not combined yet (expert parallelism runs with FSDP2/HSDP, --cp, LoRA outside "
-                f"the experts, the lean loss, activation checkpointing and bf16); drop one of them (--ep 1)."
+                f"the experts, the lean loss, activation checkpointing, --torch_compile and bf16); drop one of them (--ep 1)."
             )
 
 
