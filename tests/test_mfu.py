@@ -67,3 +67,25 @@ def test_the_console_says_gib():
     """torch.cuda.max_memory_allocated / 2**30 is GiB (metrics.jsonl keeps its key max_memory_allocated_gb)."""
     line = metrics.format_line({"step": 1, "max_memory_allocated_gb": 12.5}, 10)
     assert "mem 12.5 GiB" in line
+
+
+def test_a_mixture_of_experts_counts_the_experts_a_token_is_sent_to():
+    """Qwen3-30B-A3B (its published config; 30.5B parameters, 3.3B activated): a token is multiplied by its top 8 of
+    128 experts, not all of them; counting every expert read its MFU ~9x too high and `anygpu plan`'s step time
+    ~9x too long."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
+    )  # fmt: skip
+    model = modeling.build_meta_model(config, ModelArguments())
+    every = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight.numel()
+    assert abs(every - 30.5e9) < 0.05e9
+    trainable, frozen = modeling.matmul_parameters(model)
+    assert frozen == 0 and abs(trainable + embedding - 3.3e9) < 0.1e9, trainable  # Qwen's "3.3B activated"
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert trainable == every - embedding - experts + experts * 8 // 128
+    assert flops_per_token(model, config, 4096) == 6 * trainable + 12 * 48 * 2048 * 4096

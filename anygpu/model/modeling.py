@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from anygpu.config.args import PRESETS_DIR, ModelArguments, preset_names
 from anygpu.errors import UsageError
 from anygpu.model import hub_weights, init_weights, lora
-from anygpu.runtime import context_parallel
+from anygpu.runtime import context_parallel, expert_parallel
 from anygpu.runtime.blocks import decoder_layer_classes, hf_model
 
 logger = logging.getLogger(__name__)
@@ -233,16 +233,26 @@ def flatten_packed_rows(model: nn.Module) -> None:
 
 def matmul_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, frozen) parameters each token is multiplied by: every one but the input embedding (a lookup),
-    and the output projection's even when it is the input embedding's tied weight."""
+    the output projection's even when it is the input embedding's tied weight, and of a mixture of experts' routed
+    experts the top_k a token is sent to (`active_share`), not all of them."""
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    counts = [0, 0]  # trainable, frozen
+    share = active_share(model)
+    routed = {id(p) for module in expert_parallel.experts_modules(model) for p in module.parameters()}
+    counts = [0.0, 0.0]  # trainable, frozen
     for p in model.parameters():
         if p is not embedding:
-            counts[not p.requires_grad] += p.numel()
+            counts[not p.requires_grad] += p.numel() * (share if id(p) in routed else 1)
     if head is not None and getattr(head, "weight", None) is embedding:
         counts[not embedding.requires_grad] += embedding.numel()
-    return counts[0], counts[1]
+    return round(counts[0]), round(counts[1])
+
+
+def active_share(model: nn.Module) -> float:
+    """The share of a MoE layer's routed experts each token computes with: top_k / experts (1 for a dense model)."""
+    experts = expert_parallel.num_experts(model)
+    top_k = getattr(hf_model(model).config, "num_experts_per_tok", None)
+    return min(1.0, top_k / experts) if experts and top_k else 1.0
 
 
 def check_loss_kwargs(model: nn.Module) -> None:
