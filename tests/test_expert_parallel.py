@@ -268,6 +268,8 @@ def test_lora_on_the_experts_weights_is_refused_under_ep_and_an_attention_adapte
     expert_parallel.check(experts, 1, MeshShape(1, 2))
     attention = lora.wrap(meta_model("qwen3_moe"), lora_args(lora_target_modules=["q_proj", "v_proj"]))
     expert_parallel.check(attention, 2, MeshShape(1, 2))
+    with pytest.raises(UsageError, match="adapt the attention \\(--lora_target_modules k_proj,o_proj,q_proj,v_proj\\)"):
+        expert_parallel.check(experts, 2, MeshShape(1, 2))
     assert "parameters down_proj" in lora.trainable_line(experts)  # the banner names the adapted expert weights
 
 

@@ -226,3 +226,31 @@ def test_default_targets_for_every_family(model_type):
     trainable = [n for n, p in wrapped.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable), trainable[:4]
     assert "targets " in lora.trainable_line(wrapped)
+
+
+def test_a_moe_family_without_query_value_names_adapts_its_attention_not_the_experts():
+    """DeepSeek-V3 (latent attention: q_a_proj, kv_b_proj...; peft has no default for it) with its MoE layers: the
+    default targets are the attention's linear layers, so the default --lora_dropout works and --ep can split the
+    frozen experts (peft's all-linear adapted the experts' 3-D weights: no dropout there, refused by --ep)."""
+    from types import SimpleNamespace
+
+    from hub_sources import SOURCES
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from anygpu.model import lora
+    from anygpu.runtime import expert_parallel
+    from anygpu.runtime.mesh import MeshShape
+
+    data = dict(SOURCES["deepseek_v3"][0])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(data.pop("model_type"), **data))
+    assert expert_parallel.experts_modules(model)  # it has routed experts
+    assert lora.default_targets(model) == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]
+    args = SimpleNamespace(
+        use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.05, lora_target_modules=None, lora_modules_to_save=None
+    )
+    wrapped = lora.wrap(model, args)
+    assert "; parameters" not in lora.trainable_line(wrapped)  # no expert weight adapted
+    expert_parallel.check(wrapped, 2, MeshShape(1, 2))

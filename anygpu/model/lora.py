@@ -10,7 +10,9 @@ require gradients get an optimizer (AdamW state is measured in the tests). `fina
 Without `--lora_target_modules` the adapted modules are peft's choice for the model type where peft has one
 (its table covers ~40 types: Llama, Mistral, Mixtral, Qwen2, Gemma, GPT-2, Phi...); for any other type the
 attention's query and value projections, found by name among the model's linear layers (peft's choice for the
-types it lists); where no such name exists, every linear layer but the output head (peft's `all-linear`).
+types it lists); where no such name exists, every linear layer but the output head (peft's `all-linear`) — for a
+mixture of experts every linear layer of the attention instead (DeepSeek-V3's latent projections): peft's
+`all-linear` there adapts the routed experts' 3-D weights too, which takes no dropout and no `--ep`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from anygpu.errors import UsageError
+from anygpu.runtime import expert_parallel
 
 PREFIX = "base_model.model."
 # the query and value projections' names across transformers' families (attention inputs, fused or not)
@@ -37,7 +40,12 @@ def default_targets(model: nn.Module) -> list[str] | str:
     if model_type in PEFT_DEFAULTS:
         return PEFT_DEFAULTS[model_type]
     linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))}
-    return sorted(linear & QUERY_VALUE) or "all-linear"
+    if linear & QUERY_VALUE:
+        return sorted(linear & QUERY_VALUE)
+    if expert_parallel.experts_modules(model):
+        # peft's all-linear adapts a MoE's routed experts too (their 3-D weights: no dropout, not split by --ep)
+        return expert_parallel.attention_linears(model) or "all-linear"
+    return "all-linear"
 
 
 def wrap(model: nn.Module, args) -> nn.Module:

@@ -76,11 +76,21 @@ def check_adapter(model: nn.Module, ep: int) -> None:
     targets = getattr(model.peft_config["default"], "target_parameters", None) or []
     adapted = sorted(t for t in targets if t.rsplit(".", 1)[-1] in weights)
     raise UsageError(
-        f"--ep {ep} with LoRA on the experts' own weights ({', '.join(adapted)}; --lora_target_modules all-linear, "
-        "gate_proj, up_proj or down_proj map onto them): expert parallelism does not split an adapter over the "
-        "experts yet; adapt the modules outside the experts (e.g. --lora_target_modules q_proj,k_proj,v_proj,o_proj), "
-        "or use --ep 1."
+        f"--ep {ep} with LoRA on the experts' own weights ({', '.join(adapted)}; peft maps all-linear and the names "
+        "gate_proj, up_proj and down_proj onto them, and so do its default targets for some families): expert "
+        "parallelism does not split an adapter over the experts yet; adapt the attention (--lora_target_modules "
+        f"{','.join(attention_linears(base))}), or use --ep 1."
     )
+
+
+def attention_linears(model: nn.Module) -> list[str]:
+    """The last name parts of the attention's linear layers (under a LoRA wrapper too): targets outside the experts."""
+    names = set()
+    for name, module in model.named_modules():
+        name = name.removesuffix(".base_layer")
+        if isinstance(module, nn.Linear) and ".lora_" not in name and ("attn" in name or "attention" in name):
+            names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
 
 
 def meshes(device: torch.device, shape: MeshShape, ep: int) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
