@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import TINY, fsdp_runs, records
+from dpo_data import write_kinds
 from hub_sources import build
 
 ARGS = [a for a in TINY if a not in ("--config_name", "tiny")] + ["--max_eval_samples", "8", "--export_final", "false"]
@@ -27,16 +28,60 @@ def job(source: Path, out: Path, steps: int, *extra: str) -> list[str]:
     return [*ARGS, "--model_name_or_path", str(source), "--max_steps", str(steps), "--output_dir", str(out), *extra]
 
 
+def dpo_job(source: Path, files: dict, out: Path, *extra: str) -> list[str]:
+    """--objective dpo on preference pairs (TRL's explicit-prompt format), 3 steps at a learning rate that moves."""
+    train, validation = files["plain"]
+    return [
+        *("--model_name_or_path", str(source), "--objective", "dpo", "--train_file", str(train)),
+        *("--validation_file", str(validation), "--block_size", "64", "--global_batch_size", "12"),
+        *("--max_steps", "3", "--logging_steps", "1", "--eval_steps", "0", "--report_to", "none"),
+        *(
+            "--disable_tqdm",
+            "true",
+            "--warmup_steps",
+            "0",
+            "--learning_rate",
+            "2e-2",
+            "--lr_scheduler_type",
+            "constant",
+        ),
+        *("--export_final", "false", "--output_dir", str(out), *extra),
+    ]
+
+
 @pytest.fixture(scope="module")
 def ep(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("ep")
     src = build(root, FAMILIES)
+    (root / "pairs").mkdir()
+    pairs = write_kinds(root / "pairs", train=24, validation=8)
     config = src["qwen3_moe"] / "config.json"  # the router's load-balancing loss in the training loss
     config.write_text(json.dumps({**json.loads(config.read_text()), "output_router_logits": True,
                                   "router_aux_loss_coef": 0.05}))  # fmt: skip
     out = {
         name: root / name
-        for name in ("q1", "m1", "o1", "q2", "m2", "o2", "q4", "qc", "qh", "l1", "l2", "qe", "me", "qt")
+        for name in (
+            "q1",
+            "m1",
+            "o1",
+            "q2",
+            "m2",
+            "o2",
+            "q4",
+            "qc",
+            "qh",
+            "l1",
+            "l2",
+            "qe",
+            "me",
+            "qt",
+            "f1",
+            "f2",
+            "qo",
+            "d1",
+            "d2",
+            "d3",
+        )
     }
     said = {}
     one = fsdp_runs(
@@ -47,6 +92,8 @@ def ep(tmp_path_factory) -> dict:
             job(src["olmoe"], out["o1"], 3),
             job(src["qwen3_moe"], out["l1"], 3, *LORA, "--export_final", "true"),
             job(src["qwen3_moe"], out["qe"], 4, "--experts_implementation", "eager"),  # the loop, not grouped_mm
+            job(src["qwen3_moe"], out["f1"], 3, "--fp8", "rowwise"),
+            dpo_job(src["qwen3_moe"], pairs, out["d1"]),
         ],
     )
     # E = 2 on 2 ranks: one copy of each expert; Qwen3-MoE with activation checkpointing, stopped after step 2
@@ -63,6 +110,12 @@ def ep(tmp_path_factory) -> dict:
             # compiled layers around the dispatch (its data-dependent all-to-all is a graph break): 2 steps, no eval
             job(src["qwen3_moe"], out["qt"], 4, "--ep", "2", "--torch_compile", "true", "--stop_at_step", "2",
                 "--eval_on_start", "false"),
+            # FP8 linear layers outside the experts; the shards in host memory; DPO, its reference's table computed
+            # by an expert-parallel copy, and that copy at every step
+            job(src["qwen3_moe"], out["f2"], 3, "--ep", "2", "--fp8", "rowwise"),
+            job(src["qwen3_moe"], out["qo"], 4, "--ep", "2", "--cpu_offload", "true"),
+            dpo_job(src["qwen3_moe"], pairs, out["d2"], "--ep", "2"),
+            dpo_job(src["qwen3_moe"], pairs, out["d3"], "--ep", "2", "--precompute_ref_log_probs", "false"),
         ],
     )  # fmt: skip
     # 4 ranks: E = 2 (two copies of each expert, FSDP2 over them), exported; then the E = 2 run resumed under E = 4
@@ -104,6 +157,10 @@ def assert_same(got: list[dict], ref: list[dict], what: str) -> None:
         # the experts computed by the family's per-expert loop instead of one grouped GEMM: the same numbers
         ("qe", "q1", "Qwen3-MoE, --experts_implementation eager on 1 rank"),
         ("me", "m1", "Mixtral (bf16 files), --experts_implementation eager, E = 2 on 2 ranks"),
+        ("f2", "f1", "Qwen3-MoE, --fp8 rowwise (the attention's linear layers), E = 2 on 2 ranks"),
+        ("qo", "q1", "Qwen3-MoE, --cpu_offload, E = 2 on 2 ranks"),
+        ("d2", "d1", "Qwen3-MoE, --objective dpo (the reference's log-probs computed first), E = 2 on 2 ranks"),
+        ("d3", "d1", "Qwen3-MoE, --objective dpo (a frozen reference copy at every step), E = 2 on 2 ranks"),
     ],
 )
 def test_the_same_curve_as_one_rank(ep, run, ref, what):
@@ -232,21 +289,15 @@ def test_an_expert_split_that_cannot_work_is_refused(model_type, ep, shape, mess
     expert_parallel.check(model, 1, MeshShape(*shape))  # --ep 1: nothing to check
 
 
-@pytest.mark.parametrize(
-    "args,engine,message",
-    [
-        (["--ep", "2"], "hf", "--ep 2: expert parallelism is the FSDP2 engine's"),
-        (["--ep", "2", "--cpu_offload", "true"], "fsdp", "--ep 2 with --cpu_offload true: not combined yet"),
-    ],
-)
-def test_ep_where_it_does_not_run_is_refused(args, engine, message):
+def test_ep_with_the_hf_engine_is_refused():
     from anygpu.config.args import parse_args
     from anygpu.engines.trunk import startup
     from anygpu.errors import UsageError
 
-    m, _, t = parse_args(args if "--model_name_or_path" in args else ["--config_name", "tiny", *args])
-    with pytest.raises(UsageError, match=message):
-        startup.check_ep(m, t, engine)
+    m, _, t = parse_args(["--config_name", "tiny", "--ep", "2"])
+    with pytest.raises(UsageError, match="--ep 2: expert parallelism is the FSDP2 engine's"):
+        startup.check_ep(m, t, "hf")
+    startup.check_ep(m, t, "fsdp")
 
 
 def lora_args(**kw) -> SimpleNamespace:

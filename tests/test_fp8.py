@@ -253,8 +253,9 @@ def meta(config: dict | str):
 
 
 def test_the_conversion_takes_the_decoder_layers_linear_layers_only():
-    """Every q/k/v/o and MLP projection of every decoder layer becomes FP8; the output projection, a MoE router and a
-    layer whose dimensions FP8 cannot take (a shared expert's 1-wide gate) stay as they were."""
+    """Every q/k/v/o and MLP projection of every decoder layer becomes FP8; the output projection, a MoE router, a
+    layer whose dimensions FP8 cannot take (a shared expert's 1-wide gate) and the routed experts stay as they were,
+    which the banner says."""
     model = meta("tiny")
     assert fp8.convert(model, "rowwise", torch.device("cpu"), sharded=False) == 2 * 7
     assert type(model.lm_head).__name__ == "Linear"
@@ -279,6 +280,7 @@ def test_the_conversion_takes_the_decoder_layers_linear_layers_only():
     assert kinds["model.layers.0.mlp.shared_expert.down_proj"] == "Float8Linear"
     assert kinds["model.layers.0.mlp.shared_expert_gate"] == "Linear"
     assert "weights all-gathered in FP8" not in fp8.note(moe)  # a CPU: gloo has no float8 all-gather
+    assert "the routed experts of 2 MoE layer(s) (grouped 3-D weights" in fp8.note(moe)  # they stay in bf16: said
 
 
 def test_a_model_with_nothing_fp8_can_take_is_refused():

@@ -6,7 +6,9 @@ becomes torchao's `Float8Linear`, which casts its input, weight and output gradi
 and multiplies them in FP8; its weight stays a parameter of the training dtype under the same name, so
 checkpoints, loading and the export are those of the model without FP8. Left in high precision: the output
 projection (the lean loss multiplies by its weight itself, and the logits are where precision matters most),
-MoE routers (a rounded router logit changes which expert a token goes to), and layers FP8 cannot take.
+MoE routers (a rounded router logit changes which expert a token goes to), layers FP8 cannot take, and a MoE's
+routed experts (3-D weights computed by a grouped GEMM, not `nn.Linear`: torchao's FP8 grouped GEMM for them is a
+prototype, not wired here).
 
 Recipes (torchao's names):
 - `rowwise`: one scale per row of each operand (per token for activations, per output feature for weights, and
@@ -39,7 +41,7 @@ import torch
 from torch import nn
 
 from anygpu.errors import UsageError
-from anygpu.runtime import hardware
+from anygpu.runtime import expert_parallel, hardware
 from anygpu.runtime.blocks import decoder_layer_classes
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,9 @@ def convert(model: nn.Module, recipe: str | None, device: torch.device, sharded:
             skipped[why] = skipped.get(why, 0) + 1
         return why is None
 
+    experts = len(expert_parallel.experts_modules(model))
+    if experts:
+        skipped["experts"] = experts
     before = sum(type(m) is nn.Linear for m in model.modules())
     convert_to_float8_training(model, module_filter_fn=keep, config=float8_config(recipe, emulate, all_gather))
     converted = before - sum(type(m) is nn.Linear for m in model.modules())
@@ -143,6 +148,7 @@ SKIPPED = {
     "outside the decoder layers": "the output projection",
     "router": "{n} router(s)",
     "shape": "{n} with dimensions FP8 cannot take",
+    "experts": "the routed experts of {n} MoE layer(s) (grouped 3-D weights, not linear layers)",
 }
 
 

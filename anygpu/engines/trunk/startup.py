@@ -60,27 +60,14 @@ def check_levers(model_args, train_args, engine: str) -> None:
 
 
 def check_ep(model_args, train_args, engine: str) -> None:
-    """--ep where it runs: the FSDP2 engine; not yet with the levers that rewrite or move the experts' weights."""
+    """--ep where it runs: the FSDP2 engine (what the model refuses, `expert_parallel.check` says when it is built)."""
     ep = train_args.ep
-    if ep == 1:
-        return
-    if engine != "fsdp":
+    if ep != 1 and engine != "fsdp":
         raise UsageError(
             f"--ep {ep}: expert parallelism is the FSDP2 engine's (run_fsdp_standalone.py, or the launchers' --engine "
             "fsdp); accelerate's FSDP and DeepSpeed configs carry no expert mesh, and transformers' own "
             "(DistributedConfig) is not wired into Trainer: use --ep 1 with the HF engine."
         )
-    others = {
-        f"--fp8 {train_args.fp8}": train_args.fp8,
-        "--cpu_offload true": train_args.cpu_offload,
-        "--objective dpo": train_args.is_dpo,
-    }
-    for name, on in others.items():
-        if on:
-            raise UsageError(
-                f"--ep {ep} with {name}: not combined yet (expert parallelism runs with FSDP2/HSDP, --cp, LoRA outside "
-                f"the experts, the lean loss, activation checkpointing, --torch_compile and bf16); drop one of them (--ep 1)."
-            )
 
 
 def check_4bit(model_args, train_args, engine: str) -> None:
