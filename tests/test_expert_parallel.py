@@ -28,6 +28,28 @@ def job(source: Path, out: Path, steps: int, *extra: str) -> list[str]:
     return [*ARGS, "--model_name_or_path", str(source), "--max_steps", str(steps), "--output_dir", str(out), *extra]
 
 
+QLORA = ("--use_peft", "true", "--load_in_4bit", "true", "--learning_rate", "1e-2")
+
+
+def wide_source(source: Path, folder: Path) -> Path:
+    """A Qwen3-MoE folder of hidden size 128 (its attention's weights whole NF4 blocks), with `source`'s tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=320, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, folder / name)
+    return folder
+
+
 def dpo_job(source: Path, files: dict, out: Path, *extra: str) -> list[str]:
     """--objective dpo on preference pairs (TRL's explicit-prompt format), 3 steps at a learning rate that moves."""
     train, validation = files["plain"]
@@ -55,34 +77,12 @@ def ep(tmp_path_factory) -> dict:
     src = build(root, FAMILIES)
     (root / "pairs").mkdir()
     pairs = write_kinds(root / "pairs", train=24, validation=8)
+    wide = wide_source(src["qwen3_moe"], root / "wide")  # linear weights in whole NF4 blocks, for QLoRA
     config = src["qwen3_moe"] / "config.json"  # the router's load-balancing loss in the training loss
     config.write_text(json.dumps({**json.loads(config.read_text()), "output_router_logits": True,
                                   "router_aux_loss_coef": 0.05}))  # fmt: skip
-    out = {
-        name: root / name
-        for name in (
-            "q1",
-            "m1",
-            "o1",
-            "q2",
-            "m2",
-            "o2",
-            "q4",
-            "qc",
-            "qh",
-            "l1",
-            "l2",
-            "qe",
-            "me",
-            "qt",
-            "f1",
-            "f2",
-            "qo",
-            "d1",
-            "d2",
-            "d3",
-        )
-    }
+    runs = "q1 m1 o1 q2 m2 o2 q4 qc qh l1 l2 qe me qt f1 f2 qo d1 d2 d3 n1 n2"
+    out = {name: root / name for name in runs.split()}
     said = {}
     one = fsdp_runs(
         1,
@@ -94,6 +94,7 @@ def ep(tmp_path_factory) -> dict:
             job(src["qwen3_moe"], out["qe"], 4, "--experts_implementation", "eager"),  # the loop, not grouped_mm
             job(src["qwen3_moe"], out["f1"], 3, "--fp8", "rowwise"),
             dpo_job(src["qwen3_moe"], pairs, out["d1"]),
+            job(wide, out["n1"], 3, *QLORA),
         ],
     )
     # E = 2 on 2 ranks: one copy of each expert; Qwen3-MoE with activation checkpointing, stopped after step 2
@@ -116,6 +117,7 @@ def ep(tmp_path_factory) -> dict:
             job(src["qwen3_moe"], out["qo"], 4, "--ep", "2", "--cpu_offload", "true"),
             dpo_job(src["qwen3_moe"], pairs, out["d2"], "--ep", "2"),
             dpo_job(src["qwen3_moe"], pairs, out["d3"], "--ep", "2", "--precompute_ref_log_probs", "false"),
+            job(wide, out["n2"], 3, *QLORA, "--ep", "2"),  # the attention in 4 bits, the experts frozen and split
         ],
     )  # fmt: skip
     # 4 ranks: E = 2 (two copies of each expert, FSDP2 over them), exported; then the E = 2 run resumed under E = 4
@@ -161,6 +163,7 @@ def assert_same(got: list[dict], ref: list[dict], what: str) -> None:
         ("qo", "q1", "Qwen3-MoE, --cpu_offload, E = 2 on 2 ranks"),
         ("d2", "d1", "Qwen3-MoE, --objective dpo (the reference's log-probs computed first), E = 2 on 2 ranks"),
         ("d3", "d1", "Qwen3-MoE, --objective dpo (a frozen reference copy at every step), E = 2 on 2 ranks"),
+        ("n2", "n1", "Qwen3-MoE, QLoRA (--load_in_4bit), E = 2 on 2 ranks"),
     ],
 )
 def test_the_same_curve_as_one_rank(ep, run, ref, what):

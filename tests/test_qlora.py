@@ -278,3 +278,27 @@ def test_a_lora_plan_that_needs_offload_says_a_4bit_base_fits(capsys):
     out = capsys.readouterr().out
     assert "recommendation: fsdp2_offload" in out or "nothing fits" in out, out
     assert "or without offload, the base in 4 bits (QLoRA): --use_peft true --load_in_4bit true with fsdp2" in out, out
+
+
+def test_the_banner_says_a_moes_routed_experts_stay_unquantised():
+    """NF4 takes linear layers: a MoE's routed experts (3-D weights, most of its parameters) keep their dtype, which
+    the QLoRA line says rather than letting the 4-bit figures stand for the whole base."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from anygpu.model import lora, qlora
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=320, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    args = SimpleNamespace(
+        use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=None, lora_modules_to_save=None
+    )
+    model = qlora.apply(lora.wrap(model, args), True)
+    experts = 2 * 4 * 3 * 128 * 64
+    assert f"the routed experts of 2 MoE layers ({experts / 1e6:.1f}M parameters" in qlora.note(model)

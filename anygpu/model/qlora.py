@@ -27,6 +27,7 @@ from torch import nn
 
 from anygpu.config import nf4
 from anygpu.config.nf4 import BLOCK, SCALER_BLOCK, is_4bit
+from anygpu.runtime import expert_parallel
 
 _SHARDED = ("quantized_scalers", "quantization_factor", "quantized_data")  # split by rows; the rest is per tensor
 
@@ -126,10 +127,18 @@ def note(model: nn.Module) -> str | None:
     here = sum(local_bytes(m.weight) for m in layers)
     kept = sum(1 for m in model.modules() if isinstance(m, nn.Linear) and not m.weight.requires_grad) - len(layers)
     name = str(dtype).removeprefix("torch.")
+    experts = expert_parallel.experts_modules(model)
+    routed = sum(p.numel() for module in experts for p in module.parameters() if not p.requires_grad)
     return (
         f"QLoRA: {len(layers)} linear weights in 4-bit NF4 (torchao, nested scales): {whole / 2**20:.3f} MiB instead "
         f"of {unquantised / 2**20:.3f} MiB in {name}, {here / 2**20:.3f} MiB of them on this rank"
         + (f"; {kept} kept in {name} (the output head, shapes not in whole 64 × 256 blocks)" if kept else "")
+        + (
+            f"; the routed experts of {len(experts)} MoE layers ({routed / 1e6:.1f}M parameters, 3-D weights, not "
+            f"linear layers) kept in their dtype"
+            if routed
+            else ""
+        )
     )
 
 
