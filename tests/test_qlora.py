@@ -203,6 +203,9 @@ def test_the_plan_counts_a_4bit_base():
     assert plans["lora"].recommended is None or plans["lora"].recommended.cpu_bytes
     four_gib = rec.per_gpu_bytes["parameters"]
     assert four_gib < 0.4 * memory_plan.model_state_bytes(lora, "fsdp2", "bf16", 1)[0]["parameters"]
+    # host RAM: the FSDP2 engine reads one tensor at a time (not the 32 GB fp32 model), and exports the adapter
+    assert rec.host_bytes["loading"] == 4 * max(p.numel for p in qlora.params)
+    assert rec.host_bytes["exporting"] == 4 * qlora.num_trainable and rec.host_bytes["merging"] == 4 * qlora.num_params
 
 
 @pytest.mark.parametrize(

@@ -579,16 +579,19 @@ def host_bytes(shapes: Shapes, strategy: str, gpus_per_node: int) -> dict[str, i
     - loading (pretrained or initialised): DDP and ZeRO-1/2 build the whole model in every process; accelerate's
       FSDP2 (`fsdp_cpu_ram_efficient_loading`) in rank 0 only, the others on the meta device; ZeRO-3 (`zero3_init_flag`)
       partitions while building, rank 0 reading the files (the whole model, at worst); the native engine (its FSDP2
-      and HSDP rows) reads one tensor at a time in every process and keeps its shards;
-    - exporting: the whole model gathered on rank 0 (`anygpu.checkpoint.export`)."""
+      and HSDP rows) reads one tensor at a time in every process and keeps its shards — QLoRA's only engine;
+    - exporting: the whole model gathered on rank 0 (`anygpu.checkpoint.export`); a LoRA run's export is its adapter
+      (the whole model again only to merge it, `merging`)."""
     whole = 4 * shapes.num_params
     largest = 4 * max((p.numel for p in shapes.params), default=0)
     if strategy in ("ddp", "zero2", "zero2_offload"):
         loading = gpus_per_node * whole
-    elif strategy == HSDP:
+    elif strategy == HSDP or shapes.four_bit:
         loading = gpus_per_node * largest
     else:
         loading = whole
+    if shapes.num_trainable < shapes.num_params:
+        return {"loading": loading, "exporting": 4 * shapes.num_trainable, "merging": whole}
     return {"loading": loading, "exporting": whole}
 
 

@@ -530,7 +530,12 @@ def recommendation(result: PlanResult) -> list[str]:
         f"{result.gradient_accumulation_steps} accumulation step{'' if result.gradient_accumulation_steps == 1 else 's'} "
         f"(peak ≈ {gib(rec.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU)",
         f"  host RAM on node 0: {gib(rec.host_bytes['loading'])} GiB to load the model, "
-        f"{gib(rec.host_bytes['exporting'])} GiB to export it (fp32; see docs/memory.md)",
+        + (
+            f"{gib(rec.host_bytes['exporting'])} GiB to export the adapter, {gib(rec.host_bytes['merging'])} GiB "
+            "with --merge_lora (fp32; see docs/memory.md)"
+            if "merging" in rec.host_bytes
+            else f"{gib(rec.host_bytes['exporting'])} GiB to export it (fp32; see docs/memory.md)"
+        ),
     ]
     if rec.cpu_bytes:
         lines.append(offload_line(result, rec))
