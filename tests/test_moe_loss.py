@@ -111,3 +111,30 @@ def test_router_loss_of_packed_rows_ignores_padding(peft, tmp_path):
     assert moe.aux_loss_coef(model) == 0.1 and bare.aux_loss is None  # the router loss is on, and only in training
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
     torch.testing.assert_close(losses[2], losses[0], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "model_type,config,said",
+    [
+        ("phimoe", {}, "the router samples its experts in training (sparsemixer), drawn from each rank's generator"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise 0.1 multiplies its inputs by noise"),
+        ("mixtral", {}, None),
+        ("qwen3_moe", {}, None),
+    ],
+)
+def test_a_router_that_draws_random_numbers_is_said_to_depend_on_the_ranks(model_type, config, said):
+    """PhiMoE's router samples (sparsemixer) and Mixtral's jitter multiplies by noise, both from each rank's own
+    generator: measured, PhiMoE's 1- and 2-rank curves differ by 4e-6 in the loss. The banner says so."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from anygpu.model import moe
+
+    small = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, num_local_experts=4, num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **small, **config))
+    note = moe.random_router_note(model)
+    assert note == said if said is None else said in note, note
+    if model_type == "mixtral" and said:
+        assert "set it to 0 in the config" in note

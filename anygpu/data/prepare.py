@@ -29,7 +29,7 @@ from anygpu.data.samples import TrainingRows, make_rows
 from anygpu.data.token_rows import Concatenation
 from anygpu.data.sources import data_format, fingerprint, load_raw_text
 from anygpu.errors import UsageError
-from anygpu.model import dropout, fp8, lean_loss, lora, modeling, qlora
+from anygpu.model import dropout, fp8, lean_loss, lora, modeling, moe, qlora
 from anygpu.runtime import checkpointing, distributed, hardware
 from anygpu.runtime.distributed import DistInfo
 
@@ -283,6 +283,7 @@ def summary_lines(prep: Prepared, model, train_args: TrainArguments, tf32: bool)
                 fp8.note(model),
                 checkpointing.note(model),
                 modeling.experts_line(model),
+                moe.random_router_note(model),
             )
             if line
         ],

@@ -88,3 +88,25 @@ def global_batch_loss(
         mask = F.pad(mask, (0, logits[0].shape[0] // rows - mask.shape[1]))
     aux = per_sample_aux(model, logits, mask)
     return cross_entropy + coef * aux.sum().to(cross_entropy.device) / (global_batch_size * cp.size)
+
+
+# routers that draw random numbers in training, from the rank's own generator (dropout's masks are keyed per sample,
+# `anygpu.model.dropout`; these are not): PhiMoE samples its experts (sparsemixer) whatever its config says
+SAMPLING_ROUTERS = {"phimoe": "samples its experts in training (sparsemixer)"}
+
+
+def random_router_note(model: nn.Module) -> str | None:
+    """The banner's warning for a router whose training draws come from each rank's generator, else None."""
+    config = hf_model(model).config
+    sampling = SAMPLING_ROUTERS.get(config.model_type)
+    noise = {k: v for k, v in config.to_dict().items() if "jitter" in k and isinstance(v, float) and v > 0}
+    if sampling:  # PhiMoE's router_jitter_noise is its sampler's threshold, not noise
+        noise.pop("router_jitter_noise", None)
+    why = [sampling] * bool(sampling) + [f"{k} {v:g} multiplies its inputs by noise" for k, v in sorted(noise.items())]
+    if not why:
+        return None
+    fix = "" if sampling else "; set it to 0 in the config for an invariant curve"
+    return (
+        f"warning: the router {'; '.join(why)}, drawn from each rank's generator: the curve depends on the number of "
+        f"ranks and the micro-batch (not keyed per sample like dropout){fix}"
+    )
