@@ -61,6 +61,14 @@ SHAPE = (
     if GPU
     else dict(hidden_size=128, intermediate_size=448, num_attention_heads=4, num_key_value_heads=2, vocab_size=1024)
 )
+# Qwen3-30B-A3B's layer (128 experts, 8 per token, 3.3B of 30.5B parameters active), with the same vocabulary
+MOE_SHAPE = (
+    dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+         num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8)
+    if GPU
+    else dict(hidden_size=128, intermediate_size=448, moe_intermediate_size=64, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2)
+)  # fmt: skip
 BLOCK = 8192 if GPU else 256
 WINDOW = 8 if GPU else 1  # steps per logged window: the second window is measured
 SFT_BATCH = 4  # sequences per step of the SFT rows (packed rows, or samples padded to the micro-batch's longest)
@@ -78,6 +86,7 @@ class Row:
     data: str = "text"  # raw-text blocks, or "sft": prompt-completion rows
     seconds: int = 30  # expected on an H100, start-up included (the part's time budget skips what would not fit)
     late: bool = False  # last, in the time the part's budget leaves (planned to be skipped when time is short)
+    moe: bool = False  # Qwen3-30B-A3B's mixture-of-experts layer (`MOE_SHAPE`) instead of Llama-3-8B's
 
     @property
     def id(self) -> str:
@@ -112,6 +121,10 @@ ROWS = (  # seconds: measured on the H100 lease of 2026-11-26 (~30 s of each is 
         seconds=55,
         late=True,
     ),
+    # the experts computed together (one grouped GEMM per projection, transformers' default) or by the family's loop
+    # over the experts hit: the single-GPU half of expert parallelism's speed (docs/moe.md); --ep needs two GPUs
+    Row("MoE, experts grouped_mm", 1, 2, moe=True, seconds=45, late=True),
+    Row("MoE, experts eager loop", 1, 2, ("--experts_implementation", "eager"), moe=True, seconds=60, late=True),
 )
 
 
@@ -122,8 +135,8 @@ def row_by_id(row_id: str) -> Row:
     return found[0]
 
 
-def config_path(layers: int) -> Path:
-    return WORK / f"llama3-8b-shape-{layers}L.json"
+def config_path(layers: int, moe: bool = False) -> Path:
+    return WORK / (f"qwen3-30b-a3b-shape-{layers}L.json" if moe else f"llama3-8b-shape-{layers}L.json")
 
 
 def engine_argv(row: Row) -> list[str]:
@@ -136,7 +149,7 @@ def engine_argv(row: Row) -> list[str]:
     )
     return [
         "--config_name",
-        str(config_path(row.layers)),
+        str(config_path(row.layers, row.moe)),
         "--tokenizer_name",
         str(WORK / "tokenizer"),
         *data,
@@ -181,13 +194,16 @@ def prepare() -> None:
     """The model configs, a tokenizer with Llama-3-8B's vocabulary size, and prompt-completion rows."""
     WORK.mkdir(parents=True, exist_ok=True)
     preset = json.loads((ROOT / "anygpu/config/presets/llama-8b.json").read_text())
-    for layers in sorted({r.layers for r in ROWS}):
-        config = {**preset, **SHAPE, "num_hidden_layers": layers, "max_position_embeddings": max(BLOCK, 8192)}
+    moe = {"model_type": "qwen3_moe", "vocab_size": SHAPE["vocab_size"], "rope_theta": 1e6, **MOE_SHAPE}
+    for layers, is_moe in sorted({(r.layers, r.moe) for r in ROWS}):
+        config = {**(moe if is_moe else {**preset, **SHAPE}), "num_hidden_layers": layers}
+        config["max_position_embeddings"] = max(BLOCK, 8192)
         text = json.dumps(config, indent=1)
-        if not config_path(layers).exists() or config_path(layers).read_text() != text:
-            tmp = config_path(layers).with_suffix(f".{os.getpid()}.tmp")  # rows start side by side in the rehearsal
+        path = config_path(layers, is_moe)
+        if not path.exists() or path.read_text() != text:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # rows start side by side in the rehearsal
             tmp.write_text(text)
-            os.replace(tmp, config_path(layers))
+            os.replace(tmp, path)
     if not (WORK / "tokenizer" / "tokenizer.json").exists():
         padded_tokenizer(WORK / "tokenizer", SHAPE["vocab_size"])
     if not (WORK / "sft.jsonl").exists():
