@@ -297,10 +297,10 @@ def test_ep_with_the_hf_engine_is_refused():
     from anygpu.engines.trunk import startup
     from anygpu.errors import UsageError
 
-    m, _, t = parse_args(["--config_name", "tiny", "--ep", "2"])
+    t = parse_args(["--config_name", "tiny", "--ep", "2"])[2]
     with pytest.raises(UsageError, match="--ep 2: expert parallelism is the FSDP2 engine's"):
-        startup.check_ep(m, t, "hf")
-    startup.check_ep(m, t, "fsdp")
+        startup.check_ep(t, "hf")
+    startup.check_ep(t, "fsdp")
 
 
 def lora_args(**kw) -> SimpleNamespace:

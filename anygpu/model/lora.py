@@ -77,8 +77,9 @@ def wrap(model: nn.Module, args) -> nn.Module:
         # through ParamWrapper, which has no dropout
         targets = ",".join(args.lora_target_modules) if args.lora_target_modules else "left out (peft's choice)"
         raise UsageError(
-            f"--lora_dropout {args.lora_dropout} with --lora_target_modules {targets} on {model.config.model_type}: peft adapts the experts' own weights there, and its adapter for them "
-            "takes no dropout; use --lora_dropout 0, or target modules outside the experts (e.g. q_proj,k_proj,v_proj,o_proj)."
+            f"--lora_dropout {args.lora_dropout} with --lora_target_modules {targets} on {model.config.model_type}: "
+            "peft adapts the experts' own weights there, and its adapter for them takes no dropout; use "
+            "--lora_dropout 0, or target modules outside the experts (e.g. q_proj,k_proj,v_proj,o_proj)."
         ) from None
 
 

@@ -51,7 +51,7 @@ def check_levers(model_args, train_args, engine: str) -> None:
             "(--fp8 none, or --cpu_offload false)."
         )
     check_4bit(model_args, train_args, engine)
-    check_ep(model_args, train_args, engine)
+    check_ep(train_args, engine)
     if engine != "fsdp" and train_args.gradient_checkpointing_policy == "selective":
         raise UsageError(
             "--gradient_checkpointing_policy selective is the FSDP2 engine's: use --engine fsdp, or full "
@@ -59,7 +59,7 @@ def check_levers(model_args, train_args, engine: str) -> None:
         )
 
 
-def check_ep(model_args, train_args, engine: str) -> None:
+def check_ep(train_args, engine: str) -> None:
     """--ep where it runs: the FSDP2 engine (what the model refuses, `expert_parallel.check` says when it is built)."""
     ep = train_args.ep
     if ep != 1 and engine != "fsdp":
