@@ -1,5 +1,6 @@
 """`anygpu bench --nproc 1,2` on CPU: one short fixed job per process count (the launcher's own
-command), a table of tokens/s, per process and scaling efficiency, and the PNG plot."""
+command, with the engine arguments given after `--`), a table of tokens/s, per process and scaling efficiency,
+and the PNG plot."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def test_bench_one_and_two_processes(tmp_path):
             "3",
             "--output_dir",
             str(out),
+            "--",  # engine arguments, after bench's own
+            "--lr_scheduler_type",
+            "constant",
         ],
         check=False,
         timeout=600,
@@ -50,6 +54,7 @@ def test_bench_one_and_two_processes(tmp_path):
         recs = [json.loads(ln) for ln in (out / f"nproc{n}" / "metrics.jsonl").read_text().splitlines()]
         steps = [r for r in recs if "loss" in r]
         assert len(steps) == 3 and {(r["global_batch_size"], r["world_size"]) for r in steps} == {(8, n)}
+        assert len({r["learning_rate"] for r in steps}) == 1 and steps[0]["learning_rate"] > 0  # `-- …` reached it
         assert not list((out / f"nproc{n}").glob("checkpoint-*"))  # a measurement writes no checkpoint
 
 

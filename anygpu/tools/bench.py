@@ -1,6 +1,7 @@
 """`anygpu bench`: the same short job at several process counts; throughput and scaling.
 
     anygpu bench --engine fsdp --nproc 1,2,4,8 --output_dir outputs/bench
+    anygpu bench --nproc 2,4,8 --config_name moe.json -- --ep 2 --bf16 true    # engine arguments after --
 
 Each run is started exactly as the vendor launcher would start it (its own plan, with --nproc N),
 with a fixed global batch (strong scaling: the same work per step whatever N). Tokens/s is the mean
@@ -38,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="anygpu bench",
         description="Run a short fixed training job at each process count and print tokens/s, tokens/s per "
         "process, scaling efficiency against one process and MFU (on GPUs), as a table and a PNG "
-        "plot (bench.png) in --output_dir.",
+        "plot (bench.png) in --output_dir. Arguments after -- go to every run's engine, after bench's own (the "
+        "same names win): e.g. -- --ep 2 --torch_compile true.",
     )
     p.add_argument("--engine", choices=sorted(launcher.ENGINES), default="fsdp", help="Engine (default fsdp).")
     p.add_argument("--nproc", default="1,2,4,8", help="Comma-separated process counts (default 1,2,4,8).")
@@ -69,6 +71,7 @@ def parse_counts(text: str) -> list[int]:
 
 
 def engine_args(args: argparse.Namespace, global_batch: int, out: Path) -> list[str]:
+    """Every run's engine arguments: bench's fixed job, then what the user gave after `--`."""
     extra = ["--bf16", "true"] if args.bf16 else []
     return [
         "--config_name",
@@ -100,6 +103,7 @@ def engine_args(args: argparse.Namespace, global_batch: int, out: Path) -> list[
         "--output_dir",
         str(out),
         *extra,
+        *args.engine_args,
     ]
 
 
@@ -181,7 +185,10 @@ def table(results: list[Result]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = build_parser().parse_args(argv[:cut])
+    args.engine_args = argv[cut + 1 :]
     try:
         counts = parse_counts(args.nproc)
         for name in ("block_size", "per_process_batch", "max_steps"):
