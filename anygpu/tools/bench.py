@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_steps", type=int, default=10, help="Optimizer steps per run (default 10).")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs).")
     p.add_argument("--json", action="store_true", help="Print the results as JSON instead of a table.")
+    p.set_defaults(engine_args=[])  # what follows `--` (`main` cuts it off before parsing)
     return p
 
 
