@@ -63,3 +63,15 @@ def test_bad_counts_are_refused():
 
     assert bench.main(["--nproc", "0,2"]) == 2
     assert bench.parse_counts("4,1,2,2") == [1, 2, 4]
+
+
+def test_a_model_given_after_the_separator_is_not_overridden_by_the_default_preset():
+    from anygpu.tools import bench
+
+    args = bench.build_parser().parse_args([])
+    assert bench.engine_args(args, 8, bench.Path("o"))[:2] == ["--config_name", "default"]
+    args.engine_args = ["--model_name_or_path", "Qwen/Qwen3-30B-A3B", "--ep", "8"]
+    built = bench.engine_args(args, 8, bench.Path("o"))
+    assert "--config_name" not in built and built[-4:] == args.engine_args
+    args.config_name = "moe.json"  # given: kept
+    assert bench.engine_args(args, 8, bench.Path("o"))[:2] == ["--config_name", "moe.json"]

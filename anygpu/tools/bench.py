@@ -45,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=sorted(launcher.ENGINES), default="fsdp", help="Engine (default fsdp).")
     p.add_argument("--nproc", default="1,2,4,8", help="Comma-separated process counts (default 1,2,4,8).")
     p.add_argument("--output_dir", default="outputs/bench", help="Runs, bench.json and bench.png go here.")
-    p.add_argument("--config_name", default="default", help="Model preset or config.json (default: default).")
+    p.add_argument(
+        "--config_name",
+        help="Model preset or config.json (default: default, or the model given after -- as --model_name_or_path).",
+    )
     p.add_argument("--block_size", type=int, default=256, help="Tokens per sequence (default 256).")
     p.add_argument(
         "--per_process_batch",
@@ -74,9 +77,10 @@ def parse_counts(text: str) -> list[int]:
 def engine_args(args: argparse.Namespace, global_batch: int, out: Path) -> list[str]:
     """Every run's engine arguments: bench's fixed job, then what the user gave after `--`."""
     extra = ["--bf16", "true"] if args.bf16 else []
+    pretrained = "--model_name_or_path" in args.engine_args
+    config = [] if pretrained and args.config_name is None else ["--config_name", args.config_name or "default"]
     return [
-        "--config_name",
-        args.config_name,
+        *config,
         "--block_size",
         str(args.block_size),
         "--max_corpus_mb",
@@ -226,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         sys.stdout.write(
-            f"{args.engine} engine, {args.config_name}, block {args.block_size}, global batch "
+            f"{args.engine} engine, {args.config_name or 'default'}, block {args.block_size}, global batch "
             f"{global_batch}, {args.max_steps} steps (tokens/s: mean after the first step)\n"
         )
         sys.stdout.write(table(results))
