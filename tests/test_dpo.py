@@ -152,9 +152,8 @@ def test_the_hf_engine_under_zero3_runs_the_reference_sharded(dpo):
     """ZeRO-3 partitions the policy as it is built, so the reference is a frozen copy FSDP2 shards over the processes,
     for the precompute pass too. Its table equals the 1-rank run's; the two ZeRO-3 curves (a copy at every step,
     micro-batches of 2; the table, micro-batches of 3) are one (1e-5), and LoRA's (its base at every step) is the 1-rank
-    LoRA run's. Against the 1-rank run a full fine-tune is equal at step 1, then within 1e-3: ZeRO-3 itself drifts
-    (without DPO, 1 process: 5e-5 in the grad norm by step 3, which this objective's learning rate of 2e-2 amplifies;
-    tests/test_hf_deepspeed.py holds its language-model runs to 1e-4)."""
+    LoRA run's, and a full fine-tune the 1-rank run's (1e-5; it drifted by up to 1e-3 while ZeRO-3's partitioned
+    matrices got no weight decay)."""
     from safetensors.torch import load_file
 
     said, out = dpo["said"], dpo["out"]
@@ -170,10 +169,7 @@ def test_the_hf_engine_under_zero3_runs_the_reference_sharded(dpo):
         assert torch.allclose(tables[1][split], table, rtol=1e-6, atol=0), split
     assert_same(records(out["y"]), records(out["x"]), "ZeRO-3: a frozen copy at every step, and its table")
     assert_same(records(out["w"]), records(out["c"]), "ZeRO-3: LoRA, its base at every step")
-    ref, got = records(out["a"]), records(out["y"])
-    assert_same([r for r in got if r["step"] <= 1], ref, "ZeRO-3: evaluation at step 0 and step 1")
-    step = {r["step"]: r["loss"] for r in got if "loss" in r}
-    assert all(abs(step[r["step"]] - r["loss"]) <= 1e-3 * r["loss"] for r in ref if "loss" in r), (got, ref)
+    assert_same(records(out["y"]), records(out["a"]), "ZeRO-3: a full fine-tune against the 1-rank run")
 
 
 @pytest.mark.slow

@@ -45,9 +45,11 @@ def runs(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_matches_one_process(runs, stage):
+    """1e-5 on every step: ZeRO-3 once drifted by 3e-5 in 10 steps (its partitioned parameters are 1-D placeholders,
+    so the weight decay of the matrices was never applied); ZeRO-2 does not partition them."""
     ref, got = losses(runs["ddp1"]), losses(runs[f"zero{stage}"])
     assert sorted(got) == list(range(1, 11)) and got[10] < got[1]
-    assert_close(ref, got, rel=1e-4)
+    assert_close(ref, got, rel=1e-5)
     out = runs[f"zero{stage}_proc"].stdout
     assert f"strategy: DeepSpeed ZeRO-{stage} over 2 processes, gloo" in out
     split = (

@@ -40,3 +40,18 @@ def test_a_resumed_schedule_continues_where_it_stopped():
     again = schedules.build("cosine", torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 2, 10)
     again.load_state_dict(first.state_dict())
     assert again.get_last_lr() == first.get_last_lr() and again.last_epoch == 4
+
+
+def test_weight_decay_takes_the_matrices_also_as_zero3_partitions_them():
+    """Matrices decay, biases and norm weights do not; a parameter ZeRO-3 has partitioned is an empty 1-D placeholder
+    with its shape in `ds_shape` (DeepSpeed's), and it once went to the no-decay group: no weight decay under ZeRO-3."""
+    from torch import nn
+
+    from anygpu.train import optim
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    for p in model.parameters():  # as deepspeed.zero.Init leaves them
+        p.ds_shape, p.data = p.shape, torch.empty(0)
+    decay, no_decay = optim.param_groups(model, 0.1)
+    assert [tuple(p.ds_shape) for p in decay["params"]] == [(4, 4)] and decay["weight_decay"] == 0.1
+    assert [tuple(p.ds_shape) for p in no_decay["params"]] == [(4,), (4,), (4,)] and no_decay["weight_decay"] == 0.0

@@ -14,11 +14,12 @@ from anygpu.train import schedules
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: biases and norm weights (the 1-D parameters) are exempt, as in HF."""
+    """Weight decay on matrices only: biases and norm weights (the 1-D parameters) are exempt, as in HF. A parameter
+    ZeRO-3 has partitioned is an empty 1-D placeholder: its own shape is `ds_shape`."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
