@@ -23,7 +23,8 @@ def runs(tmp_path_factory) -> dict:
     """ZeRO-2 with accumulation (2 per device × 2 devices × 2 steps); ZeRO-3 without (4 × 2 × 1), saving checkpoint-5,
     then in the same launch the same run stopped at step 5 (`zero3r`) and resumed from its checkpoint-5 by path."""
     out = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3", "zero3r")}
-    out["ddp1"] = hf_reference(tmp_path_factory)[0] / "ws1"  # the same run as test_hf_engine.py's 1-process one
+    root, stdouts = hf_reference(tmp_path_factory)
+    out["ddp1"], out["ddp1_stdout"] = root / "ws1", stdouts["ws1"]  # the same run as test_hf_engine.py's 1-process one
     out["zero2_proc"] = accelerate(
         "deepspeed_zero2",
         2,
@@ -52,6 +53,9 @@ def test_zero_matches_one_process(runs, stage):
     assert_close(ref, got, rel=1e-5)
     out = runs[f"zero{stage}_proc"].stdout
     assert f"strategy: DeepSpeed ZeRO-{stage} over 2 processes, gloo" in out
+    # the model's size, not the partition's (ZeRO-3 leaves each parameter an empty placeholder: it said 0.0M)
+    model_line = next(ln for ln in runs["ddp1_stdout"].splitlines() if ln.startswith("model: "))
+    assert model_line in out, (model_line, out[-3000:])
     split = (
         "2 per device × 2 devices × 2 accumulation steps"
         if stage == 2

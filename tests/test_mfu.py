@@ -89,3 +89,25 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_is_sent_to():
     experts = 48 * 128 * 3 * 2048 * 768
     assert trainable == every - embedding - experts + experts * 8 // 128
     assert flops_per_token(model, config, 4096) == 6 * trainable + 12 * 48 * 2048 * 4096
+
+
+def test_zero3s_partitioned_parameters_count_as_the_model():
+    """deepspeed.zero.Init leaves each parameter an empty placeholder (its size in ds_numel, its shape in ds_shape):
+    the banner's parameter count and the MFU's FLOPs read those, not the empty tensors (they said 0.0M and 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(
+            "llama",
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )  # fmt: skip
+    )
+    whole = modeling.count_parameters(model), modeling.matmul_parameters(model)
+    for p in model.parameters():  # as ZeRO-3 leaves them
+        p.ds_numel, p.ds_shape, p.data = p.numel(), p.shape, torch.empty(0)
+    assert whole[0] > 0 and (modeling.count_parameters(model), modeling.matmul_parameters(model)) == whole

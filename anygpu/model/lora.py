@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from anygpu.errors import UsageError
-from anygpu.runtime import expert_parallel
+from anygpu.runtime import expert_parallel, partitioned
 
 PREFIX = "base_model.model."
 # the query and value projections' names across transformers' families (attention inputs, fused or not)
@@ -159,8 +159,8 @@ def init_adapter(model: nn.Module, seed: int) -> None:
 
 
 def trainable_line(model: nn.Module) -> str:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(partitioned.numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(partitioned.numel(p) for p in model.parameters())
     config = model.peft_config["default"]
     targets = config.target_modules
     targets = ", ".join(sorted(targets)) if isinstance(targets, (set, list, tuple)) else targets

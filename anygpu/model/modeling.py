@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from anygpu.config.args import PRESETS_DIR, ModelArguments, preset_names
 from anygpu.errors import UsageError
 from anygpu.model import hub_weights, init_weights, lora
-from anygpu.runtime import context_parallel, expert_parallel
+from anygpu.runtime import context_parallel, expert_parallel, partitioned
 from anygpu.runtime.blocks import decoder_layer_classes, hf_model
 
 logger = logging.getLogger(__name__)
@@ -192,10 +192,10 @@ def load_pretrained_weights(model: nn.Module, path: str) -> None:
 
 
 def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(partitioned.numel(p) for p in model.parameters())
     if exclude_embeddings:
         emb = model.get_input_embeddings()
-        total -= emb.weight.numel()
+        total -= partitioned.numel(emb.weight)
     return total
 
 
@@ -242,9 +242,9 @@ def matmul_parameters(model: nn.Module) -> tuple[int, int]:
     counts = [0.0, 0.0]  # trainable, frozen
     for p in model.parameters():
         if p is not embedding:
-            counts[not p.requires_grad] += p.numel() * (share if id(p) in routed else 1)
+            counts[not p.requires_grad] += partitioned.numel(p) * (share if id(p) in routed else 1)
     if head is not None and getattr(head, "weight", None) is embedding:
-        counts[not embedding.requires_grad] += embedding.numel()
+        counts[not embedding.requires_grad] += partitioned.numel(embedding)
     return round(counts[0]), round(counts[1])
 
 

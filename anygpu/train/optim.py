@@ -10,16 +10,17 @@ from torch import nn
 
 from anygpu.config.args import TrainArguments
 from anygpu.config.optimizers import BF16, FP32, LOW_BIT, flag, state_kind
+from anygpu.runtime import partitioned
 from anygpu.train import schedules
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: biases and norm weights (the 1-D parameters) are exempt, as in HF. A parameter
-    ZeRO-3 has partitioned is an empty 1-D placeholder: its own shape is `ds_shape`."""
+    """Weight decay on matrices only: biases and norm weights (the 1-D parameters) are exempt, as in HF; by their own
+    shapes, also where ZeRO-3 has partitioned them (`runtime.partitioned`)."""
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+            (decay if len(partitioned.shape(p)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from anygpu.config.args import ModelArguments
 from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.model import modeling
+from anygpu.runtime import partitioned
 
 FULL, ZERO3, META = "full", "zero3", "meta"
 
@@ -103,16 +104,12 @@ def size_zero3_buffers(deepspeed_plugin: Any, model: nn.Module, world_size: int)
         return
     for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
         zero.setdefault(key, "auto")
-    total = sum(_numel(p) for p in model.parameters())
+    total = sum(partitioned.numel(p) for p in model.parameters())
     share = max(1, total // max(1, world_size))
     live = max(min(10**9, share), prefetch_floor(model, zero["stage3_prefetch_bucket_size"]))
     for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):
         if zero.get(key) in (None, "auto"):
             zero[key] = live
-
-
-def _numel(p: nn.Parameter) -> int:
-    return getattr(p, "ds_numel", p.numel())
 
 
 def prefetch_floor(model: nn.Module, prefetch_bucket: int | float | str) -> int:
@@ -121,7 +118,7 @@ def prefetch_floor(model: nn.Module, prefetch_bucket: int | float | str) -> int:
     if prefetch_bucket == "auto":
         hidden = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
         prefetch_bucket = 0.9 * hidden * hidden
-    largest = max((sum(_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    largest = max((sum(partitioned.numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
     return largest + int(prefetch_bucket)
 
 
