@@ -211,3 +211,19 @@ def test_a_tokenizer_smaller_than_asked_says_so(capsys, tmp_path):
     )
     out = capsys.readouterr().out
     assert f"has {len(tok)} tokens, fewer than --vocab_size 1000" in out and out.count("\n") == 1
+
+
+def test_half_precision_under_deepspeed_without_a_gpu_is_refused_by_name(monkeypatch):
+    """Trainer refuses bf16 on a CPU unless use_cpu, which DeepSpeed's CPU accelerator leaves off: a traceback from
+    transformers at start-up before; now a line naming the flag and what runs bf16 on a CPU."""
+    from anygpu.config.args import HFEngineArguments, parse_args
+    from anygpu.engines.hf import engine
+    from anygpu.errors import UsageError
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    model_args, _, train_args = parse_args([*TINY, "--bf16", "true"])
+    with pytest.raises(UsageError, match=r"--bf16 true with DeepSpeed ZeRO-3 .* on this machine \(no GPU\)"):
+        engine.refuse_early(model_args, train_args, HFEngineArguments())
+    model_args, _, train_args = parse_args(TINY)
+    assert engine.refuse_early(model_args, train_args, HFEngineArguments()).kind == "deepspeed"  # fp32: runs
