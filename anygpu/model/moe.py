@@ -102,7 +102,9 @@ def random_router_note(model: nn.Module) -> str | None:
     noise = {k: v for k, v in config.to_dict().items() if "jitter" in k and isinstance(v, float) and v > 0}
     if sampling:  # PhiMoE's router_jitter_noise is its sampler's threshold, not noise
         noise.pop("router_jitter_noise", None)
-    why = [sampling] * bool(sampling) + [f"{k} {v:g} multiplies its inputs by noise" for k, v in sorted(noise.items())]
+    why = ([sampling] if sampling else []) + [
+        f"{k} {v:g} multiplies its inputs by noise" for k, v in sorted(noise.items())
+    ]
     if not why:
         return None
     fix = "" if sampling else "; set it to 0 in the config for an invariant curve"

@@ -267,9 +267,8 @@ def reference_bytes(shapes: Shapes, strategy: str, precision: str, world: int, r
     if strategy.endswith("offload"):
         return 0
     e = 2 if precision == "bf16" else 4
-    if strategy.startswith(
-        ("fsdp2", HSDP, "zero3")
-    ):  # under ZeRO-3 too FSDP2 shards it (engines/trunk/reference_model)
+    # under ZeRO-3 too FSDP2 shards it (engines/trunk/reference_model)
+    if strategy.startswith(("fsdp2", HSDP, "zero3")):
         return e * sum(fsdp_rows(p.shape, world, rank) for p in shapes.params)
     return e * shapes.num_params
 

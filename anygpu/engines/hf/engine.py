@@ -63,13 +63,12 @@ def refuse_early(
     startup.check_levers(model_args, train_args, "hf")
     plan = hf_strategy.plan(hf_strategy.requested(), on_cpu, engine_args.allow_strategy_fallback)
     check_objective(train_args, plan)
-    half = "--bf16 true" if train_args.bf16 else "--fp16 true" if train_args.fp16 else None
-    if half and on_cpu and plan.kind == "deepspeed":
-        # use_cpu stays off for DeepSpeed's own CPU accelerator, and Trainer refuses half precision without it
+    if train_args.bf16 and on_cpu and plan.kind == "deepspeed":  # --fp16 on a CPU: check_precision refused it
+        # use_cpu stays off for DeepSpeed's own CPU accelerator, and Trainer refuses bf16 on a CPU without it
         raise UsageError(
-            f"{half} with {plan.describe().removeprefix('strategy: ')} on this machine (no GPU): DeepSpeed's CPU accelerator trains in fp32 "
-            "here; leave it out, or use the ddp accelerate config or the FSDP2 engine (--engine fsdp), which run "
-            "bf16 on a CPU."
+            f"--bf16 true with {plan.describe().removeprefix('strategy: ')} on this machine (no GPU): DeepSpeed's CPU "
+            "accelerator trains in fp32 here; leave it out, or use the ddp accelerate config or the FSDP2 engine "
+            "(--engine fsdp), which run bf16 on a CPU."
         )
     if train_args.optim_state != FP32 and plan.kind == "deepspeed":
         raise UsageError(

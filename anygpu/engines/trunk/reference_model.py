@@ -39,9 +39,8 @@ def build(
     modeling.flatten_packed_rows(model)
     mask_hint.install(model, prep.collator.packed)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
-    ep = train_args.ep if parallel.needs_sharding(shape.world_size, train_args.bf16, train_args.cpu_offload) else 1
     parallel.shard_model(
-        model, info.device, shape, train_args.bf16, None, False, cpu_offload=train_args.cpu_offload, ep=ep
+        model, info.device, shape, train_args.bf16, None, False, cpu_offload=train_args.cpu_offload, ep=train_args.ep
     )
     offload.materialize(model, info.device, train_args.cpu_offload)
     if not parallel.is_sharded(model):
