@@ -91,23 +91,18 @@ def test_a_mixture_of_experts_counts_the_experts_a_token_is_sent_to():
     assert flops_per_token(model, config, 4096) == 6 * trainable + 12 * 48 * 2048 * 4096
 
 
-def test_zero3s_partitioned_parameters_count_as_the_model():
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_zero3s_partitioned_parameters_count_as_the_model(model_type):
     """deepspeed.zero.Init leaves each parameter an empty placeholder (its size in ds_numel, its shape in ds_shape):
-    the banner's parameter count and the MFU's FLOPs read those, not the empty tensors (they said 0.0M and 0)."""
+    the banner's parameter count and the MFU's FLOPs read those, not the empty tensors (they said 0.0M and 0), and a
+    MoE's routed experts count at top_k of their number (read from the placeholder, it was all of them)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(
-            "llama",
-            vocab_size=64,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )  # fmt: skip
-    )
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **small))
     whole = modeling.count_parameters(model), modeling.matmul_parameters(model)
+    assert modeling.active_share(model) == (0.25 if model_type == "qwen3_moe" else 1.0)
     for p in model.parameters():  # as ZeRO-3 leaves them
         p.ds_numel, p.ds_shape, p.data = p.numel(), p.shape, torch.empty(0)
     assert whole[0] > 0 and (modeling.count_parameters(model), modeling.matmul_parameters(model)) == whole

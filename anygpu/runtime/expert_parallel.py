@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from anygpu.errors import UsageError
+from anygpu.runtime import partitioned
 from anygpu.runtime.blocks import hf_model
 from anygpu.runtime.mesh import MeshShape
 
@@ -38,9 +39,10 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def num_experts(model: nn.Module) -> int:
-    """The experts of each MoE layer, from the first experts module's weights (global shape, split or not)."""
+    """The experts of each MoE layer, from the first experts module's weights (global shape: split, or partitioned by
+    ZeRO-3, or not)."""
     modules = experts_modules(model)
-    return next(modules[0].parameters()).shape[0] if modules else 0
+    return partitioned.shape(next(modules[0].parameters()))[0] if modules else 0
 
 
 def check(model: nn.Module, ep: int, shape: MeshShape) -> None:
