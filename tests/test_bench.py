@@ -73,5 +73,7 @@ def test_a_model_given_after_the_separator_is_not_overridden_by_the_default_pres
     args.engine_args = ["--model_name_or_path", "Qwen/Qwen3-30B-A3B", "--ep", "8"]
     built = bench.engine_args(args, 8, bench.Path("o"))
     assert "--config_name" not in built and built[-4:] == args.engine_args
+    args.engine_args = ["--model_name_or_path=Qwen/Qwen3-30B-A3B"]  # argparse's other spelling
+    assert "--config_name" not in bench.engine_args(args, 8, bench.Path("o"))
     args.config_name = "moe.json"  # given: kept
     assert bench.engine_args(args, 8, bench.Path("o"))[:2] == ["--config_name", "moe.json"]

@@ -77,7 +77,7 @@ def parse_counts(text: str) -> list[int]:
 def engine_args(args: argparse.Namespace, global_batch: int, out: Path) -> list[str]:
     """Every run's engine arguments: bench's fixed job, then what the user gave after `--`."""
     extra = ["--bf16", "true"] if args.bf16 else []
-    pretrained = "--model_name_or_path" in args.engine_args
+    pretrained = any(a.split("=", 1)[0] == "--model_name_or_path" for a in args.engine_args)
     config = [] if pretrained and args.config_name is None else ["--config_name", args.config_name or "default"]
     return [
         *config,
