@@ -18,6 +18,11 @@ SMALL = dict(
     max_position_embeddings=128,
 )
 EXPERTS = dict(moe_intermediate_size=16, num_experts_per_tok=2)
+# a Qwen3-MoE whose attention weights fill whole NF4 blocks (64 × 256 elements): QLoRA's MoE tests
+WIDE_MOE = dict(
+    model_type="qwen3_moe", **{**SMALL, "hidden_size": 128, "intermediate_size": 256}, moe_intermediate_size=64,
+    head_dim=32, num_experts=4, num_experts_per_tok=2,
+)  # fmt: skip
 # name → (config, storage dtype, max_shard_size)
 SOURCES = {
     "qwen2_moe": (

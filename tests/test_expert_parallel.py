@@ -38,11 +38,9 @@ def wide_source(source: Path, folder: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=320, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=128,
-    )  # fmt: skip
+    from hub_sources import WIDE_MOE
+
+    config = AutoConfig.for_model(**WIDE_MOE)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -292,11 +292,9 @@ def test_the_banner_says_a_moes_routed_experts_stay_unquantised():
 
     from anygpu.model import lora, qlora
 
-    config = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=320, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
-        num_experts_per_tok=2,
-    )  # fmt: skip
+    from hub_sources import WIDE_MOE
+
+    config = AutoConfig.for_model(**WIDE_MOE)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     args = SimpleNamespace(
