@@ -406,6 +406,7 @@ def assert_close(a: dict[int, float], b: dict[int, float], rel: float, steps=Non
 LONGEST_FILES = (  # by their measured time on the 2-core machine, 3 workers, 2026-11-26 (--durations)
     "test_launch.py",
     "test_faults.py",
+    "test_crash_exits.py",
     "test_model_families.py",
     "test_wheel.py",
     "test_fsdp_engine.py",

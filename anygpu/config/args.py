@@ -613,6 +613,15 @@ class TrainArguments(ObjectiveArguments):
             "--ddp_timeout; checkpoints and the export keep --ddp_timeout. 0: --ddp_timeout throughout.",
         },
     )
+    dataloader_num_workers: int | None = field(
+        default=None,
+        metadata={
+            "resume": FREE,
+            "help": "FSDP2 engine: loader processes per rank that read the next steps while one computes (Hugging "
+            "Face's name). Default: 1 on a GPU's host or where a core is spare, else 0 (each step read inline). The "
+            "HF engine reads inline (0).",
+        },
+    )
     gc_steps: int = field(
         default=50,
         metadata={

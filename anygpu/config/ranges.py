@@ -55,6 +55,7 @@ RANGES: dict[str, Range] = {
     "per_device_train_batch_size": Range(1, example="8"),
     "per_device_eval_batch_size": Range(1, example="8"),
     "gradient_accumulation_steps": Range(1, example="1"),
+    "dataloader_num_workers": Range(0, example="1 (0: read inline)"),
     "learning_rate": Range(0, low_open=True, example="3e-4"),
     "weight_decay": Range(0, example="0.1"),
     "adam_beta1": Range(0, 1, high_open=True, example="0.9"),

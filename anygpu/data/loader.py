@@ -17,9 +17,13 @@ workers, 0.986 with 1 (benchmarks/engine_vs_plain.py, median of 3 rounds of 60 s
 
 from __future__ import annotations
 
+import atexit
+import functools
+import multiprocessing
 import os
 import signal
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from datasets import Dataset
@@ -115,6 +119,45 @@ def leave_signals_to_the_rank(_worker_id: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def stop_workers(batches: Iterator | None) -> None:
+    """End `batches`' loader workers now, whatever they are doing. They ignore SIGTERM (leave_signals_to_the_rank),
+    and Python's exit handler ends daemonic children with SIGTERM and then joins them: a rank leaving with an
+    exception while its loader's iterator is alive (the traceback holds it) would wait for its workers forever."""
+    workers = getattr(batches, "_workers", None)
+    if not workers:
+        return
+    if not getattr(batches, "_shutdown", True):
+        batches._shutdown_workers()  # torch's own ending (a no-op once the interpreter exits): done event, joins
+    _kill(workers)
+
+
+def _kill(workers: list[multiprocessing.Process]) -> None:
+    """SIGKILL what is still alive (a worker only reads rows: nothing of the run is lost with it), then reap it."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+    for worker in workers:
+        worker.join(timeout=10)
+
+
+@functools.cache
+def _guard_exit() -> None:
+    """Once per process, once a loader has workers: after multiprocessing's exit handler, so it runs before it."""
+    atexit.register(_kill_workers_at_exit)
+
+
+def _kill_workers_at_exit() -> None:
+    """The last guard, for an exit whose path did not call stop_workers: end this process's loader workers before
+    multiprocessing's exit handler (registered earlier, so it runs later) waits for them. torch's SIGCHLD handler
+    would report each as a worker that died: it is the rank that is leaving."""
+    from torch.utils.data._utils.worker import _worker_loop
+
+    workers = [p for p in multiprocessing.active_children() if getattr(p, "_target", None) is _worker_loop]
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _kill(workers)
+
+
 def step_loader(
     dataset: Dataset,
     collator: Collator,
@@ -129,6 +172,8 @@ def step_loader(
 ) -> torch.utils.data.DataLoader:
     """Steps [start_step, end_step) of rank `rank`, in GlobalOrder's order, as CPU StepBatches (pinned on CUDA)."""
     workers = default_workers(device) if num_workers is None else num_workers
+    if workers:
+        _guard_exit()
     return torch.utils.data.DataLoader(
         StepRows(dataset),
         sampler=StepSampler(order, plan, rank, start_step, end_step),

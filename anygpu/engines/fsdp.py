@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from anygpu import errors
 from anygpu.checkpoint import async_store, resume_guard, store
 from anygpu.config.args import DataArguments, ModelArguments, TrainArguments, parse_args, resolved_dict
-from anygpu.data.loader import StepBatches, read_step, step_loader
+from anygpu.data.loader import StepBatches, read_step, step_loader, stop_workers
 from anygpu.data.prepare import Prepared, check_run, prepare
 from anygpu.engines.trunk import finish, objectives, reference_model, startup
 from anygpu.engines.trunk.evaluator import evaluate_run
@@ -296,7 +296,10 @@ class FSDPTrainer:
         if schedule.evaluates_first:
             self.evaluate(0)
         log.open_bar()
-        self.batches = iter(steps(self.prep, self.info, schedule.start_step, schedule.end_step, cp=self.cp))  # 0-based
+        loader = steps(
+            self.prep, self.info, schedule.start_step, schedule.end_step, self.args.dataloader_num_workers, self.cp
+        )
+        self.batches = iter(loader)  # 0-based steps
         for step in schedule.steps():
             loss, lr, grad_norm = self.optimizer_step(step, next(self.batches))
             log.step_done(step)
@@ -488,11 +491,16 @@ class FSDPTrainer:
             self.close()
         return self.log.last
 
+    def stop_loader(self) -> None:
+        """End the step loader's workers (also on the way out of an error: they would outlive the rank)."""
+        stop_workers(self.batches)
+        self.batches = None
+
     def close(self) -> None:
         self.log.close()
         if self.gc is not None:
             self.gc.close()
-        self.batches = None  # the DataLoader iterator's workers stop when it is dropped
+        self.stop_loader()
         if self.async_saver is not None:
             self.async_saver.close()  # a write still in flight completes and commits before exit
         if self.preemption is not None:
@@ -505,6 +513,7 @@ def run(model_args: ModelArguments, data_args: DataArguments, train_args: TrainA
     try:
         return trainer.train()
     except BaseException:
+        trainer.stop_loader()
         trainer.log.close(failed=True)  # an MLflow or W&B run ends as failed, not left running (no-op once closed)
         raise
 

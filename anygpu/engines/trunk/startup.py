@@ -52,6 +52,11 @@ def check_levers(model_args, train_args, engine: str) -> None:
         )
     check_4bit(model_args, train_args, engine)
     check_ep(train_args, engine)
+    if engine != "fsdp" and train_args.dataloader_num_workers:
+        raise UsageError(
+            f"--dataloader_num_workers {train_args.dataloader_num_workers}: the HF engine reads each micro-batch "
+            "inline (its keyed dropout follows the sampler's order); use --dataloader_num_workers 0, or --engine fsdp."
+        )
     if engine != "fsdp" and train_args.gradient_checkpointing_policy == "selective":
         raise UsageError(
             "--gradient_checkpointing_policy selective is the FSDP2 engine's: use --engine fsdp, or full "
