@@ -64,6 +64,38 @@ SOURCES = {
     "llama_bf16": (dict(model_type="llama", **SMALL, tie_word_embeddings=True), "bfloat16", "20KB"),
 }
 MOE = [name for name in SOURCES if name != "llama_bf16"]
+# QLoRA's one-rank bf16 runs (test_qlora.py): Llamas with linear weights of whole NF4 blocks (64 × 256 elements), not
+# in SOURCES (whose non-Llama entries the family tests train). Untied, grouped-query, bf16: the MLP and q/o are 4-bit
+# (q/o, one block, not split over 2 ranks); fp32, tied, hidden 192 with 12 heads: only the MLP is. Weights at std
+# 0.25, so that the loss moves with the (dequantised) weights.
+NF4_SOURCES = {
+    "llama_nf4_bf16": (
+        dict(
+            SMALL,
+            model_type="llama",
+            hidden_size=128,
+            intermediate_size=256,
+            tie_word_embeddings=False,
+            initializer_range=0.25,
+        ),
+        "bfloat16",
+        "50GB",
+    ),
+    "llama_nf4_fp32": (
+        dict(
+            SMALL,
+            model_type="llama",
+            hidden_size=192,
+            intermediate_size=512,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            initializer_range=0.25,
+        ),
+        "float32",
+        "50GB",
+    ),
+}
 EAGER = {"gpt_oss"}  # transformers has no SDPA path for its attention sinks
 
 
@@ -98,7 +130,7 @@ def build(root: Path, names=SOURCES) -> dict[str, Path]:
     tok = tokenizer()
     out = {}
     for name in names:
-        data, dtype, shard = SOURCES[name]
+        data, dtype, shard = {**SOURCES, **NF4_SOURCES}[name]
         data = dict(data, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
         config = AutoConfig.for_model(data.pop("model_type"), **data)
         torch.manual_seed(0)

@@ -43,5 +43,8 @@ def is_4bit(tensor) -> bool:
 
 
 def unsplittable(layer, ranks: int) -> set:
-    """`layer`'s 4-bit weights that FSDP2 must leave whole on each rank (its `ignored_params`) over `ranks`."""
-    return {p for p in layer.parameters() if is_4bit(p) and not splits(tuple(p.shape), ranks)}
+    """`layer`'s 4-bit weights that FSDP2 must leave whole on each rank (its `ignored_params`) over `ranks`: those
+    whose rows do not split, and all of them in a shard group of one rank (--bf16 keeps FSDP2 there), where FSDP2
+    skips the all-gather and rebuilds a parameter from its first all-gather input alone, not NF4's three (codes,
+    scales, factors); that rank holds each weight whole either way."""
+    return {p for p in layer.parameters() if is_4bit(p) and (ranks == 1 or not splits(tuple(p.shape), ranks))}

@@ -12,8 +12,9 @@ only a rank's rows would give other scales (the scales' mean is over the whole t
 quantised tensor itself (`NF4Tensor.fsdp_pre_all_gather`: codes, scales and their factors gathered in 4 bits, the
 base never exists in bf16 on a rank); a weight whose rows do not split into whole 64 × 256-element scale blocks
 over the shard group (e.g. 4096 rows over 3 ranks) is kept whole on each rank instead (`nf4.unsplittable`: FSDP2's
-`ignored_params`), which gives the same numbers with more memory. Which weights are 4-bit depends on their shapes
-only (`quantisable`), never on the world size.
+`ignored_params`), which gives the same numbers with more memory; so is every one on a shard group of one rank, where
+FSDP2 skips the all-gather and could not rebuild NF4 (see `nf4.unsplittable`). Which weights are 4-bit depends on
+their shapes only (`quantisable`), never on the world size.
 
 Which: every `nn.Linear` of the base but the output head (bitsandbytes' `load_in_4bit` keeps `lm_head` too), whose
 weight's element count is a multiple of 64 × 256 (real models' are; a tiny model's smallest may not be, and stays in
