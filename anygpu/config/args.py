@@ -469,7 +469,8 @@ class TrainArguments(ObjectiveArguments):
             "resume": SAME,
             "help": "FSDP2 engine: train the decoder layers' linear layers in FP8 with torchao's float8: rowwise "
             "(a scale per token and weight row) or tensorwise (a scale per tensor, weights all-gathered in FP8); "
-            "scales are powers of two, so the curve stays the same on any GPU count and micro-batch (docs/fp8.md). "
+            "scales are powers of two; curves on other GPU counts and micro-batches agree to FP8's own effect on the "
+            "loss, not to float tolerance (docs/fp8.md). "
             "Needs FP8 matmuls (NVIDIA compute capability 8.9+, AMD gfx942+); emulated on CPU.",
         },
     )
