@@ -38,6 +38,28 @@ FAMILIES = {
         "float32",
     ),
 }  # fmt: skip
+NAMED = tuple(FAMILIES)
+DRAWN_TYPES = ("mistral", "gemma", "phi3", "olmo2", "granite", "stablelm", "qwen3", "starcoder2")
+
+
+def draw_family(seed: int) -> tuple[dict, str]:
+    """A family the matrix has not named: a config drawn from `seed` (type, heads, head size, KV heads, layers, MLP,
+    vocabulary, tying, storage dtype), every dimension a multiple of 16 (FP8's conversion)."""
+    rng = random.Random(seed)
+    heads, head_dim = rng.choice((2, 3, 4, 5, 6)), rng.choice((16, 32))
+    config = dict(
+        model_type=rng.choice(DRAWN_TYPES),
+        vocab_size=rng.randint(301, 509),
+        hidden_size=heads * head_dim,
+        head_dim=head_dim,
+        intermediate_size=16 * rng.randint(4, 16),
+        num_hidden_layers=rng.randint(1, 3),
+        num_attention_heads=heads,
+        num_key_value_heads=rng.choice([k for k in range(1, heads + 1) if heads % k == 0]),
+        tie_word_embeddings=rng.random() < 0.5,
+    )
+    return config, rng.choice(("float32", "bfloat16"))
+
 
 G, STEPS = 4, 4
 COMMON = [
@@ -94,8 +116,8 @@ class Capability:
 
 
 def capabilities(family: str) -> list[Capability]:
-    """What the matrix runs on `family` (the MoE family adds expert parallelism)."""
-    dpo_loss = {"llama": "sigmoid", "qwen2": "ipo", "qwen3_moe": "hinge"}[family]  # each loss type on one family
+    """What the matrix runs on `family` (the MoE family adds expert parallelism; a drawn family a subset)."""
+    dpo_loss = {"qwen2": "ipo", "qwen3_moe": "hinge"}.get(family, "sigmoid")  # each loss type on one family
     bf16_moments = ("--optim", "adamw_anyprecision", "--optim_args", "momentum_dtype=bfloat16,variance_dtype=bfloat16")
     lora = ("--use_peft", "true", "--lora_r", "4")
     dpo = ("--objective", "dpo", "--loss_type", dpo_loss, "--block_size", "64")
@@ -114,6 +136,9 @@ def capabilities(family: str) -> list[Capability]:
             "packed_sft", (), (ONE_BIG, ONE_SMALL, TWO, CP), data="sft", banner="packed rows (attention confined"
         ),
     ]
+    if family not in NAMED:
+        keep = ("pretraining", "lora", "fp8_rowwise", "dpo", "packed_sft")
+        return [cap for cap in caps if cap.name in keep]
     if FAMILIES[family][0]["model_type"].endswith("_moe"):
         caps.append(Capability("expert_parallel", (), (ONE_BIG, EP), banner="experts compute"))
     return caps
@@ -191,6 +216,7 @@ def check(curves: dict[tuple[str, str], dict[int, float]], family: str, cap: Cap
     relative bound, or for FP8 its own effect (the largest distance of its first layout's curve from the same layout
     without it: FP8's rounding magnifies another sum order's float rounding, docs/fp8.md)."""
     first = curves[(cap.name, cap.layouts[0].name)]
+    family = family if family in NAMED else f"{family} {FAMILIES[family]}"  # a drawn family: its seed and config
     assert sorted(first) == list(range(1, STEPS + 1)), (family, cap.name, first)
     if cap.own_effect_of:
         plain = curves[(cap.own_effect_of, cap.layouts[0].name)]

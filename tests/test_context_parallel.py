@@ -229,7 +229,8 @@ def test_the_hf_engine_names_the_engine_that_has_context_parallelism(capsys, tmp
 
 
 def test_what_the_split_cannot_keep_is_refused_in_one_line():
-    """Sliding-window layers (their masks are not built here): refused, naming --cp."""
+    """Sliding-window layers narrower than the block (their masks are not built here): refused, naming --cp; a
+    window as wide as the block is the causal mask (Mistral's default 4096 under a shorter block)."""
     from transformers import AutoConfig
 
     from anygpu.errors import UsageError
@@ -238,6 +239,10 @@ def test_what_the_split_cannot_keep_is_refused_in_one_line():
     sliding = AutoConfig.for_model("mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=32)
     with pytest.raises(UsageError, match="^--cp 2: mistral has sliding-window"):
         context_parallel.check(sliding, 64, 2)
+    context_parallel.check(sliding, 32, 2)
+    context_parallel.check(AutoConfig.for_model("mistral", num_attention_heads=4, num_key_value_heads=2), 512, 2)
+    with pytest.raises(UsageError, match="^--cp 2: gemma2 has sliding-window layers narrower"):
+        context_parallel.check(AutoConfig.for_model("gemma2", sliding_window=16, num_attention_heads=4), 64, 2)
     gqa = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2)
     context_parallel.check(gqa, 64, 2)
     context_parallel.check(gqa, 64, 4)  # 2 KV heads over 4 ranks: the keys and values are gathered

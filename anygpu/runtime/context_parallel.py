@@ -64,12 +64,15 @@ def check(config, block_size: int, cp: int, attention: str = "sdpa") -> None:
             f"with its causal mask: use --attn_implementation sdpa, or --cp {_largest(heads, kv_heads, cp)}."
         )
     layer_types = set(getattr(config, "layer_types", None) or ())
-    if layer_types - {"full_attention"} or (
-        getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    ):
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    # a window as wide as the block hides no token of a row: its mask is the causal one, which the split builds
+    narrow = (window is not None and window < block_size) or ("sliding_attention" in layer_types and window is None)
+    if layer_types - {"full_attention", "sliding_attention"} or narrow:
+        wider = f", or a --block_size of at most {window}" if window and window > 1 else ""
         raise UsageError(
-            f"--cp {cp}: {config.model_type} has sliding-window or other non-causal-mask layers, whose masks "
-            "this context parallelism does not build: use --cp 1."
+            f"--cp {cp}: {config.model_type} has sliding-window layers narrower than --block_size {block_size} "
+            f"(window {window}) or other non-causal-mask layers, whose masks this context parallelism does not "
+            f"build: use --cp 1{wider}."
         )
 
 

@@ -1,0 +1,26 @@
+"""The conformance matrix on a family no test names (tests/conformance.py's draw_family): a config drawn from a
+seed, trained with the capabilities every dense family must take. The seed is fixed, so CI draws the same family
+each run (a failure is never a new draw); ANYGPU_CONFORMANCE_SEED=N draws another, and a failure names its seed
+and config."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conformance import FAMILIES, capabilities, check, draw_family, run_family
+
+pytestmark = pytest.mark.slow
+SEED = int(os.environ.get("ANYGPU_CONFORMANCE_SEED", "5"))
+FAMILY = f"drawn-{SEED}"
+FAMILIES[FAMILY] = draw_family(SEED)
+
+
+@pytest.fixture(scope="module")
+def curves(tmp_path_factory):
+    return run_family(tmp_path_factory.mktemp(FAMILY), FAMILY)
+
+
+@pytest.mark.parametrize("cap", capabilities(FAMILY), ids=lambda cap: cap.name)
+def test_capability_keeps_its_curve(curves, cap) -> None:
+    check(curves, FAMILY, cap)
