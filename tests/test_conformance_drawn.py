@@ -11,7 +11,7 @@ import pytest
 from conformance import FAMILIES, capabilities, check, draw_family, run_family
 
 pytestmark = pytest.mark.slow
-SEED = int(os.environ.get("ANYGPU_CONFORMANCE_SEED", "5"))
+SEED = int(os.environ.get("ANYGPU_CONFORMANCE_SEED", "0"))  # a Mistral: sliding window, bf16, CP
 FAMILY = f"drawn-{SEED}"
 FAMILIES[FAMILY] = draw_family(SEED)
 
