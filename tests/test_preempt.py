@@ -24,7 +24,7 @@ mode = sys.argv[1]
 slow = mode in ("long-backward", "long-optimizer-step")
 if slow:  # torch imported and the model built before the signal: an import under load can outlast the grace period
     import torch
-if not slow:
+if not slow and mode != "exiting":
     os.kill(os.getpid(), signal.SIGUSR1 if mode == "usr1" else signal.SIGTERM)
 t0 = time.time()
 if mode in ("long-step", "usr1"):  # forward passes keep beating for three grace periods
@@ -36,6 +36,11 @@ elif mode == "long-save":  # no beat at all, but inside a save (or an export)
         time.sleep(3)
 elif mode == "stuck":  # a collective that never returns (a peer is gone)
     time.sleep(30)
+elif mode == "exiting":  # an error ended the main thread; an exit handler waits for a child that does not stop
+    import atexit
+
+    atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30)))
+    raise RuntimeError("a user's bug")
 elif mode == "second":
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
@@ -125,6 +130,16 @@ def test_a_process_stuck_in_a_collective_exits_fast_without_a_checkpoint(tmp_pat
     proc = run("stuck", tmp_path)  # had it waited out its 30-s "collective", it would have exited 0
     assert proc.returncode == 75, proc.returncode
     assert "no progress for 1 s, stuck in a collective" in proc.stderr
+    assert_lock_released(tmp_path)
+
+
+def test_a_process_stuck_on_its_way_out_is_not_blamed_on_a_peer(tmp_path):
+    """A rank that raised and then waits in an exit handler (as one waited for its loader worker) is stuck on its
+    way out, not in a collective: the watchdog's line says so."""
+    proc = run("exiting", tmp_path)
+    assert proc.returncode == 75, proc.returncode
+    assert "RuntimeError: a user's bug" in proc.stderr
+    assert "stuck on its way out (its main thread has ended" in proc.stderr, proc.stderr[-2000:]
     assert_lock_released(tmp_path)
 
 

@@ -109,9 +109,16 @@ class Preemption:
             if self.progress.protected_depth or self.progress.beats != seen:
                 seen = self.progress.beats
                 continue
+            # the interpreter ends the main thread before its exit handlers run: a rank leaving after an error
+            # that waits there waits for a child process, not for a peer
+            where = (
+                "stuck in a collective (a peer rank is gone?)"
+                if threading.main_thread().is_alive()
+                else "stuck on its way out (its main thread has ended: a child process it waits for did not stop)"
+            )
             _say(
-                f"{self.requested}: no progress for {self.grace_s:.0f} s, stuck in a collective (a peer rank is gone?): "
-                f"exiting without a checkpoint (exit {EXIT_NO_CHECKPOINT})"
+                f"{self.requested}: no progress for {self.grace_s:.0f} s, {where}: exiting without a checkpoint "
+                f"(exit {EXIT_NO_CHECKPOINT})"
             )
             _exit_now()
 
