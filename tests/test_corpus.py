@@ -72,8 +72,8 @@ def test_a_folder_a_glob_and_a_file_expand_to_readable_files_in_order(tmp_path):
 
 @pytest.mark.parametrize("layout", ["lines", "paragraphs", "jsonl", "parquet"])
 @settings(max_examples=12, deadline=None)
-@given(part_bytes=st.integers(16, 400), seed=st.integers(0, 10**6))
-def test_the_parts_of_a_file_read_every_document_once_in_order(tmp_path_factory, layout, part_bytes, seed):
+@given(part_bytes=st.integers(16, 400), piece_bytes=st.integers(4, 200), seed=st.integers(0, 10**6))
+def test_the_parts_of_a_file_read_every_document_once_in_order(tmp_path_factory, layout, part_bytes, piece_bytes, seed):
     rng = random.Random(seed)
     docs = [sentence(rng, 1, 12) for _ in range(rng.randint(2, 40))]  # 2+: one paragraph alone reads as lines
     path = tmp_path_factory.mktemp("parts") / {"lines": "a.txt", "paragraphs": "a.txt", "jsonl": "a.jsonl",
@@ -91,6 +91,10 @@ def test_the_parts_of_a_file_read_every_document_once_in_order(tmp_path_factory,
     reading = Reading("--train_file", "text", "auto", False)
     read = [t for p in range(f.num_parts) for t in readers.documents(reading, f, p, ReadStats())]
     assert read == docs and (f.num_parts > 1 or f.size <= part_bytes)
+    # and so do the pieces that worker processes tokenise apart, part by part
+    units = [token_units.Unit("train", f, p, reading, 0) for p in range(f.num_parts)]
+    cut = [piece for u in units for piece in token_units.pieces(u, piece_bytes)]
+    assert [t for piece in cut for t in readers.documents(reading, piece.file, piece.part, ReadStats())] == docs
 
 
 # ---------------------------------------------------------------------- bad rows
@@ -119,6 +123,15 @@ def test_a_bad_row_is_refused_naming_the_file_and_line_or_dropped_and_counted(tm
     read, stats = bad_reading(tmp_path, content, skip=True)
     assert read() == [t for t in ("fine", "also fine") if f'"{t}"'.encode() in content]
     assert stats.bad_rows == 1 and expected.split(": ")[0] in stats.first_bad
+
+
+def test_a_bad_file_in_parts_is_counted_once_and_read_by_none(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(b"\0" + b'{"text": "after a NUL byte"}\n' * 40)
+    f, stats = files.data_file(str(path), 64), ReadStats()
+    reading = Reading("--train_file", "text", "auto", True)
+    assert [t for p in range(f.num_parts) for t in readers.documents(reading, f, p, stats)] == []
+    assert f.num_parts > 10 and (stats.bad_files, stats.bad_rows, stats.documents) == (1, 0, 0)
 
 
 def test_a_truncated_compressed_file_is_refused_or_kept_as_far_as_it_reads(tmp_path):
@@ -221,6 +234,44 @@ def test_worker_processes_write_the_bytes_one_process_writes_and_a_start_after_r
         meta.unlink()  # a start after preparation reads the corpus's index, not the parts' files
     again = shared_prep.prepare_units(corpus.plan_corpus(args), tokenizer, args.data_cache_dir, workers=2)
     assert again.prepared_now == [] and again.metas == two.metas and "found done" in again.summary
+
+
+def test_one_file_is_cut_into_pieces_of_one_size_enough_for_every_process():
+    f = files.DataFile("/data/corpus.jsonl", 24_000_000, 0, "json", None)  # one 24 MB file: one unit
+    unit = token_units.Unit("train", f, 0, Reading("--train_file", "text", "auto", False), 0)
+    for workers in (2, 3, 8):
+        share = f.size // (workers * shared_prep.PIECES_PER_PROCESS)
+        sizes = [p.input_bytes for p in token_units.pieces(unit, max(share, shared_prep.MIN_PIECE_BYTES))]
+        assert sum(sizes) == f.size and len(set(sizes[:-1])) == 1 and sizes[-1] <= sizes[0]
+        assert len(sizes) >= min(workers * shared_prep.PIECES_PER_PROCESS, f.size // shared_prep.MIN_PIECE_BYTES)
+
+
+def test_pieces_from_worker_processes_join_to_the_bytes_and_counts_of_one_process(tmp_path, tokenizer, monkeypatch):
+    write_corpus(tmp_path / "c")
+    _, one = prepared(tmp_path, tokenizer, cache="one")
+    monkeypatch.setattr(shared_prep, "MIN_PIECE_BYTES", 1024)  # pieces of a few kB
+    args = data_args("--train_file", str(tmp_path / "c"), "--data_cache_dir", str(tmp_path / "two"))
+    plan = corpus.plan_corpus(args)
+    share = sum(u.input_bytes for u in plan.units()) // (2 * shared_prep.PIECES_PER_PROCESS)
+    cut = [len(token_units.pieces(u, max(share, 1024))) > 1 for u in plan.units()]
+    assert sum(cut) == 5  # the four .jsonl files and the .txt; the gzip and parquet files whole
+    two = shared_prep.prepare_units(plan, tokenizer, args.data_cache_dir, workers=2)  # spawned
+    assert bin_files(two.folder) == bin_files(one.folder) and not list(two.folder.glob(".*.tmp"))
+    without_seconds = lambda metas: [{k: v for k, v in m.items() if k != "seconds"} for m in metas]  # noqa: E731
+    assert without_seconds(two.metas) == without_seconds(one.metas)
+
+
+def test_a_bad_row_in_a_piece_is_refused_and_the_pieces_leave_no_files(tmp_path, tokenizer, monkeypatch):
+    rng = random.Random(3)
+    rows = [json.dumps({"text": sentence(rng)}) for _ in range(400)]
+    rows[300] = '{"text": broken'
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "one.jsonl").write_text("\n".join(rows) + "\n")
+    monkeypatch.setattr(shared_prep, "MIN_PIECE_BYTES", 1024)
+    args = data_args("--train_file", str(tmp_path / "c"), "--data_cache_dir", str(tmp_path / "cache"))
+    with pytest.raises(UsageError, match="one.jsonl line 301: not JSON"):
+        shared_prep.prepare_units(corpus.plan_corpus(args), tokenizer, args.data_cache_dir, workers=2)
+    assert not [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file()]
 
 
 def test_an_edited_file_is_prepared_again_alone(tmp_path, tokenizer):

@@ -8,6 +8,7 @@ Null values are skipped and counted, as before."""
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import re
@@ -112,8 +113,10 @@ def line_number(f: DataFile, offset: int) -> int:
     return count
 
 
+@functools.lru_cache(maxsize=64)
 def resolve_sample_by(f: DataFile, choice: str) -> str:
-    """--txt_sample_by auto: paragraphs when the file has a blank line (in its first 16 MB), else lines."""
+    """--txt_sample_by auto: paragraphs when the file has a blank line (in its first 16 MB), else lines (looked at once
+    per file and process: a file's pieces would each read those 16 MB again)."""
     if choice != "auto":
         return choice
     with open_binary(f) as fh:
@@ -344,14 +347,15 @@ def row_groups(pf, f: DataFile, part: int) -> list[int]:
 
 def documents(reading: Reading, f: DataFile, part: int, stats: ReadStats) -> Iterator[str]:
     """The non-empty documents of part `part` of `f`, in file order; counts what was skipped in `stats`."""
-    if part == 0 and f.compression is None:
+    if f.compression is None:  # every part (its first MB): a bad file's later parts must not read it as lines
         try:
             checks.check_file(Path(f.path), f.builder, reading.option)
         except UsageError:
             if not reading.skip_bad_rows:
                 raise
-            stats.bad_files += 1
-            stats.first_bad = stats.first_bad or f"{display(f.path)} (empty, whitespace or not text)"
+            if part == 0:  # counted once
+                stats.bad_files += 1
+                stats.first_bad = stats.first_bad or f"{display(f.path)} (empty, whitespace or not text)"
             return
     read = {
         "text": lambda: txt_documents(reading, f, part, stats),

@@ -38,6 +38,8 @@ PROGRESS_EVERY_S = 30.0
 SAMPLE_BYTES = 64 << 10  # text tokenised to estimate the tokens per byte of each source
 EXPANSION = 4.0  # text bytes per file byte assumed for compressed and parquet files (the estimate's only guess)
 DISK_MARGIN = 1.1
+PIECES_PER_PROCESS = 8  # work items per process at least where a rank has few units: the processes end together
+MIN_PIECE_BYTES = 1 << 20  # a piece's own cost (reopening its file, its temporary files, the join) stays under 1%
 
 
 @dataclass
@@ -82,18 +84,50 @@ def assign(sizes: list[int], world: int) -> list[list[int]]:
 def run_units(
     todo: list[int], units: list[Unit], keys: list[str], folder: Path, encoder: Encoder, workers: int
 ) -> None:
-    """Prepare units `todo` here: inline, or in `workers` processes (spawned: a rank may hold a GPU context)."""
-    if workers <= 1 or len(todo) <= 1:
+    """Prepare units `todo` here: inline, or in `workers` processes (spawned: a rank may hold a GPU context).
+
+    A unit larger than 1/PIECES_PER_PROCESS of a process's share is cut into pieces of about that size (at least
+    MIN_PIECE_BYTES; `token_units.pieces`) that the processes tokenise apart and this one joins in order: one file of
+    24 MB (one unit) is every process's work, not one's, and they end together. The units' bytes do not depend on it."""
+    share = sum(units[i].input_bytes for i in todo) // (max(workers, 1) * PIECES_PER_PROCESS)
+    pieces = {i: token_units.pieces(units[i], max(share, MIN_PIECE_BYTES)) for i in todo}
+    items = sum(len(cut) for cut in pieces.values())
+    if workers <= 1 or items <= 1:
         for i in todo:
             prepare_unit(units[i], encoder, folder, keys[i])
         return
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(
-        min(workers, len(todo)), mp_context=context, initializer=token_units.init_worker, initargs=(encoder,)
-    ) as pool:
-        futures = [pool.submit(token_units.work, units[i], folder, keys[i]) for i in todo]
-        for future in concurrent.futures.as_completed(futures):
-            future.result()  # the first failure (a bad file) is raised here; the pool cancels the rest
+    encoder_file = token_units.write_encoder(encoder, folder)
+    try:
+        with concurrent.futures.ProcessPoolExecutor(
+            min(workers, items), mp_context=multiprocessing.get_context("spawn"),
+            initializer=token_units.init_worker, initargs=(encoder_file,),
+        ) as pool:  # fmt: skip
+            _run_pieces(pool, pieces, units, keys, folder, encoder)
+    finally:
+        os.unlink(encoder_file)
+
+
+def _run_pieces(
+    pool, pieces: dict[int, list[Unit]], units: list[Unit], keys: list[str], folder: Path, encoder: Encoder
+) -> None:
+    """Units whole (one piece: the worker publishes it) or in pieces (joined here, in order, once all are done)."""
+    futures = {
+        i: [pool.submit(token_units.work_piece, piece, folder, keys[i]) for piece in cut]
+        if len(cut) > 1
+        else [pool.submit(token_units.work, units[i], folder, keys[i])]
+        for i, cut in pieces.items()
+    }
+    try:
+        for i, done in futures.items():
+            results = [future.result() for future in done]  # the first failure (a bad file) is raised here
+            if len(pieces[i]) > 1:
+                token_units.join_pieces(units[i], encoder.dtype, folder, keys[i], results)
+    except BaseException:
+        pool.shutdown(cancel_futures=True)  # the rest is not started; the pieces done are removed
+        for i, done in futures.items():
+            if len(pieces[i]) > 1:
+                token_units.remove_pieces([f.result() for f in done if not f.cancelled() and not f.exception()])
+        raise
 
 
 class Progress(threading.Thread):

@@ -5,7 +5,8 @@ The key covers the file's identity (path, size, mtime), the part, the tokenizer 
 edited file is prepared again and every other unit is found done. A unit's `.json` is written last, after its
 token files are complete and renamed into place, so its presence means the unit is done: an interrupted
 preparation resumes at the units without one. The streams do not depend on the block size: blocks are cut
-when the data is read (`token_rows`).
+when the data is read (`token_rows`). A unit may be tokenised in pieces (byte ranges of its part) by several
+processes and joined: the same bytes as one process writes.
 
     <cache>/prepared/<tokenizer>/units/<key>.json             what the unit holds (tokens, documents, skipped rows)
     <cache>/prepared/<tokenizer>/units/<key>.train.bin        token ids (uint16, or uint32 past 65,536 tokens)
@@ -19,9 +20,11 @@ import hashlib
 import itertools
 import json
 import os
+import pickle
+import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -168,35 +171,105 @@ def _write_streams(unit: Unit, encoder: Encoder, outs: dict, stats: ReadStats) -
     return counts
 
 
-def prepare_unit(unit: Unit, encoder: Encoder, folder: Path, key: str) -> dict[str, Any]:
-    """Tokenise one unit into `folder` (atomically: its files are renamed into place, its .json last)."""
+def pieces(unit: Unit, piece_bytes: int) -> list[Unit]:
+    """The unit cut into pieces of at most `piece_bytes` that processes tokenise apart: byte ranges of its part, in
+    order, each holding the documents that start in it (as a part does), so the pieces' streams one after the other
+    are the unit's. The unit alone where it is not cut: a compressed, .csv, .json or parquet file (row groups, not
+    bytes), a whole-document .txt, a part not larger than `piece_bytes`."""
+    f = unit.file
+    if not f.splittable or f.builder == "parquet" or unit.reading.sample_by == "document":
+        return [unit]
+    # the pieces tile the part exactly: their count divides its bytes (256 MiB: a power of two), pieces ≤ piece_bytes
+    count = next(d for d in range(max(1, f.part_bytes // piece_bytes), f.part_bytes + 1) if f.part_bytes % d == 0)
+    cut = replace(f, part_bytes=f.part_bytes // count)
+    first = unit.part * count
+    end = min(first + count, -(-f.size // cut.part_bytes))  # the file's last part may end before its range does
+    found = [Unit(unit.source, cut, j, unit.reading, unit.validation_share) for j in range(first, end)]
+    return found if len(found) > 1 else [unit]
+
+
+Tokenised = tuple[dict[str, str], dict[str, int], ReadStats, float]  # temporary files, tokens per split, stats, seconds
+
+
+def _tokenise(unit: Unit, encoder: Encoder, folder: Path, key: str) -> Tokenised:
+    """The streams of unit (or piece) `unit` of unit `key`, in temporary files of `folder`."""
     start, stats = time.perf_counter(), ReadStats()
     folder.mkdir(parents=True, exist_ok=True)
-    temps = {split: tempfile.mkstemp(dir=folder, prefix=f".{key}.{split}.", suffix=".tmp")[1] for split in SPLITS}
+    temps = {split: _temporary(folder, key, split) for split in SPLITS}
     try:
         with open(temps["train"], "wb") as train, open(temps["validation"], "wb") as validation:
             counts = _write_streams(unit, encoder, {"train": train, "validation": validation}, stats)
-        _prepared_here[0] += 1
-        faults.at("prepare_unit", _prepared_here[0])
-        for split in SPLITS:
-            os.replace(temps[split], folder / f"{key}.{split}.bin")
-        meta = {
-            "version": PREP_VERSION,
-            "source": unit.source,
-            "file": unit.file.path,
-            "part": unit.part,
-            "input_bytes": unit.input_bytes,
-            "dtype": encoder.dtype.name,
-            "tokens": counts,
-            **asdict(stats),
-            "seconds": round(time.perf_counter() - start, 3),
-        }
-        _write_json(folder / f"{key}.json", meta)
-        return meta
+    except BaseException:
+        _remove(temps.values())
+        raise
+    return temps, counts, stats, time.perf_counter() - start
+
+
+def _publish(unit: Unit, dtype: np.dtype, folder: Path, key: str, done: Tokenised) -> dict[str, Any]:
+    """Unit `key`'s token files renamed into place, its .json written last."""
+    temps, counts, stats, seconds = done
+    _prepared_here[0] += 1
+    faults.at("prepare_unit", _prepared_here[0])
+    for split in SPLITS:
+        os.replace(temps[split], folder / f"{key}.{split}.bin")
+    meta = {
+        "version": PREP_VERSION,
+        "source": unit.source,
+        "file": unit.file.path,
+        "part": unit.part,
+        "input_bytes": unit.input_bytes,
+        "dtype": dtype.name,
+        "tokens": counts,
+        **asdict(stats),
+        "seconds": round(seconds, 3),
+    }
+    _write_json(folder / f"{key}.json", meta)
+    return meta
+
+
+def prepare_unit(unit: Unit, encoder: Encoder, folder: Path, key: str) -> dict[str, Any]:
+    """Tokenise one unit into `folder` (atomically: its files are renamed into place, its .json last)."""
+    done = _tokenise(unit, encoder, folder, key)
+    try:
+        return _publish(unit, encoder.dtype, folder, key, done)
     finally:
-        for path in temps.values():
-            if os.path.exists(path):
-                os.unlink(path)
+        _remove(done[0].values())
+
+
+def join_pieces(unit: Unit, dtype: np.dtype, folder: Path, key: str, parts: list[Tokenised]) -> dict[str, Any]:
+    """Unit `key` from its pieces (`work_piece`'s results, in order): their files concatenated, their counts and stats
+    added (the first bad row is the first piece's that has one), then published as `prepare_unit` does."""
+    temps, stats = {split: _temporary(folder, key, split) for split in SPLITS}, ReadStats()
+    try:
+        for split in SPLITS:
+            with open(temps[split], "wb") as out:
+                for piece_temps, *_ in parts:
+                    with open(piece_temps[split], "rb") as piece:
+                        shutil.copyfileobj(piece, out, 16 << 20)
+        for _, _, piece_stats, _ in parts:
+            stats.add(piece_stats)
+        counts = {split: sum(p[1][split] for p in parts) for split in SPLITS}
+        return _publish(unit, dtype, folder, key, (temps, counts, stats, sum(p[3] for p in parts)))
+    finally:
+        _remove(temps.values())
+        remove_pieces(parts)
+
+
+def remove_pieces(parts: list[Tokenised]) -> None:
+    """The temporary files of pieces (once joined, or when their unit will not be)."""
+    _remove(path for p in parts for path in p[0].values())
+
+
+def _temporary(folder: Path, key: str, split: str) -> str:
+    fd, path = tempfile.mkstemp(dir=folder, prefix=f".{key}.{split}.", suffix=".tmp")
+    os.close(fd)  # opened again by name: a worker prepares thousands of pieces
+    return path
+
+
+def _remove(paths) -> None:
+    for path in paths:
+        if os.path.exists(path):
+            os.unlink(path)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -222,11 +295,28 @@ def remove_stale_temps(folder: Path, older_than_s: float = STALE_TEMP_S) -> int:
 _WORKER_ENCODER: list[Encoder] = []
 
 
-def init_worker(encoder: Encoder) -> None:
-    """A worker process of a rank's preparation (spawned: this module imports no torch nor transformers)."""
+def write_encoder(encoder: Encoder, folder: Path) -> str:
+    """The encoder pickled into a temporary file of `folder`, for the worker processes (`init_worker`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = _temporary(folder, "encoder", "pickle")
+    with open(path, "wb") as f:
+        pickle.dump(encoder, f)
+    return path
+
+
+def init_worker(encoder_file: str) -> None:
+    """A worker process of a rank's preparation (spawned: this module imports no torch nor transformers). The encoder
+    comes in a file: in the spawn's pipe (its vocabulary fills it), the rank would wait for each process to start and
+    read it before starting the next."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per process
-    _WORKER_ENCODER[:] = [encoder]
+    with open(encoder_file, "rb") as f:
+        _WORKER_ENCODER[:] = [pickle.load(f)]
 
 
 def work(unit: Unit, folder: Path, key: str) -> dict[str, Any]:
     return prepare_unit(unit, _WORKER_ENCODER[0], folder, key)
+
+
+def work_piece(piece: Unit, folder: Path, key: str) -> Tokenised:
+    """A piece of unit `key`, tokenised into temporary files that this rank's process joins (`join_pieces`)."""
+    return _tokenise(piece, _WORKER_ENCODER[0], folder, key)
