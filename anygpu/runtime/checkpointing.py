@@ -44,6 +44,9 @@ def saved_ops() -> set[Any]:
     )
     ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
     ops.add(aten.max.default)  # an FP8 scale's amax: cheap to keep, and recomputing it could round differently
+    flex = getattr(getattr(torch.ops, "higher_order", None), "flex_attention", None)
+    if flex is not None:  # flex attention's output too (torchtitan's save list): GPU-only, untested on the CPU
+        ops.add(flex)
     reduce_scatter = getattr(getattr(torch.ops, "_c10d_functional", None), "reduce_scatter_tensor", None)
     if reduce_scatter is not None:
         ops.add(reduce_scatter.default)

@@ -57,7 +57,8 @@ def check(config, block_size: int, cp: int, attention: str = "sdpa") -> None:
             f"use a --block_size that is a multiple of {cp}, e.g. {max(1, block_size // cp) * cp}."
         )
     heads, kv_heads = head_counts(config)
-    if not splits_heads(config, cp) and "flash" in attention:
+    # flash's causal mask is the top-left one; flex would take the gathered path's dense rows mask as a score bias
+    if not splits_heads(config, cp) and ("flash" in attention or attention == "flex_attention"):
         raise UsageError(
             f"--cp {cp} does not divide the model's {heads} attention and {kv_heads} key/value heads, so each rank "
             f"gathers the whole sequence's keys and values, which --attn_implementation {attention} cannot take "

@@ -10,6 +10,7 @@ from typing import Any
 
 from anygpu import errors
 from anygpu.checkpoint import resume_guard
+from anygpu.config import attention
 from anygpu.errors import UsageError
 from anygpu.model import fp8, modeling
 from anygpu.reliability import run_guard
@@ -114,7 +115,9 @@ def flash_attention_available(attn_implementation: str) -> bool:
 
 
 def check_attention(attn_implementation: str, train_args, engine: str) -> None:
-    """Refuse flash attention where it cannot run (before any process group): in fp32, or without its package."""
+    """Refuse flash attention where it cannot run (before any process group): in fp32, or without its package;
+    flex attention on a CPU (no backward there)."""
+    attention.check_device(attn_implementation, "cpu" if hardware.vendor() == "cpu" else "cuda")
     if not attn_implementation.startswith("flash_attention"):
         return
     if not (train_args.bf16 or train_args.fp16):
