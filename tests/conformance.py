@@ -14,7 +14,9 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import pytest
 from conftest import fsdp_runs, losses
 
 # name → (config, storage dtype): hidden sizes not multiples of 128, odd and even layer counts, GQA, MHA and MQA,
@@ -231,3 +233,17 @@ def check(curves: dict[tuple[str, str], dict[int, float]], family: str, cap: Cap
                 f"{family} {cap.name}: {layout.name} differs from {cap.layouts[0].name} at step {step} by "
                 f"{abs(other[step] - first[step]):.2e} (bound {bound:.2e}): {other} vs {first}"
             )
+
+
+def family_tests(family: str) -> tuple[Callable, Callable]:
+    """A test file's fixture and test for `family` (one file a family, so pytest-xdist spreads the families)."""
+
+    @pytest.fixture(scope="module")
+    def curves(tmp_path_factory) -> dict[tuple[str, str], dict[int, float]]:
+        return run_family(tmp_path_factory.mktemp(family), family)
+
+    @pytest.mark.parametrize("cap", capabilities(family), ids=lambda cap: cap.name)
+    def test_capability_keeps_its_curve(curves, cap) -> None:
+        check(curves, family, cap)
+
+    return curves, test_capability_keeps_its_curve

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conformance import FAMILIES, capabilities, check, draw_family, run_family
+from conformance import FAMILIES, draw_family, family_tests
 
 pytestmark = pytest.mark.slow
 SEED = int(os.environ.get("ANYGPU_CONFORMANCE_SEED", "0"))  # a Mistral: sliding window, bf16, CP
@@ -16,11 +16,4 @@ FAMILY = f"drawn-{SEED}"
 FAMILIES[FAMILY] = draw_family(SEED)
 
 
-@pytest.fixture(scope="module")
-def curves(tmp_path_factory):
-    return run_family(tmp_path_factory.mktemp(FAMILY), FAMILY)
-
-
-@pytest.mark.parametrize("cap", capabilities(FAMILY), ids=lambda cap: cap.name)
-def test_capability_keeps_its_curve(curves, cap) -> None:
-    check(curves, FAMILY, cap)
+curves, test_capability_keeps_its_curve = family_tests(FAMILY)
