@@ -227,3 +227,17 @@ def test_half_precision_under_deepspeed_without_a_gpu_is_refused_by_name(monkeyp
         engine.refuse_early(model_args, train_args, HFEngineArguments())
     model_args, _, train_args = parse_args(TINY)
     assert engine.refuse_early(model_args, train_args, HFEngineArguments()).kind == "deepspeed"  # fp32: runs
+
+
+def test_loader_workers_are_the_native_engines(capsys, tmp_path):
+    """--dataloader_num_workers: a count of 0 or more; the HF engine reads inline and refuses a non-zero count."""
+    from anygpu.config.args import HFEngineArguments
+    from anygpu.engines.hf import engine
+    from anygpu.errors import UsageError
+
+    err = refuse([*TINY, "--dataloader_num_workers", "-1", "--output_dir", str(tmp_path)], capsys)
+    assert "--dataloader_num_workers -1" in err
+    model_args, _, train_args = parse_args([*TINY, "--dataloader_num_workers", "2"])
+    assert train_args.dataloader_num_workers == 2
+    with pytest.raises(UsageError, match=r"^--dataloader_num_workers 2: the HF engine reads each micro-batch inline"):
+        engine.refuse_early(model_args, train_args, HFEngineArguments())
