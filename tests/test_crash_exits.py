@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -49,6 +50,16 @@ def marked_pids(marker: str) -> list[int]:
     return [pid for pid in found if pid != os.getpid()]
 
 
+def wait_gone(marker: str, grace_s: float = 15) -> list[int]:
+    """The job's processes still alive `grace_s` after its launcher ended. A grace, not zero: a loader worker whose
+    rank a launcher SIGKILLed notices within torch's 5-s watchdog interval, and a process being reaped is briefly
+    still listed."""
+    deadline = time.monotonic() + grace_s
+    while (left := marked_pids(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def launch(cmd: list[str], fault: str, tmp_path: Path) -> tuple[int, str]:
     """Run the job with the fault switched on; its exit code and output, or a failure if it did not end in time
     or left a process behind."""
@@ -71,7 +82,7 @@ def launch(cmd: list[str], fault: str, tmp_path: Path) -> tuple[int, str]:
             os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{fault}: the job still ran after {LAUNCH_TIMEOUT} s ({len(left)} processes):\n{out[-6000:]}")
-    left = marked_pids(marker)  # the launcher has exited: anything of its job still alive is left behind
+    left = wait_gone(marker)  # the launcher has exited: anything of its job still alive is left behind
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"{fault}: processes left behind after the job ended: {left}\n{out[-4000:]}"
