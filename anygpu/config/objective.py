@@ -4,6 +4,7 @@ family), with TRL's `DPOConfig` names and meanings. A base of `TrainArguments`, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from anygpu.config import locate
 from anygpu.errors import UsageError
@@ -111,12 +112,7 @@ class ObjectiveArguments:
                 f"--loss_type {','.join(unknown) or '(none)'} is unknown: use one or more of {', '.join(LOSS_TYPES)}."
             )
         if self.loss_weights is not None:
-            self.loss_weights = [_number("loss_weights", w) for w in self.loss_weights]
-        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
-            raise UsageError(
-                f"--loss_weights {','.join(f'{w:g}' for w in self.loss_weights)}: give one weight per --loss_type "
-                f"({len(self.loss_type)}: {','.join(self.loss_type)}), e.g. {','.join(['1'] * len(self.loss_type))}."
-            )
+            self.loss_weights = weights_for("loss_weights", self.loss_weights, "loss_type", self.loss_type)
         if self.beta <= 0:
             raise UsageError(f"--beta {self.beta} must be positive, e.g. 0.1.")
         if "robust" in self.loss_type and not 0 <= self.label_smoothing < 0.5:
@@ -128,7 +124,18 @@ class ObjectiveArguments:
         return list(self.loss_weights) if self.loss_weights is not None else [1.0] * len(self.loss_type)
 
 
-def _number(name: str, word: str | float) -> float:
+def weights_for(flag: str, words: Sequence[str | float], per: str, names: Sequence[str]) -> list[float]:
+    """`--<flag>`: one finite number for each of `--<per>`'s `names` (--loss_weights, --reward_weights)."""
+    values = [_number(flag, word, per) for word in words]
+    if len(values) != len(names):
+        raise UsageError(
+            f"--{flag} {','.join(f'{w:g}' for w in values)}: give one weight per --{per} "
+            f"({len(names)}: {','.join(names)}), e.g. {','.join(['1'] * len(names))}."
+        )
+    return values
+
+
+def _number(flag: str, word: str | float, per: str) -> float:
     import math
 
     try:
@@ -136,7 +143,7 @@ def _number(name: str, word: str | float) -> float:
     except ValueError:
         value = math.nan
     if not math.isfinite(value):
-        raise UsageError(f"--{name} {word!r} is not a number: give one per --loss_type, e.g. 1,0.5.")
+        raise UsageError(f"--{flag} {word!r} is not a number: give one per --{per}, e.g. 1,0.5.")
     return value
 
 

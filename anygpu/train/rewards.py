@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from anygpu.config.objective import weights_for
 from anygpu.errors import UsageError
 
 BUILTINS = ("accuracy", "format", "overlong", "repetition")
@@ -258,21 +259,7 @@ def name_of(fn: Callable) -> str:
 def _weights(words: Sequence[str | float] | None, names: Sequence[str]) -> tuple[float, ...]:
     if words is None:
         return (1.0,) * len(names)
-    values = []
-    for word in words:
-        try:
-            value = float(word)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value):
-            raise UsageError(f"--reward_weights {word!r} is not a number: give one per --reward_funcs, e.g. 1,0.5.")
-        values.append(value)
-    if len(values) != len(names):
-        raise UsageError(
-            f"--reward_weights {','.join(f'{w:g}' for w in values)}: give one weight per --reward_funcs "
-            f"({len(names)}: {','.join(names)}), e.g. {','.join(['1'] * len(names))}."
-        )
-    return tuple(values)
+    return tuple(weights_for("reward_weights", words, "reward_funcs", names))
 
 
 # ---- scoring ---------------------------------------------------------------------------------------------------
