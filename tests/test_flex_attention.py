@@ -43,10 +43,10 @@ def test_flex_training_on_a_cpu_is_refused_in_one_line(tmp_path):
     from anygpu.config import attention
     from anygpu.errors import UsageError
 
-    attention.check_device("flex_attention", "cuda")
-    attention.check_device("sdpa", "cpu")
+    attention.check_device("flex_attention", on_gpu=True)
+    attention.check_device("sdpa", on_gpu=False)
     with pytest.raises(UsageError, match="^--attn_implementation flex_attention: torch has no FlexAttention backward"):
-        attention.check_device("flex_attention", "cpu")
+        attention.check_device("flex_attention", on_gpu=False)
     args = [*TINY, "--max_steps", "1", "--attn_implementation", "flex_attention", "--output_dir", str(tmp_path)]
     proc = python("run_fsdp_standalone.py", args, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -10,16 +10,14 @@ DENSE_MASK = ("sdpa", "eager")
 # loop elsewhere); eager: the family's own per-expert loop; batched_mm: each token's experts' weights gathered
 EXPERTS = ("grouped_mm", "eager", "batched_mm")
 
-GPU_DEVICE_TYPES = ("cuda",)  # ROCm's torch reports its GPUs as "cuda" too
 
-
-def check_device(attn_implementation: str, device_type: str) -> None:
+def check_device(attn_implementation: str, on_gpu: bool) -> None:
     """torch (2.13) has no FlexAttention backward on a CPU (`_validate_device`): refused before any work, not a
     traceback at the first backward."""
     from anygpu.errors import UsageError
 
-    if attn_implementation == "flex_attention" and device_type not in GPU_DEVICE_TYPES:
+    if attn_implementation == "flex_attention" and not on_gpu:
         raise UsageError(
-            f"--attn_implementation flex_attention: torch has no FlexAttention backward on a {device_type}, so it "
-            "cannot train there: use --attn_implementation sdpa (the same losses)."
+            "--attn_implementation flex_attention: torch has no FlexAttention backward on a cpu, so it cannot train "
+            "there: use --attn_implementation sdpa (the same losses)."
         )

@@ -69,6 +69,11 @@ def check_output_dir(output_dir: str) -> None:
         ) from e
 
 
+# The corpus path's preparers are spawned workers that start in ~0.3 s (~1 MB of tokenising), and pieces keep them all
+# busy on one file (`shared_prep`): one per 2 MB; the datasets path's start in ~1 s (preprocessing_workers' default).
+CORPUS_BYTES_PER_WORKER = 2_000_000
+
+
 def preprocessing_workers(
     requested: int | None, num_bytes: int, max_workers: int = 64, bytes_per_worker: int = 4_000_000
 ) -> int:
@@ -219,11 +224,11 @@ def _corpus_data(
     return _Data(tokenizer, data, corpus_plan.fingerprint(), False, order, evals if corpus_plan.mixture else {}, lines)
 
 
-def rank_workers(requested: int | None, num_bytes: int, bytes_per_worker: int = 2_000_000) -> int:
-    """This rank's tokenising processes: the node's (`preprocessing_workers`) shared by its ranks; one per 2 MB, as a
-    spawned preparer starts in ~0.3 s (~1 MB of tokenising), and one file keeps them all busy (`shared_prep`)."""
+def rank_workers(requested: int | None, num_bytes: int) -> int:
+    """This rank's tokenising processes: the node's (`preprocessing_workers`, one per CORPUS_BYTES_PER_WORKER) shared
+    by its ranks."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, preprocessing_workers(requested, num_bytes, bytes_per_worker=bytes_per_worker) // local)
+    return max(1, preprocessing_workers(requested, num_bytes, bytes_per_worker=CORPUS_BYTES_PER_WORKER) // local)
 
 
 def training_data(raw, fmt: str, tokenizer, block_size: int, data_args, packing: bool, fp: str, workers: int):
