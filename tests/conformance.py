@@ -146,12 +146,9 @@ def capabilities(family: str) -> list[Capability]:
     return caps
 
 
-WORDS = "the sky is blue green red cat dog runs fast slow why how def return import class print self".split()
-
-
 def write_data(root: Path) -> dict[str, list[str]]:
     """Each data kind's arguments: SFT prompt-completion rows (packed), DPO pairs, a two-source mixture."""
-    from dpo_data import rows, write
+    from dpo_data import WORDS, rows, write
 
     rng = random.Random(0)
     text = lambda k: " ".join(rng.choice(WORDS) for _ in range(k))  # noqa: E731
@@ -177,20 +174,9 @@ def write_data(root: Path) -> dict[str, list[str]]:
 
 def build_family(root: Path, family: str) -> Path:
     """root/<family>: the family's folder as save_pretrained writes it, with the shared test tokenizer."""
-    import torch
-    from hub_sources import tokenizer
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from hub_sources import write
 
-    config, dtype = FAMILIES[family]
-    tok = tokenizer()
-    ids = dict(pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    config = dict(config, **ids)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
-    folder = root / family
-    model.to(getattr(torch, dtype)).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return write(root / family, *FAMILIES[family])
 
 
 def run_family(root: Path, family: str) -> dict[tuple[str, str], dict[int, float]]:

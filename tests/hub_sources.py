@@ -124,25 +124,34 @@ def tokenizer():
 
 def build(root: Path, names=SOURCES) -> dict[str, Path]:
     """root/hub-<name>: each source folder, written by save_pretrained in its storage dtype and shard size."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     tok = tokenizer()
     out = {}
     for name in names:
         data, dtype, shard = {**SOURCES, **NF4_SOURCES}[name]
-        data = dict(data, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-        config = AutoConfig.for_model(data.pop("model_type"), **data)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention(name))
-        with torch.no_grad():  # DeepSeek's router bias is a buffer that starts at 0: give it values to carry
-            for key, buf in model.named_buffers():
-                if "e_score_correction_bias" in key:
-                    buf.normal_()
-        out[name] = root / f"hub-{name}"  # not a family's own name: tests/scripts/families.py names runs by it
-        model.to(getattr(torch, dtype)).save_pretrained(out[name], max_shard_size=shard)
-        tok.save_pretrained(out[name])
+        # not a family's own name: tests/scripts/families.py names runs by it
+        out[name] = write(root / f"hub-{name}", data, dtype, shard, tok, attention(name))
     return out
+
+
+def write(folder: Path, config: dict, dtype: str, shard: str = "50GB", tok=None, attn: str = "sdpa") -> Path:
+    """`config` (a dict with its model_type) as a Hub folder: weights drawn with seed 0, saved by save_pretrained in
+    `dtype` and shards of `shard`, with the test tokenizer (`tok`, else a new one) whose special ids it takes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = tok or tokenizer()
+    data = dict(config, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(data.pop("model_type"), **data), attn_implementation=attn
+    )
+    with torch.no_grad():  # DeepSeek's router bias is a buffer that starts at 0: give it values to carry
+        for key, buf in model.named_buffers():
+            if "e_score_correction_bias" in key:
+                buf.normal_()
+    model.to(getattr(torch, dtype)).save_pretrained(folder, max_shard_size=shard)
+    tok.save_pretrained(folder)
+    return folder
 
 
 def tensors(folder: Path) -> dict:
