@@ -21,7 +21,7 @@ from anygpu.config.batch import BatchPlan, plan_batch, resolve_global_batch
 from anygpu.data import corpus, corpus_rows, shared_prep
 from anygpu.data import tokenizer as tok_lib
 from anygpu.data.collate import Collator, packing_supported
-from anygpu.data import preference
+from anygpu.data import preference, prompts
 from anygpu.data.formats import PREFERENCE, TEXT, training_texts
 from anygpu.data.mixture_order import MixtureOrder
 from anygpu.data.order import GlobalOrder, eval_subset
@@ -52,6 +52,7 @@ class Prepared:
     data_fingerprint: str = ""  # the raw corpus (resume fingerprint, ranks-agree check)
     eval_sets: dict[str, Any] = field(default_factory=dict)  # a mixture's sources' evaluation rows, by name
     pairs_key: str = ""  # preference pairs: their cache key (the reference log-probs' cache is keyed by it)
+    prompts: prompts.PromptRows | None = None  # --objective grpo: the prompt rows (also `datasets`; no collator)
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -90,6 +91,8 @@ def check_run(
 ) -> tuple[PretrainedConfig, int, BatchPlan]:
     """The cheap checks: model config, block size, batch math, output dir. Raises UsageError."""
     config = modeling.resolve_config(model_args)
+    if train_args.is_grpo:
+        check_grpo_run(data_args, train_args, config)
     block_size = modeling.resolve_block_size(data_args.block_size, config)
     G = resolve_global_batch(
         train_args.global_batch_size,
@@ -102,9 +105,29 @@ def check_run(
     plan = plan_batch(G, world_size, train_args.per_device_train_batch_size, train_args.gradient_accumulation_steps)
     preference.check_reference(model_args, train_args, config)
     check_output_dir(train_args.output_dir)
-    if corpus.plan_corpus(data_args) is not None:  # empty globs, unreadable sources, a missing text column: refused
+    k = train_args.num_generations
+    if train_args.is_grpo and G % k:  # G not given: it followed from the per-device numbers
+        raise UsageError(
+            f"--objective grpo: a global batch of {G} completions is not whole groups of --num_generations {k}: "
+            f"give --global_batch_size, e.g. {k * max(1, G // k)}."
+        )
+    # empty globs, unreadable sources, a missing text column: refused (grpo's prompt sources: check_grpo_run)
+    if not train_args.is_grpo and corpus.plan_corpus(data_args) is not None:
         preference.check_format(TEXT, train_args.is_dpo, [data_args.text_column], data_args)  # raw text is no pairs
     return config, block_size, plan
+
+
+def check_grpo_run(data_args: DataArguments, train_args: TrainArguments, config: PretrainedConfig) -> None:
+    """What --objective grpo asks of the batch, the lengths and the data (before any work)."""
+    if train_args.global_batch_tokens is not None:
+        raise UsageError(
+            f"--global_batch_tokens {train_args.global_batch_tokens} with --objective grpo: a step is a number of "
+            "completions, give --global_batch_size (completions per step, whole groups of --num_generations) instead."
+        )
+    prompts.check_lengths(
+        train_args.max_prompt_length, train_args.max_completion_length, modeling.max_positions(config)
+    )
+    prompts.check_source(data_args)
 
 
 @dataclass
@@ -129,6 +152,8 @@ def prepare(
 ) -> Prepared:
     """`checked`: what `check_run` already returned for this world size (it is not redone)."""
     config, block_size, plan = checked or check_run(model_args, data_args, train_args, info.world_size)
+    if train_args.is_grpo:
+        return _prompts_prepared(model_args, data_args, train_args, config, block_size, plan, info)
     corpus_plan = corpus.plan_corpus(data_args)
     if corpus_plan is None:
         data = _datasets_data(model_args, data_args, train_args, config, block_size, info)
@@ -222,6 +247,58 @@ def _corpus_data(
     )
     lines = corpus_rows.describe(rows, prepared, corpus_plan)
     return _Data(tokenizer, data, corpus_plan.fingerprint(), False, order, evals if corpus_plan.mixture else {}, lines)
+
+
+def _prompts_prepared(
+    model_args, data_args: DataArguments, train_args, config, block_size: int, plan: BatchPlan, info: DistInfo
+) -> Prepared:
+    """--objective grpo: prompt rows (`prompts`), prepared by local rank 0 of each node; a step draws
+    --global_batch_size / --num_generations of them (`order.global_batch(step)`)."""
+    with distributed.local_main_first(info):
+        raw, is_default = prompts.load_prompts(data_args)
+        fp = prompts.fingerprint(raw)
+        tokenizer = tok_lib.load_or_train(
+            model_args.tokenizer_name or model_args.model_name_or_path,
+            lambda: prompts.prompt_texts(raw["train"]),
+            fp,
+            model_args.vocab_size,
+            data_args.data_cache_dir,
+            info.is_local_main,
+            model_args.trust_remote_code,
+        )
+        prompts.check_tokenizer(tokenizer, model_args)
+        workers = preprocessing_workers(data_args.preprocessing_num_workers, raw["train"].data.nbytes)
+        rows = prompts.make_prompts(raw, tokenizer, data_args, train_args.max_prompt_length, is_default, workers)
+    distributed.wait_for_all("preparing the prompts")
+    from_scratch = model_args.model_name_or_path is None
+    config = modeling.fit_config_to_tokenizer(config, tokenizer, from_scratch)
+    num_prompts = plan.global_batch_size // train_args.num_generations
+    if len(rows.train) < num_prompts:
+        raise UsageError(
+            f"the training set has {len(rows.train)} prompts, fewer than a step's {num_prompts} (--global_batch_size "
+            f"{plan.global_batch_size} / --num_generations {train_args.num_generations}): lower --global_batch_size "
+            f"(≤ {len(rows.train) * train_args.num_generations}), or add prompts."
+        )
+    order = GlobalOrder(len(rows.train), num_prompts, train_args.seed)  # one global batch of prompts a round
+    if train_args.max_steps > 0:
+        total = train_args.max_steps
+    else:  # each round serves --num_iterations steps
+        total = max(1, int(train_args.num_train_epochs * order.steps_per_epoch)) * train_args.num_iterations
+    return Prepared(
+        config,
+        tokenizer,
+        DatasetDict(train=rows.train, validation=rows.validation),
+        train_args.max_prompt_length + train_args.max_completion_length,  # the longest row a step trains on
+        plan,
+        order,
+        total,
+        from_scratch,
+        is_default,
+        None,
+        rows.describe(),
+        fp,
+        prompts=rows,
+    )
 
 
 def rank_workers(requested: int | None, num_bytes: int) -> int:

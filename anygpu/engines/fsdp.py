@@ -98,10 +98,12 @@ def build_model(
     fp8.convert(model, train_args.fp8, info.device, parallel.needs_sharding(shape.world_size, train_args.bf16))
     model = adapted(model, model_args, train_args)  # adapter before sharding
     modeling.check_loss_kwargs(model)
-    dropout.install(model, train_args.seed, off=train_args.is_dpo)
-    lean_loss.install(model, train_args.lean_loss)  # patches lm_head's forward before FSDP2 swaps the classes
+    dropout.install(model, train_args.seed, off=train_args.is_dpo or train_args.is_grpo)
+    # patches lm_head's forward before FSDP2 swaps the classes (grpo: its log-probs keep only the completions' logits)
+    lean_loss.install(model, train_args.lean_loss and not train_args.is_grpo)
     modeling.flatten_packed_rows(model)  # flash attention: packed rows as one flattened row
-    mask_hint.install(model, prep.collator.packed)  # the masking need not read the positions back from the GPU
+    # the masking need not read the positions back from the GPU (grpo: padded rows, no collator)
+    mask_hint.install(model, prep.collator is not None and prep.collator.packed)
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     checkpointing = train_args.gradient_checkpointing_policy if train_args.gradient_checkpointing else None
     if train_args.cpu_offload:  # before any memory is taken: the node's ranks' state must fit its host memory
@@ -219,6 +221,7 @@ class FSDPTrainer:
         startup.check_precision(train_args, "fsdp", on_gpu=hardware.vendor() != "cpu")
         startup.check_attention(model_args.attn_implementation, train_args, "fsdp")
         startup.check_levers(model_args, train_args, "fsdp")
+        self.reward_set = objectives.reward_set(train_args)  # the user's reward code loads (or fails) before any work
         claimed = startup.claim(train_args)  # rank 0 takes --output_dir before the process group exists
         self.info = info = distributed.init_distributed(train_args.ddp_timeout)
         startup.joined(info, self.resolved, train_args.output_dir)
@@ -236,6 +239,7 @@ class FSDPTrainer:
         self.objective = objectives.build(
             prep, self.model, self.model, model_args, data_args, train_args, info,
             lambda: reference_model.with_call(reference_model.build(prep, model_args, train_args, info, shape)),
+            reward_funcs=self.reward_set,
         )  # fmt: skip
         self.auto_probe = self._auto_micro_batch()
         self.optimizer = optim.build_optimizer(self.model, train_args, info.device)
@@ -254,6 +258,7 @@ class FSDPTrainer:
             fpt,
             peak,
             resumed=self.resume is not None,
+            tokens=self.objective if objectives.makes_batches(self.objective) else None,
         )
         self.preemption: Preemption | None = None  # train()'s SIGTERM handler
         self.save_clock = SaveClock(train_args.save_every_minutes)  # restarted in _start(): training time counts
@@ -296,12 +301,13 @@ class FSDPTrainer:
         if schedule.evaluates_first:
             self.evaluate(0)
         log.open_bar()
-        loader = steps(
-            self.prep, self.info, schedule.start_step, schedule.end_step, self.args.dataloader_num_workers, self.cp
-        )
-        self.batches = iter(loader)  # 0-based steps
+        if not objectives.makes_batches(self.objective):  # grpo makes each step's rows itself
+            loader = steps(
+                self.prep, self.info, schedule.start_step, schedule.end_step, self.args.dataloader_num_workers, self.cp
+            )
+            self.batches = iter(loader)  # 0-based steps
         for step in schedule.steps():
-            loss, lr, grad_norm = self.optimizer_step(step, next(self.batches))
+            loss, lr, grad_norm = self.optimizer_step(step, next(self.batches) if self.batches is not None else None)
             log.step_done(step)
             faults.at("step", step)
             first = step == schedule.start_step + 1
@@ -339,6 +345,7 @@ class FSDPTrainer:
         self.save_clock.saved()
         if self.resume is not None:
             store.load(self.resume, self.model, self.optimizer, self.scheduler, info.rank)
+            objectives.resumed(self.objective, self.resume)
             fp8.sync_scales(self.model)  # the loaded weights' FP8 all-gather scales
         self.gc = GarbageCollection(args.gc_steps)
         if info.is_main:
@@ -371,10 +378,14 @@ class FSDPTrainer:
             self.resume, self.schedule.start_step, self.resumed.world_size, self.info.world_size, "ranks", meshes
         )
 
-    def optimizer_step(self, step: int, cpu: StepBatches) -> tuple[torch.Tensor, float, torch.Tensor]:
-        """Step `step` (1-based) on its loader item: forward/backward, clip, AdamW, schedule. Returns this rank's
-        loss part, lr, grad norm (tensors: read them on logging steps only, so the host runs ahead of the device)."""
-        loss = train_step(self.model, self.prep, step - 1, self.info, cpu, self.cp, self.objective)
+    def optimizer_step(self, step: int, cpu: StepBatches | None) -> tuple[torch.Tensor, float, torch.Tensor]:
+        """Step `step` (1-based) on its loader item (None: the objective makes the step's rows): forward/backward,
+        clip, AdamW, schedule. Returns this rank's loss part, lr, grad norm (tensors: read them on logging steps
+        only, so the host runs ahead of the device)."""
+        if objectives.makes_batches(self.objective):
+            loss = self.objective.train_step(self.model, step - 1)
+        else:
+            loss = train_step(self.model, self.prep, step - 1, self.info, cpu, self.cp, self.objective)
         grad_norm = clip_gradients(self.model, self.args.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -458,6 +469,7 @@ class FSDPTrainer:
     def save(self, step: int, background: bool = False) -> None:
         """Checkpoint `step`; `background`: return once staged (periodic saves), else when complete."""
         state, extra = self.run_state(step).to_json(), {resume_guard.FINGERPRINT_FILE: self.fingerprint}
+        extra.update(objectives.checkpoint_files(self.objective, step))  # a collective under grpo
         self.save_clock.saved()
         if self.async_saver is not None and background:
             self.async_saver.save(step, self.model, self.optimizer, self.scheduler, state, extra)

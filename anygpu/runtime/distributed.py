@@ -339,6 +339,15 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     return box[0]
 
 
+def all_gather_object(obj: object) -> list[object]:
+    """Every rank's `obj`, in rank order (over the CPU group: small Python values, no device sync)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj, group=_cpu_group())
+    return out
+
+
 def leave(info: DistInfo) -> None:
     """The end of a run: end the process group if the run made it; a caller's group (several runs in one
     process, as the tests make) stays, once every rank has finished this run."""

@@ -28,15 +28,17 @@ class RunLog:
         flops: metrics.Flops,
         peak_flops: float | None,
         resumed: bool,
+        tokens=None,
     ) -> None:
         """`world_size`: the data-parallel devices (processes, or GPUs under DataParallel); `resumed`: records
-        past `schedule.start_step` in metrics.jsonl and the trackers are dropped (they are redone)."""
+        past `schedule.start_step` in metrics.jsonl and the trackers are dropped (they are redone); `tokens`: what
+        counts a step's tokens where the objective makes the rows (default: the data's `metrics.StepTokens`)."""
         self.prep, self.schedule, self.world_size, self.device = prep, schedule, world_size, device
         self.is_main, self.flops, self.peak = is_main, flops, peak_flops
         self.writer = metrics.MetricsWriter(
             train_args.output_dir, is_main, train_args.report_to, schedule.start_step if resumed else None
         )
-        self.tokens = metrics.StepTokens(
+        self.tokens = tokens or metrics.StepTokens(
             prep.datasets["train"], prep.order, prep.block_size, getattr(prep, "collator", None)
         )
         self.window = metrics.ThroughputWindow()

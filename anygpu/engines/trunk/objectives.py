@@ -1,14 +1,17 @@
 """The run's objective, both engines: None for the language model (the engines' own token-mean loss), a
 `DPOObjective` for --objective dpo, whose reference is settled here before training starts (before a resumed
-checkpoint is loaded: the policy still holds the starting weights the default reference is)."""
+checkpoint is loaded: the policy still holds the starting weights the default reference is), a `GRPOObjective` for
+--objective grpo (the native engine's), with its reward functions and reference."""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Callable, Iterator
 
+import torch
+
 from anygpu.model import lora
-from anygpu.train import dpo, reference
+from anygpu.train import dpo, grpo_objective, reference, rewards, rollout
 
 # The engine's frozen reference model, built when needed: (the model, what runs its forward).
 BuildReference = Callable[[], tuple[object, Callable]]
@@ -39,10 +42,15 @@ def build(
     info,
     frozen_reference: BuildReference,
     policy_runs: bool = True,
-) -> dpo.DPOObjective | None:
+    reward_funcs: rewards.RewardSet | None = None,
+):
     """The objective; with a precomputed reference, `prep.datasets` gain the reference's log-prob columns.
     `policy_runs`: the policy can run the precompute pass now (not where the HF engine's FSDP or ZeRO-3 holds it on
-    rank 0 alone or partitioned until Trainer wraps it: the pass then runs on a frozen sharded copy of its weights)."""
+    rank 0 alone or partitioned until Trainer wraps it: the pass then runs on a frozen sharded copy of its weights).
+    `reward_funcs`: grpo's, loaded already (`reward_set`)."""
+    if train_args.is_grpo:
+        reward_funcs = reward_funcs or reward_set(train_args)
+        return _grpo(prep, model, model_args, train_args, info, frozen_reference, reward_funcs)
     if not train_args.is_dpo:
         return None
     cfg = dpo.LossConfig.of(train_args)
@@ -82,6 +90,64 @@ def build(
     )
 
 
+def reward_set(train_args) -> rewards.RewardSet | None:
+    """--reward_funcs loaded and weighed (--objective grpo), before any other work: a bad one is refused first."""
+    if not train_args.is_grpo:
+        return None
+    options = rewards.BuiltinOptions(
+        train_args.solution_column,
+        train_args.format_pattern or rewards.THINK_PATTERN,
+        train_args.max_completion_length,
+        train_args.soft_punish_cache,
+    )
+    return rewards.RewardSet.build(train_args.reward_funcs, train_args.reward_weights, options)
+
+
+def _grpo(prep, model, model_args, train_args, info, frozen_reference: BuildReference, reward_funcs):
+    """--objective grpo's objective: its rewards (checked against the prompt rows' columns) and reference."""
+    reward_funcs.check_columns(c for c in prep.datasets["train"].column_names if c != "prompt_ids")
+    temperature = train_args.temperature
+    if train_args.beta == 0:
+        ref, line = None, "reference: none (--beta 0: no KL term)"
+    elif lora.is_peft(model) and train_args.ref_model_name_or_path is None:
+
+        def ref(batch):
+            with torch.no_grad(), model.disable_adapter():
+                return rollout.token_log_probs(model, model, batch, temperature)[0]
+
+        line = "reference: the base model (the LoRA adapter disabled), once per round"
+    else:
+        ref_model, ref_call = frozen_reference()
+
+        def ref(batch):
+            with torch.no_grad():
+                return rollout.token_log_probs(ref_model, ref_call, batch, temperature)[0]
+
+        name = train_args.ref_model_name_or_path or model_args.model_name_or_path
+        line = f"reference: a frozen copy of {name}, once per round"
+    cfg = grpo_objective.Config.of(train_args)
+    return grpo_objective.GRPOObjective(cfg, reward_funcs, prep, info, ref, line, train_args.output_dir)
+
+
+def makes_batches(objective) -> bool:
+    """The objective makes each step's rows itself (grpo: by generating), rather than reading the data's."""
+    return isinstance(objective, grpo_objective.GRPOObjective)
+
+
+def checkpoint_files(objective, steps_done: int) -> dict[str, dict]:
+    """What a checkpoint keeps of the objective beyond the model (grpo within a round: the round's completions)."""
+    if not makes_batches(objective):
+        return {}
+    state = objective.checkpoint_state(steps_done)
+    return {grpo_objective.ROUND_FILE: state} if state is not None else {}
+
+
+def resumed(objective, checkpoint) -> None:
+    """The objective's part of a resumed checkpoint (`checkpoint_files`)."""
+    if makes_batches(objective):
+        objective.resume(checkpoint)
+
+
 def logged(objective: dpo.DPOObjective | None) -> dict[str, float]:
     """A logging step's metrics beyond the loss (a collective under --objective dpo: every rank calls it)."""
     return objective.logged() if objective is not None else {}
@@ -91,6 +157,8 @@ def describe(objective: dpo.DPOObjective | None) -> list[str]:
     """The banner's lines on the objective (none for the language model)."""
     if objective is None:
         return []
+    if isinstance(objective, grpo_objective.GRPOObjective):
+        return objective.describe()
     cfg = objective.cfg
     losses = " + ".join(f"{w:g}·{t}" if len(cfg.loss_type) > 1 else t for t, w in zip(cfg.loss_type, cfg.weights))
     return [

@@ -37,7 +37,7 @@ def build(
     dropout.disable(model)
     lean_loss.install(model, train_args.lean_loss)
     modeling.flatten_packed_rows(model)
-    mask_hint.install(model, prep.collator.packed)
+    mask_hint.install(model, prep.collator is not None and prep.collator.packed)  # grpo: no collator
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     parallel.shard_model(
         model, info.device, shape, train_args.bf16, None, False, cpu_offload=train_args.cpu_offload, ep=train_args.ep

@@ -53,6 +53,12 @@ def check_levers(model_args, train_args, engine: str) -> None:
         )
     check_4bit(model_args, train_args, engine)
     check_ep(train_args, engine)
+    if engine != "fsdp" and train_args.is_grpo:
+        raise UsageError(
+            "--objective grpo is the FSDP2 engine's (run_fsdp_standalone.py, or the launchers' --engine fsdp): "
+            "Trainer's loop owns the batches, and GRPO makes each step's batch by generating between steps "
+            "(TRL's GRPOTrainer is the Trainer-based tool; docs/grpo.md)."
+        )
     if engine != "fsdp" and train_args.dataloader_num_workers:
         raise UsageError(
             f"--dataloader_num_workers {train_args.dataloader_num_workers}: the HF engine reads each micro-batch "
