@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import fsdp_runs, losses
+from conftest import fsdp_runs, losses, records
 
 # name → (config, storage dtype): hidden sizes not multiples of 128, odd and even layer counts, GQA, MHA and MQA,
 # tied and untied embeddings, fp32 and bf16 folders; MLP (or attention) weights of whole NF4 blocks (64 × 256
@@ -64,6 +64,7 @@ def draw_family(seed: int) -> tuple[dict, str]:
 
 
 G, STEPS = 4, 4
+GRPO_REWARDS = Path(__file__).parent / "scripts" / "grpo_rewards.py"
 COMMON = [
     *("--block_size", "32", "--global_batch_size", str(G), "--max_steps", str(STEPS), "--logging_steps", "1"),
     *("--eval_steps", "0", "--eval_on_start", "false", "--disable_tqdm", "true", "--report_to", "none"),
@@ -113,8 +114,7 @@ class Capability:
     data: str = "text"  # text (the embedded corpus), sft, dpo, mixture
     banner: str = ""  # what the run's banner says when the capability is on (so a test knows it ran)
     own_effect_of: str = ""  # FP8: the layouts agree to the capability's own effect on this capability's curve
-    banner: str = ""  # what the run's banner says when the capability is on (so a test knows it ran)
-    own_effect_of: str = ""  # FP8: the layouts agree to the capability's own effect on this capability's curve
+    curve: str = "loss"  # the metrics.jsonl value compared (grpo: grad_norm, its loss is ~0 at one step a round)
 
 
 def capabilities(family: str) -> list[Capability]:
@@ -123,6 +123,11 @@ def capabilities(family: str) -> list[Capability]:
     bf16_moments = ("--optim", "adamw_anyprecision", "--optim_args", "momentum_dtype=bfloat16,variance_dtype=bfloat16")
     lora = ("--use_peft", "true", "--lora_r", "4")
     dpo = ("--objective", "dpo", "--loss_type", dpo_loss, "--block_size", "64")
+    grpo = ("--objective", "grpo", "--reward_funcs", f"{GRPO_REWARDS}:vowels,{GRPO_REWARDS}:brevity",
+            "--num_generations", "2", "--max_prompt_length", "24", "--max_completion_length", "6",
+            "--loss_type", {"qwen2": "dr_grpo", "qwen3_moe": "grpo"}.get(family, "dapo"))  # fmt: skip
+    # the KL to a reference (a frozen copy; LoRA's base) and a round serving two steps (old log-probs, the clip)
+    grpo_kl = ("--beta", "0.04", "--num_iterations", "2", "--epsilon", "0.002")
     caps = [
         Capability("pretraining", (), (ONE_BIG, ONE_SMALL, TWO, HSDP, CP), banner="embedded default"),
         Capability("lora", lora, banner="LoRA: "),
@@ -137,9 +142,14 @@ def capabilities(family: str) -> list[Capability]:
         Capability(
             "packed_sft", (), (ONE_BIG, ONE_SMALL, TWO, CP), data="sft", banner="packed rows (attention confined"
         ),
-    ]
+        Capability("grpo", grpo, data="grpo", banner="objective: grpo", curve="grad_norm"),
+        Capability("grpo_kl", (*grpo, *grpo_kl), (ONE_BIG, TWO), data="grpo", banner="a frozen copy",
+                   curve="grad_norm"),
+        Capability("grpo_lora", (*grpo, *grpo_kl, *lora), (ONE_BIG, TWO), data="grpo",
+                   banner="the LoRA adapter disabled", curve="grad_norm"),
+    ]  # fmt: skip
     if family not in NAMED:
-        keep = ("pretraining", "lora", "fp8_rowwise", "dpo", "packed_sft")
+        keep = ("pretraining", "lora", "fp8_rowwise", "dpo", "packed_sft", "grpo")
         return [cap for cap in caps if cap.name in keep]
     if FAMILIES[family][0]["model_type"].endswith("_moe"):
         caps.append(Capability("expert_parallel", (), (ONE_BIG, EP), banner="experts compute"))
@@ -166,6 +176,7 @@ def write_data(root: Path) -> dict[str, list[str]]:
     (root / "mixture.json").write_text(json.dumps(mix))
     return {
         "text": [],
+        "grpo": [],  # the embedded default's prompts
         "sft": ["--train_file", str(sft)],
         "dpo": ["--train_file", str(dpo)],
         "mixture": ["--dataset_mixture", str(root / "mixture.json")],
@@ -195,8 +206,13 @@ def run_family(root: Path, family: str) -> dict[tuple[str, str], dict[int, float
         for (cap, layout, _), stdout in zip(group, stdouts):
             for said in (cap.banner, layout.banner):  # the capability and the mesh were really on
                 assert said in stdout, f"{family} {cap.name} {layout.name}: no {said!r} line\n{stdout[-3000:]}"
-            curves[(cap.name, layout.name)] = losses(root / "runs" / f"{cap.name}-{layout.name}")
+            curves[(cap.name, layout.name)] = curve(root / "runs" / f"{cap.name}-{layout.name}", cap.curve)
     return curves
+
+
+def curve(output_dir: Path, name: str) -> dict[int, float]:
+    """step → the run's `name` value (the loss, or a grad norm)."""
+    return losses(output_dir) if name == "loss" else {r["step"]: r[name] for r in records(output_dir) if name in r}
 
 
 def check(curves: dict[tuple[str, str], dict[int, float]], family: str, cap: Capability) -> None:

@@ -230,6 +230,7 @@ class FSDPTrainer:
         self.tf32 = startup.configure_matmuls(train_args)
         torch.manual_seed(train_args.seed + info.rank)
         self.prep = prep = prepare(model_args, data_args, train_args, info, checked)
+        objectives.check_reward_columns(self.reward_set, prep)
         run_guard.check_data_agrees(info, prep.data_fingerprint)
         self.fingerprint = resume_guard.fingerprint(self.resolved, prep)  # saved in each checkpoint
         self.resume, self.resumed, self.changed = self._resume_target(claimed)

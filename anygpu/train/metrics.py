@@ -225,6 +225,9 @@ def format_line(rec: dict[str, Any], max_steps: int) -> str:
         if f"{prefix}rewards/margins" in rec:
             parts += [f"{prefix}margins {rec[f'{prefix}rewards/margins']:.4f}"]
             parts += [f"{prefix}accuracy {rec[f'{prefix}rewards/accuracies']:.2f}"]
+        if f"{prefix}reward" in rec:  # --objective grpo: the mean reward, and the completions' length (TRL's names)
+            parts.append(f"{prefix}reward {rec[f'{prefix}reward']:.4f}")
+            parts.append(f"{prefix}length {rec[f'{prefix}completions/mean_length']:.1f}")
         if prefix == "" and "eval_loss" in rec:
             parts.append(f"eval_loss {rec['eval_loss']:.4f}")
             parts += [f"ppl {rec['perplexity']:.2f}"] if "perplexity" in rec else []

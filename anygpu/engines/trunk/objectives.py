@@ -103,9 +103,14 @@ def reward_set(train_args) -> rewards.RewardSet | None:
     return rewards.RewardSet.build(train_args.reward_funcs, train_args.reward_weights, options)
 
 
+def check_reward_columns(reward_funcs: rewards.RewardSet | None, prep) -> None:
+    """A built-in reward that reads a column the prompt rows lack is refused (after the data, before the model)."""
+    if reward_funcs is not None:
+        reward_funcs.check_columns(c for c in prep.datasets["train"].column_names if c != "prompt_ids")
+
+
 def _grpo(prep, model, model_args, train_args, info, frozen_reference: BuildReference, reward_funcs):
-    """--objective grpo's objective: its rewards (checked against the prompt rows' columns) and reference."""
-    reward_funcs.check_columns(c for c in prep.datasets["train"].column_names if c != "prompt_ids")
+    """--objective grpo's objective: its rewards and reference."""
     temperature = train_args.temperature
     if train_args.beta == 0:
         ref, line = None, "reference: none (--beta 0: no KL term)"
