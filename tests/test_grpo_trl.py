@@ -108,7 +108,7 @@ def load(folder):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
 
 
-def trl_trainer(folders, prompts, loss_type, level, beta, num_iterations):
+def trl_trainer(folders, prompts, loss_type, level, beta, num_iterations, mask_truncated=False):
     """TRL's GRPOTrainer on the policy, its reference given the reference folder's weights, its generation replaced by
     COMPLETIONS in order; one micro-batch (the whole generation batch) per step. With the rows of one generation
     batch (each prompt G times, as TRL's sampler gives them)."""
@@ -122,6 +122,7 @@ def trl_trainer(folders, prompts, loss_type, level, beta, num_iterations):
         num_generations=G,
         max_completion_length=L,
         num_iterations=num_iterations,
+        mask_truncated_completions=mask_truncated,
         loss_type=loss_type,
         importance_sampling_level=level,
         beta=beta,
@@ -154,7 +155,7 @@ def trl_trainer(folders, prompts, loss_type, level, beta, num_iterations):
     return trainer, [{"prompt": p} for p in prompts for _ in range(G)]
 
 
-def our_objective(folders, prompts, loss_type, level, beta, num_iterations, output_dir):
+def our_objective(folders, prompts, loss_type, level, beta, num_iterations, output_dir, mask_truncated=False):
     """anygpu's GRPOObjective for one process and one micro-batch, its sampling replaced by COMPLETIONS (completion
     c = prompt p · G + generation i, as TRL orders them); the reference as the native engine builds it."""
     from transformers import AutoTokenizer
@@ -168,7 +169,7 @@ def our_objective(folders, prompts, loss_type, level, beta, num_iterations, outp
         epsilon_high=EPSILON_HIGH,
         num_iterations=num_iterations,
         scale_rewards="group",
-        mask_truncated_completions=False,
+        mask_truncated_completions=mask_truncated,
         importance_sampling_level=level,
         max_completion_length=L,
         temperature=TEMPERATURE,
@@ -223,11 +224,11 @@ def sgd_step(model) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def run_both(folders, prompts, loss_type, level, beta, num_iterations, output_dir):
+def run_both(folders, prompts, loss_type, level, beta, num_iterations, output_dir, mask_truncated=False):
     """Two steps on both sides, each followed by the same SGD step: per step (TRL's, ours), and both sides' objects."""
     torch.manual_seed(0)  # TRL shuffles each generation batch
-    trainer, trl_rows = trl_trainer(folders, prompts, loss_type, level, beta, num_iterations)
-    objective = our_objective(folders, prompts, loss_type, level, beta, num_iterations, output_dir)
+    trainer, trl_rows = trl_trainer(folders, prompts, loss_type, level, beta, num_iterations, mask_truncated)
+    objective = our_objective(folders, prompts, loss_type, level, beta, num_iterations, output_dir, mask_truncated)
     model = load(folders["policy"])
     steps = []
     for step in range(2):
@@ -301,3 +302,14 @@ def test_rounds_of_one_step_are_trls(folders, tmp_path, loss_type):
         assert_step_is_trls(trl, ours, 0.04)
         assert ours.metrics["clip_ratio/region_mean"] == 0
     assert steps[1][1].metrics["kl"] > steps[0][1].metrics["kl"] > 0.01
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_masked_truncated_completions_are_trls(folders, tmp_path, loss_type):
+    """--mask_truncated_completions (DAPO): a completion cut at the length adds nothing, as in TRL; it changes the
+    loss (the cut completions are in the batch, so the test would see them counted)."""
+    steps, _, _ = run_both(folders, PROMPTS["left-padded"], loss_type, "token", 0.04, 2, tmp_path, mask_truncated=True)
+    for trl, ours in steps:
+        assert_step_is_trls(trl, ours, 0.04)
+    plain, _, _ = run_both(folders, PROMPTS["left-padded"], loss_type, "token", 0.04, 2, tmp_path / "plain")
+    assert abs(plain[1][1].loss - steps[1][1].loss) > 1e-4

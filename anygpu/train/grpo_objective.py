@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -159,8 +160,8 @@ class GRPOObjective:
         """The run starts at `step` (0-based): completions.jsonl keeps what earlier steps wrote (a resume), no more."""
         if not self.info.is_main or not self.samples_path.exists():
             return
-        lines = self.samples_path.read_text().splitlines(keepends=True)
-        self.samples_path.write_text("".join(line for line in lines if json.loads(line)["step"] <= step))
+        kept = [line for line in self.samples_path.read_text().splitlines(keepends=True) if _step_of(line) <= step]
+        self.samples_path.write_text("".join(kept))
 
     # the run log's token counts (`train.metrics.StepTokens`' interface): the round's rows, counted at each step
     padded = True
@@ -194,14 +195,17 @@ class GRPOObjective:
     def _draw(self, model, index: int, share: rollout.Share, rows: list[dict]) -> tuple[list, dict, list]:
         """Sample and score this rank's completions; the global batch's advantages, metrics and first samples."""
         cfg = self.cfg
-        done = self._sample(model, index, share.prompts, share.generations, rows)
+        start = time.perf_counter()
+        done = self._sample(model, index, share.prompts, share.generations, rows)  # ends on the host: timed whole
+        sampled = time.perf_counter()
         totals, per_func, texts = self._score(rows, done)
+        seconds = (sampled - start, time.perf_counter() - sampled)
         shown = [
             {"prompt": r["prompt"], "completion": t, "reward": v, "generation": g}
             for r, t, v, g in zip(rows, texts, totals, share.generations)
         ][: cfg.num_completions_to_print]
         gathered = distributed.all_gather_object(
-            (totals, [len(c.ids) for c in done], [c.truncated for c in done], shown)
+            (totals, [len(c.ids) for c in done], [c.truncated for c in done], shown, seconds)
         )
         every = [v for part in gathered for v in part[0]]
         advantages = grpo.group_advantages(torch.tensor(every, dtype=torch.float64), cfg.num_generations,
@@ -251,6 +255,9 @@ class GRPOObjective:
                 "completions/clipped_ratio": sum(cut) / len(cut),
                 "completions/mean_terminated_length": sum(ended) / len(ended) if ended else 0.0,
                 "frac_reward_zero_std": sum(_spread(g) == 0.0 for g in groups) / len(groups),
+                # the round's sampling and scoring on its slowest rank (every rank waits for it at the gather)
+                "generation_seconds": max(part[4][0] for part in gathered),
+                "reward_seconds": max(part[4][1] for part in gathered),
             }
         )
         return out
@@ -353,6 +360,14 @@ class GRPOObjective:
             "cache from weights gathered once a round",
             self.reference_line,
         ]
+
+
+def _step_of(line: str) -> float:
+    """A completions.jsonl line's step; a line a crash cut short counts as past any step (dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
 
 
 def _spread(values: list[float]) -> float:
