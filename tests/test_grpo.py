@@ -224,3 +224,18 @@ def test_lm_and_dpo_keep_their_defaults_and_refuse_rewards(capsys, tmp_path):
     assert (train.loss_type, train.beta, train.num_generations, train.epsilon_high) == (["dapo"], 0.0, 4, None)
     err = refuse([*TINY, "--reward_funcs", "accuracy", "--output_dir", str(tmp_path)], capsys)
     assert "--reward_funcs accuracy with --objective lm" in err
+
+
+def test_completions_end_on_the_tokenizers_and_the_models_end_tokens():
+    """A chat model may end a turn on a token the tokenizer does not call EOS (Llama 3's <|eot_id|>): sampling stops
+    on either, as Hugging Face's generate would; an id outside the vocabulary is no token."""
+    from types import SimpleNamespace
+
+    from anygpu.train.grpo_objective import stop_ids
+
+    class Tok(SimpleNamespace):
+        def __len__(self) -> int:
+            return 100
+
+    assert stop_ids(Tok(eos_token_id=2), SimpleNamespace(eos_token_id=[2, 7, 500])) == (2, 7)
+    assert stop_ids(Tok(eos_token_id=2), SimpleNamespace(eos_token_id=None)) == (2,)

@@ -158,7 +158,7 @@ def trl_trainer(folders, prompts, loss_type, level, beta, num_iterations, mask_t
 def our_objective(folders, prompts, loss_type, level, beta, num_iterations, output_dir, mask_truncated=False):
     """anygpu's GRPOObjective for one process and one micro-batch, its sampling replaced by COMPLETIONS (completion
     c = prompt p · G + generation i, as TRL orders them); the reference as the native engine builds it."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folders["policy"])
     cfg = grpo_objective.Config(
@@ -181,6 +181,7 @@ def our_objective(folders, prompts, loss_type, level, beta, num_iterations, outp
     rows = [{"prompt": p, "prompt_ids": tokenizer(p)["input_ids"]} for p in prompts]
     prep = SimpleNamespace(
         tokenizer=tokenizer,
+        config=AutoConfig.from_pretrained(folders["policy"]),
         plan=SimpleNamespace(per_device_train_batch_size=len(COMPLETIONS)),  # one micro-batch
         datasets={"train": rows},
         order=SimpleNamespace(global_batch=lambda index: list(range(len(prompts)))),  # every round: all prompts

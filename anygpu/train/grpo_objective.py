@@ -109,10 +109,10 @@ class GRPOObjective:
         self.reference, self.reference_line = reference, reference_line
         self.samples_path = Path(output_dir) / SAMPLES_FILE
         tok = prep.tokenizer
-        eos = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id
         self.sampling = generation.Sampling(
-            cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length, (eos,), tok.pad_token_id
-        )
+            cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length, stop_ids(tok, prep.config),
+            tok.pad_token_id,
+        )  # fmt: skip
         self.round: Round | None = None
         self.saved: dict[str, Any] | None = None  # the round a resumed checkpoint was within
         self._sums: torch.Tensor | None = None  # the step's grpo.metric_sums, this rank's micro-batches
@@ -360,6 +360,14 @@ class GRPOObjective:
             "cache from weights gathered once a round",
             self.reference_line,
         ]
+
+
+def stop_ids(tokenizer, config) -> tuple[int, ...]:
+    """The tokens a completion ends on: the tokenizer's EOS and the model config's (a chat model may end a turn on
+    another: Llama 3's <|eot_id|> beside <|end_of_text|>), as Hugging Face's generate would stop."""
+    found = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    ids = [tokenizer.eos_token_id, *found]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None and 0 <= int(i) < len(tokenizer)))
 
 
 def _step_of(line: str) -> float:
