@@ -26,7 +26,9 @@
 # .venv/bin/python where there is one, else python3: the device image's), BUDGET, ROW_LIMIT (seconds per row,
 # default 150), TEST_LIMIT (seconds per GPU test in part 3, its module's shared runs included; default 150), SITE
 # (default /tmp/anygpu-lease-site), LEASE_WORK (default /tmp/anygpu-lease), LEASE_VENV (default
-# ~/.cache/anygpu/lease-venv), PYTHON312 (the rehearsal venv's interpreter; default: python3.12 or pyenv's).
+# ~/.cache/anygpu/lease-venv), PYTHON312 (the rehearsal venv's interpreter; default: python3.12 or pyenv's), ROWS
+# (comma-separated row ids: only these rows of the part, main or late, and no kernels; e.g. ROWS=grpo-4l,grpo-2l
+# bash benchmarks/gpu_lease.sh 1 measures the GRPO rows, which a whole part 1 leaves no time for).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -107,6 +109,7 @@ run_rows() {  # part, phase (main: before the GPU tests; late: after them), json
   rm -rf "$done_dir" && mkdir -p "$done_dir"
   while IFS='|' read -r id name layers seconds when; do
     [ "$when" = "$phase" ] || continue
+    [ -z "${ROWS:-}" ] || [[ ",$ROWS," == *",$id,"* ]] || continue
     i=$((i + 1))
     if [ "$GPU" = 1 ] && [ $((SECONDS - START + seconds)) -gt "$BUDGET" ]; then
       say "skipped $id: past the part's budget of $BUDGET s"
@@ -168,12 +171,12 @@ part() {
     tests=$(gpu_tests)
   else
     bench prepare >>"$log" 2>&1
-    if [ "$n" = 1 ]; then
+    if [ "$n" = 1 ] && [ -z "${ROWS:-}" ]; then
       say "matmul ceilings"
       bench gemm 2>>"$log" | grep '^LEASE_GEMM ' | cut -d' ' -f2- >>"$rows" || say "gemm failed (see $log)"
     fi
     run_rows "$n" main "$rows" "$log"
-    if [ "$n" = 1 ]; then
+    if [ "$n" = 1 ] && [ -z "${ROWS:-}" ]; then
       say "context-parallel attention kernels"
       bench cp 2>>"$log" | grep '^LEASE_CP ' | cut -d' ' -f2- >>"$rows" || say "cp kernels failed (see $log)"
     fi
@@ -241,6 +244,6 @@ case "${1:-all}" in
       say "rehearsal done in $((SECONDS - t0)) s (the three parts; the venv's build not counted)"
     fi
     ;;
-  -h|--help) sed -n "2,28p" "$0" ;;
+  -h|--help) sed -n "2,31p" "$0" ;;
   *) echo "gpu_lease.sh: unknown command '$1' (valid: fetch, plan, 1, 2, 3, venv, test-order, or none)" >&2; exit 2 ;;
 esac

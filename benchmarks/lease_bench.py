@@ -19,6 +19,14 @@ log (`anygpu.runtime.host_syncs`), graph breaks dynamo's count for the run. The 
 unused tokens, so the embedding and output projection have 8B's size) with 2 or 4 layers; the per-layer cost is the
 difference of 4 and 2 layers, and 8B's step (32 layers) is projected from it.
 
+The GRPO rows (`--objective grpo`, online RL) time a step that samples its own rows: GRPO_COMPLETIONS completions
+(GRPO_GENERATIONS of each of the step's prompts: the SFT rows' non-blank prompts, cut to their last GRPO_PROMPT
+tokens) of up to GRPO_TOKENS tokens with HF's generate and a KV cache, scored by examples/grpo/rewards.py:digits,
+then trained on in micro-batches of GRPO_MICRO. Their record adds the round's sampling and scoring seconds (the
+engine's `generation_seconds`, `reward_seconds`, averaged over the measured window) and the training part: the step
+less both. A random-init model samples its EOS about once in 128,256 tokens, so nearly every completion runs to
+GRPO_TOKENS: the worst case, which is what a cost measurement wants (`clipped_ratio` says how near).
+
 Without a GPU everything runs with shrunken shapes on the CPU (the rehearsal: the same code, minutes not hours);
 LEASE_SHAPES=gpu or cpu chooses the shapes whatever the machine.
 """
@@ -72,6 +80,12 @@ MOE_SHAPE = (
 BLOCK = 8192 if GPU else 256
 WINDOW = 8 if GPU else 1  # steps per logged window: the second window is measured
 SFT_BATCH = 4  # sequences per step of the SFT rows (packed rows, or samples padded to the micro-batch's longest)
+# GRPO rows: completions per step and per micro-batch, completions of each prompt, prompt tokens kept (the last ones),
+# the most tokens sampled; GRPO_WINDOW steps per logged window (each step generates: fewer, longer steps)
+GRPO_COMPLETIONS, GRPO_MICRO, GRPO_GENERATIONS = (64, 8, 8) if GPU else (16, 8, 4)
+GRPO_PROMPT, GRPO_TOKENS = (512, 512) if GPU else (16, 16)
+GRPO_WINDOW = 2 if GPU else 1
+GRPO_REWARD = f"{ROOT / 'examples/grpo/rewards.py'}:digits"  # absolute: the engine resolves it from its working dir
 CP_TOKENS = 131072 if GPU else 2048
 CORPUS_MB = 8 if GPU else 1
 EIGHT_B_LAYERS = 32
@@ -83,7 +97,7 @@ class Row:
     part: int  # which device call runs it (gpu_lease.sh 1 or 2; 3 runs the GPU tests)
     layers: int
     args: tuple[str, ...] = ()
-    data: str = "text"  # raw-text blocks, or "sft": prompt-completion rows
+    data: str = "text"  # raw-text blocks, "sft": prompt-completion rows, "grpo": their prompts (--objective grpo)
     seconds: int = 30  # expected on an H100, start-up included (the part's time budget skips what would not fit)
     late: bool = False  # last, in the time the part's budget leaves (planned to be skipped when time is short)
     moe: bool = False  # Qwen3-30B-A3B's mixture-of-experts layer (`MOE_SHAPE`) instead of Llama-3-8B's
@@ -136,6 +150,10 @@ ROWS = (  # seconds: measured on the H100 lease of 2026-11-26 (~30 s of each is 
     # over the experts hit: the single-GPU half of expert parallelism's speed (docs/moe.md); --ep needs two GPUs
     Row("MoE, experts grouped_mm", 1, 2, moe=True, seconds=45, late=True),
     Row("MoE, experts eager loop", 1, 2, ("--experts_implementation", "eager"), moe=True, seconds=60, late=True),
+    # online RL: sampling 64 completions of 512 tokens against training on them, at 4 and 2 layers (generation's
+    # per-layer cost: decoding reads every layer's weights at every token). seconds: a guess (no GPU has run them)
+    Row("GRPO", 1, 4, data="grpo", seconds=90, late=True),
+    Row("GRPO", 1, 2, data="grpo", seconds=70, late=True),
 )
 
 
@@ -150,14 +168,30 @@ def config_path(layers: int, moe: bool = False) -> Path:
     return WORK / (f"qwen3-30b-a3b-shape-{layers}L.json" if moe else f"llama3-8b-shape-{layers}L.json")
 
 
+def window(row: Row) -> int:
+    """Steps per logged window: the second window is measured."""
+    return GRPO_WINDOW if row.data == "grpo" else WINDOW
+
+
+def num_steps(row: Row) -> int:
+    """Two windows, then (not GRPO) one step whose host syncs are counted: a GRPO step's generation syncs at every
+    token by design (HF's stopping check), and a step less spares a GPU several seconds."""
+    return 2 * window(row) + (row.data != "grpo")
+
+
 def engine_argv(row: Row) -> list[str]:
     """The row's run_fsdp_standalone.py arguments: no checkpoint, no export, a short final evaluation."""
-    batch = SFT_BATCH if row.data == "sft" else 1
-    data = (
-        ["--train_file", str(WORK / "sft.jsonl"), "--max_eval_samples", "1"]
-        if row.data == "sft"
-        else ["--max_corpus_mb", str(CORPUS_MB), "--max_eval_samples", "1"]
-    )
+    batch, micro = {"text": (1, 1), "sft": (SFT_BATCH, SFT_BATCH), "grpo": (GRPO_COMPLETIONS, GRPO_MICRO)}[row.data]
+    data = {
+        "text": ["--max_corpus_mb", str(CORPUS_MB)],
+        "sft": ["--train_file", str(WORK / "sft.jsonl")],
+        "grpo": ["--train_file", str(WORK / "prompts.jsonl")],
+    }[row.data] + ["--max_eval_samples", "1"]
+    if row.data == "grpo":
+        data += [
+            "--objective", "grpo", "--reward_funcs", GRPO_REWARD, "--num_generations", str(GRPO_GENERATIONS),
+            "--max_prompt_length", str(GRPO_PROMPT), "--max_completion_length", str(GRPO_TOKENS),
+        ]  # fmt: skip
     return [
         "--config_name",
         str(config_path(row.layers, row.moe)),
@@ -171,11 +205,11 @@ def engine_argv(row: Row) -> list[str]:
         "--global_batch_size",
         str(batch),
         "--per_device_train_batch_size",
-        str(batch),
+        str(micro),
         "--max_steps",
-        str(2 * WINDOW + 1),  # the last step: its host syncs are counted (outside the measured window)
+        str(num_steps(row)),  # a last step past the measured window: its host syncs are counted
         "--logging_steps",
-        str(WINDOW),
+        str(window(row)),
         "--warmup_steps",
         "1",
         "--eval_steps",
@@ -202,7 +236,7 @@ def engine_argv(row: Row) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ prepare
 def prepare() -> None:
-    """The model configs, a tokenizer with Llama-3-8B's vocabulary size, and prompt-completion rows."""
+    """The model configs, a tokenizer with Llama-3-8B's vocabulary size, prompt-completion rows, GRPO's prompts."""
     WORK.mkdir(parents=True, exist_ok=True)
     preset = json.loads((ROOT / "anygpu/config/presets/llama-8b.json").read_text())
     moe = {"model_type": "qwen3_moe", "vocab_size": SHAPE["vocab_size"], "rope_theta": 1e6, **MOE_SHAPE}
@@ -219,6 +253,8 @@ def prepare() -> None:
         padded_tokenizer(WORK / "tokenizer", SHAPE["vocab_size"])
     if not (WORK / "sft.jsonl").exists():
         sft_rows(WORK / "sft.jsonl")
+    if not (WORK / "prompts.jsonl").exists():
+        prompt_rows(WORK / "sft.jsonl", WORK / "prompts.jsonl")
 
 
 def corpus_texts(max_mb: float) -> list[str]:
@@ -273,38 +309,62 @@ def sft_rows(path: Path, count: int = 1500) -> None:
             f.write(json.dumps({"prompt": text[at : at + p], "completion": text[at + p : at + p + c]}) + "\n")
 
 
+def prompt_rows(sft: Path, path: Path) -> None:
+    """The GRPO rows' prompts: the SFT rows whose prompt is not blank (a cut of the corpus can be all spaces, which
+    grpo refuses), their `completion` kept (grpo keeps the column and passes it to no reward function)."""
+    rows = [line for line in sft.read_text().splitlines() if json.loads(line)["prompt"].strip()]
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # rows start side by side in the rehearsal
+    tmp.write_text("".join(line + "\n" for line in rows))
+    os.replace(tmp, path)
+
+
 # ------------------------------------------------------------------------------------------------ one row
 def run_row(row: Row) -> dict:
     """Train the row's configuration with the engine; its steady-state figures."""
+    import torch
+
     from anygpu.config.args import parse_args
     from anygpu.engines import fsdp as fsdp_engine
     from anygpu.runtime import compile_stats, host_syncs
     from anygpu.train.metrics import read_metrics
 
     trainer = fsdp_engine.FSDPTrainer(*parse_args(engine_argv(row)))
-    device, probe, counted = trainer.info.device, 2 * WINDOW + 1, {}
-    step_of = trainer.optimizer_step
+    w, grpo_row = window(row), row.data == "grpo"
+    device, probe, counted, rounds = trainer.info.device, 2 * w + 1, {}, {}
+    step_of, record_of = trainer.optimizer_step, trainer.log.train
 
     def optimizer_step(step, cpu):
+        if grpo_row and device.type == "cuda":
+            # the host runs ahead: without this the round's sampling clock (`generation_seconds`) would start while
+            # the last step's backward and optimizer still run, and count them as sampling
+            torch.cuda.synchronize(device)
         if step != probe:
-            return step_of(step, cpu)
-        with host_syncs.count(device) as syncs:
             out = step_of(step, cpu)
-        counted.update(count=syncs.count, where=syncs.summary(3))
+        else:
+            with host_syncs.count(device) as syncs:
+                out = step_of(step, cpu)
+            counted.update(count=syncs.count, where=syncs.summary(3))
+        if grpo_row:  # the step's round (one a step: --num_iterations 1): its sampling and scoring seconds
+            rounds[step] = trainer.objective.round.metrics
         return out
 
-    trainer.optimizer_step = optimizer_step
+    window_tokens = {}  # logged step → the real tokens of its window, as the engine's tokens/s counted them
+
+    def train_record(step, *args, **kwargs):
+        window_tokens[step] = trainer.log.window.tokens
+        return record_of(step, *args, **kwargs)
+
+    trainer.optimizer_step, trainer.log.train = optimizer_step, train_record
     before = compile_stats.counts()
     trainer.train()
     records = [r for r in read_metrics(WORK / "runs" / row.id / "metrics.jsonl") if "loss" in r]
-    last = next(r for r in records if r["step"] == 2 * WINDOW)  # steps W+1 … 2W: compiled and warm
-    tokens = sum(trainer.log.tokens.count(s, trainer.prep.plan)[0] for s in range(WINDOW, 2 * WINDOW))
-    seconds = tokens / last["tokens_per_second"]
-    return {
+    last = next(r for r in records if r["step"] == 2 * w)  # steps W+1 … 2W: compiled and warm
+    seconds = window_tokens[2 * w] / last["tokens_per_second"]
+    out = {
         "id": row.id,
         "name": row.name,
         "layers": row.layers,
-        "ms_per_step": 1000 * seconds / WINDOW,
+        "ms_per_step": 1000 * seconds / w,
         "tokens_per_second": last["tokens_per_second"],
         "mfu": last.get("mfu"),
         "peak_memory_gib": last.get("max_memory_allocated_gb"),
@@ -313,6 +373,31 @@ def run_row(row: Row) -> dict:
         "graph_breaks": compile_stats.counts().since(before).graph_breaks,
         "loss": last["loss"],
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
+    }
+    if grpo_row:
+        out.update(grpo_figures([rounds[s] for s in range(w + 1, 2 * w + 1)], seconds / w, window_tokens[2 * w] / w))
+    return out
+
+
+def grpo_figures(rounds: list[dict], step_seconds: float, row_tokens: float) -> dict:
+    """A GRPO row's step split: sampling (the slowest rank's, the engine's `generation_seconds`), scoring, and the
+    rest (the training rows' forward and backward, the optimizer), averaged over the measured window's rounds;
+    `row_tokens`: the real tokens (prompt + completion) a step trains on."""
+    mean = lambda key: sum(r[key] for r in rounds) / len(rounds)  # noqa: E731
+    generation, rewards, length = mean("generation_seconds"), mean("reward_seconds"), mean("completions/mean_length")
+    training = step_seconds - generation - rewards
+    return {
+        "objective": "grpo",
+        "completions": GRPO_COMPLETIONS,
+        "max_completion_tokens": GRPO_TOKENS,
+        "completion_tokens": length,  # the mean; GRPO_TOKENS where no completion sampled its EOS
+        "clipped_ratio": mean("completions/clipped_ratio"),
+        "prompt_tokens": row_tokens / GRPO_COMPLETIONS - length,  # the mean, after --max_prompt_length's cut
+        "generation_seconds": generation,
+        "reward_seconds": rewards,
+        "training_seconds": training,
+        "generated_tokens_per_second": GRPO_COMPLETIONS * length / generation,
+        "training_tokens_per_second": row_tokens / training if training > 0 else None,
     }
 
 
@@ -460,6 +545,34 @@ def projection(rows: list[dict], name: str) -> str | None:
     )
 
 
+def grpo_projection(rows: list[dict]) -> str | None:
+    """8B's GRPO step from the 4- and 2-layer GRPO rows: sampling and training each extrapolated per layer (decoding
+    reads every layer's weights at every token), scoring as measured (it does not depend on the model)."""
+    by = {r["layers"]: r for r in rows if r.get("objective") == "grpo" and r.get("generation_seconds")}
+    if 2 not in by or 4 not in by:
+        return None
+    a, b = by[2], by[4]
+    parts = {}
+    for key in ("generation_seconds", "training_seconds"):
+        per_layer = (b[key] - a[key]) / 2
+        if per_layer <= 0 or a[key] - 2 * per_layer < 0:
+            return f"GRPO: 4 layers' {key} not above 2 layers' ({b[key]:.2f} vs {a[key]:.2f} s): noise, no projection"
+        parts[key] = (per_layer, a[key] - 2 * per_layer)
+    (gen_layer, gen_rest), (train_layer, train_rest) = parts["generation_seconds"], parts["training_seconds"]
+    generation = gen_rest + EIGHT_B_LAYERS * gen_layer
+    training = train_rest + EIGHT_B_LAYERS * train_layer
+    step = generation + b["reward_seconds"] + training
+    tokens = b["completions"] * b["completion_tokens"]
+    return (
+        f"GRPO ({b['completions']} completions of {b['completion_tokens']:.0f} tokens a step): sampling "
+        f"{1000 * gen_layer:.0f} ms per decoder layer, {1000 * gen_rest:.0f} ms the rest (embedding, output projection "
+        f"and sampler at every token, HF's loop); training {1000 * train_layer:.0f} ms per layer, "
+        f"{1000 * train_rest:.0f} ms the rest; projected Llama-3-8B step ({EIGHT_B_LAYERS} layers): sampling "
+        f"{generation:.1f} s ({tokens / generation:,.0f} tokens/s), training {training:.1f} s, step {step:.1f} s, "
+        f"{100 * generation / step:.0f}% of it sampling, on this GPU"
+    )
+
+
 def peak_flops() -> float | None:
     import torch
 
@@ -474,9 +587,36 @@ def tflops(value: float | None) -> str:
     return "–" if value is None else f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
 
 
+GRPO_NAMES = {r.name for r in ROWS if r.data == "grpo"}
+
+
+def grpo_table(rows: list[dict]) -> list[str]:
+    """The GRPO rows' step split: seconds a step, its sampling, scoring and training (the step less both)."""
+    lines = [
+        "| GRPO | layers | s/step | sampling (s) | rewards (s) | training (s) | completions × mean tokens (prompt + "
+        "completion) | sampled tokens/s | tokens/s (step) | tokens/s (training) | peak memory (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
+    for r in rows:
+        if r.get("status", "ok") != "ok":
+            lines.append(f"| {r['name']} | {r['layers']} | {r['status']} | | | | | | | | |")
+            continue
+        shape = f"{r['completions']} × ({r['prompt_tokens']:.0f} + {r['completion_tokens']:.0f})"
+        lines.append(
+            f"| {r['name']} | {r['layers']} | {r['ms_per_step'] / 1000:.2f} | {r['generation_seconds']:.2f} | "
+            f"{r['reward_seconds']:.3f} | {r['training_seconds']:.2f} | {shape} | "
+            f"{fmt(r['generated_tokens_per_second'], ',.0f')} | {fmt(r['tokens_per_second'], ',.0f')} | "
+            f"{fmt(r['training_tokens_per_second'], ',.0f')} | {fmt(r['peak_memory_gib'], '.1f')} |"
+        )
+    return lines
+
+
 def table(part: int, path: Path) -> str:
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    rows = [r for r in recs if r.get("kind") == "row"]
+    every = [r for r in recs if r.get("kind") == "row"]
+    grpo_rows = [r for r in every if r["name"] in GRPO_NAMES]  # their own table: a step that samples its rows
+    rows = [r for r in every if r["name"] not in GRPO_NAMES]
     lines = [
         "| configuration | layers | ms/step | tokens/s | MFU | peak memory (GiB) | host syncs/step | graph breaks |",
         "|---|---|---|---|---|---|---|---|",
@@ -491,10 +631,16 @@ def table(part: int, path: Path) -> str:
             f"{'–' if r.get('mfu') is None else format(100 * r['mfu'], '.1f') + '%'} | {fmt(r['peak_memory_gib'], '.1f')} | "
             f"{fmt(r['host_syncs_per_step'], 'd')} | {fmt(r['graph_breaks'], 'd')} |"
         )
-    out = [f"### Part {part}", "", *lines, ""]
+    out = [f"### Part {part}", ""] + ([*lines, ""] if rows or not grpo_rows else [])  # ROWS=grpo-…: GRPO's alone
+    if grpo_rows:
+        out += [*grpo_table(grpo_rows), ""]
     for name in ("eager", "compiled + FP8 rowwise"):
         if (line := projection(rows, name)) is not None:
             out.append(f"- {line}")
+    if (line := grpo_projection(grpo_rows)) is not None:
+        out.append(f"- {line}")
+    elif any(r.get("objective") == "grpo" for r in grpo_rows):
+        out.append("- GRPO: no per-layer cost (it needs both the 4- and the 2-layer GRPO rows)")
     for r in recs:
         if r.get("kind") == "gemm":
             out.append(

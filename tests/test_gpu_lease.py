@@ -44,9 +44,8 @@ def lease(*args: str, **env: str) -> subprocess.CompletedProcess:
 def plan_rows() -> list[dict]:
     work = Path("/tmp/lease-plan")
     work.mkdir(exist_ok=True)
-    (work / "sft.jsonl").write_text(
-        '{"prompt": "a", "completion": "b"}\n'
-    )  # `prepare` writes it; the parser checks it is there
+    for name in ("sft.jsonl", "prompts.jsonl"):  # `prepare` writes them; the parser checks they are there
+        (work / name).write_text('{"prompt": "a", "completion": "b"}\n')
     out = subprocess.run(
         [sys.executable, "benchmarks/lease_bench.py", "plan"],
         cwd=ROOT,
@@ -90,6 +89,25 @@ def test_every_row_is_an_engine_command_that_writes_no_checkpoint(plan_rows):
     assert eager == {2, 4}  # the per-layer cost and the projection of an 8B step
 
 
+def test_the_grpo_rows_sample_64_completions_of_512_tokens(plan_rows):
+    """GRPO at 4 and 2 layers (generation's per-layer cost), late in part 1: 8 prompts of the SFT rows a step, 8
+    completions of each, sampled to 512 tokens and trained on in micro-batches of 8, the demo's reward found by an
+    absolute path (the engine resolves a relative one from where it runs)."""
+    grpo = [r for r in plan_rows if r["data"] == "grpo"]
+    assert sorted(r["layers"] for r in grpo) == [2, 4] and all(r["late"] and r["part"] == 1 for r in grpo)
+    parser = build_parser()
+    for row in grpo:
+        _, data_args, train_args = parser.parse_args_into_dataclasses(args=row["argv"])
+        assert train_args.objective == "grpo" and data_args.train_file == "/tmp/lease-plan/prompts.jsonl"
+        path, fn = train_args.reward_funcs[0].rsplit(":", 1)
+        assert fn == "digits" and path == str(ROOT / "examples/grpo/rewards.py") and Path(path).is_file()
+        assert (train_args.global_batch_size, train_args.per_device_train_batch_size) == (64, 8)
+        assert train_args.num_generations == 8
+        assert (train_args.max_prompt_length, train_args.max_completion_length) == (512, 512)
+        assert train_args.bf16 and not train_args.torch_compile
+        assert (train_args.max_steps, train_args.logging_steps) == (4, 2)  # step 4's record: steps 3 and 4
+
+
 def test_each_part_fits_its_call(plan_rows):
     """The rows' seconds as the H100 lease measured them fit each call's budget (255 s of a 280-s call); the late
     rows are the only ones planned to be skipped when time is short. Part 3 is the GPU tests alone."""
@@ -127,6 +145,27 @@ def test_the_table_and_the_projection(tmp_path):
             "parameters": 1_922_000_000,
         },
         {"kind": "row", "name": "compiled", "layers": 4, "status": "timed out after 150 s"},
+        *(
+            {
+                "kind": "row",
+                "name": "GRPO",
+                "layers": layers,
+                "ms_per_step": 1000 * (gen + 0.01 + train),
+                "tokens_per_second": 64 * 800 / (gen + 0.01 + train),
+                "peak_memory_gib": memory,
+                "objective": "grpo",
+                "completions": 64,
+                "completion_tokens": 512.0,
+                "prompt_tokens": 288.0,
+                "generation_seconds": gen,
+                "reward_seconds": 0.01,
+                "training_seconds": train,
+                "generated_tokens_per_second": 64 * 512 / gen,
+                "training_tokens_per_second": 64 * 800 / train,
+            }
+            for layers, gen, train, memory in ((2, 3.0, 1.0, 30.0), (4, 4.0, 1.5, 42.0))
+        ),
+        {"kind": "row", "name": "GRPO", "layers": 8, "status": "skipped (time budget)"},
         {"kind": "gemm", "n": 8192, "bf16_tflops": 790.0, "fp8_tensorwise_tflops": 1400.0, "fp8_rowwise_tflops": None},
     ]
     path = tmp_path / "rows.jsonl"
@@ -145,6 +184,13 @@ def test_the_table_and_the_projection(tmp_path):
     # 50 ms a layer, 200 ms the rest: 200 + 32 × 50 = 1800 ms for 8B's 32 layers
     assert "50.0 ms per decoder layer, 200.0 ms the rest" in out.stdout and ": 1800 ms, 4,551 tokens/s" in out.stdout
     assert "bf16 790 TFLOP/s; FP8 tensorwise 1,400, rowwise – TFLOP/s" in out.stdout
+    # GRPO's own table: the step split into sampling, rewards and training
+    assert "| GRPO | 4 | 5.51 | 4.00 | 0.010 | 1.50 | 64 × (288 + 512) | 8,192 | 9,292 | 34,133 | 42.0 |" in out.stdout
+    assert "| GRPO | 8 | skipped (time budget) |" in out.stdout and "| GRPO | 4 | 5510" not in out.stdout
+    # sampling 0.5 s a layer, 2 s the rest: 2 + 32 × 0.5 = 18 s; training 0.5 + 32 × 0.25 = 8.5 s; + 0.01 s rewards
+    assert "sampling 500 ms per decoder layer, 2000 ms the rest" in out.stdout
+    assert "training 250 ms per layer, 500 ms the rest" in out.stdout
+    assert "sampling 18.0 s (1,820 tokens/s), training 8.5 s, step 26.5 s, 68% of it sampling" in out.stdout
 
 
 @pytest.mark.slow
@@ -181,4 +227,28 @@ def test_a_row_runs_the_engines_own_step_here(tmp_path):
     row = json.loads(re.search(r"^LEASE_ROW (.*)$", proc.stdout, flags=re.MULTILINE)[1])
     assert row["ms_per_step"] > 0 and row["tokens_per_second"] > 0 and row["host_syncs_per_step"] == 0
     assert row["parameters"] > 0 and row["graph_breaks"] == 0
+    assert not list(tmp_path.glob("runs/*/checkpoint-*")) and not list(tmp_path.glob("runs/*/final"))
+
+
+@pytest.mark.slow
+def test_a_grpo_row_splits_its_step_here(tmp_path):
+    """A GRPO row for real, with the rehearsal's shapes: its record says what sampling, scoring and training each
+    cost a step, and the three add up to the step."""
+    env = {**os.environ, "LEASE_SHAPES": "cpu", "LEASE_WORK": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/lease_bench.py", "row", "grpo-2l"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(re.search(r"^LEASE_ROW (.*)$", proc.stdout, flags=re.MULTILINE)[1])
+    assert row["objective"] == "grpo" and row["completions"] == 16 and 0 < row["completion_tokens"] <= 16
+    assert row["generation_seconds"] > 0 and row["reward_seconds"] > 0 and row["training_seconds"] > 0
+    step = row["generation_seconds"] + row["reward_seconds"] + row["training_seconds"]
+    assert abs(step - row["ms_per_step"] / 1000) < 1e-6
+    assert row["generated_tokens_per_second"] > 0 and row["training_tokens_per_second"] > 0
+    assert 0 < row["prompt_tokens"] <= 16  # cut to --max_prompt_length (the rehearsal's 16)
     assert not list(tmp_path.glob("runs/*/checkpoint-*")) and not list(tmp_path.glob("runs/*/final"))

@@ -360,7 +360,7 @@ def summary_lines(prep: Prepared, model, train_args: TrainArguments, tf32: bool)
             line
             for line in (
                 dropout.note(model),
-                lean_loss.note(model),
+                not train_args.is_grpo and lean_loss.note(model),  # grpo: log-probs of the completions' logits
                 lora.is_peft(model) and lora.trainable_line(model),
                 qlora.note(model),
                 fp8.note(model),

@@ -195,6 +195,8 @@ class GRPOObjective:
     def _draw(self, model, index: int, share: rollout.Share, rows: list[dict]) -> tuple[list, dict, list]:
         """Sample and score this rank's completions; the global batch's advantages, metrics and first samples."""
         cfg = self.cfg
+        if self.info.device.type == "cuda":  # the previous step's queued work is not sampling time
+            torch.cuda.synchronize(self.info.device)
         start = time.perf_counter()
         done = self._sample(model, index, share.prompts, share.generations, rows)  # ends on the host: timed whole
         sampled = time.perf_counter()

@@ -71,15 +71,23 @@ def token_log_probs(
         logits_to_keep=width + 1,
         use_cache=False,
     )
-    logits = out.logits[:, :-1].float() / temperature  # position t predicts completion token t
-    picked = logits.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
-    logps = picked - torch.logsumexp(logits, dim=-1)
-    ent = None
-    if entropy:
-        with torch.no_grad():
-            log_p = torch.log_softmax(logits, dim=-1)
-            ent = -(log_p.exp() * log_p).sum(-1)
-    return logps, ent
+    logits = out.logits[:, :-1].float()  # position t predicts completion token t
+    if temperature != 1.0:  # a (B, C, V) copy: only where it changes something
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logps = logits.gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1) - lse
+    return logps, _entropies(logits.detach(), lse.detach()) if entropy else None
+
+
+@torch.no_grad()
+def _entropies(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """(B, C): each distribution's entropy, lse − Σ p · logit, one row at a time (a (C, V) temporary, not (B, C, V)
+    several times over: at a 128k vocabulary a micro-batch's logits are gigabytes)."""
+    out = torch.empty_like(lse)
+    for b in range(logits.shape[0]):
+        p = torch.exp(logits[b] - lse[b].unsqueeze(-1))
+        out[b] = lse[b] - (p * logits[b]).sum(-1)
+    return out
 
 
 def micro_batches(n: int, size: int) -> list[range]:
