@@ -448,3 +448,150 @@ def test_70b_on_8_h100_gets_a_native_offload_run_with_its_host_memory_and_cost()
     assert f"offload needs {per_node:.2f} GiB of host memory per node and the node has 1024.00 GiB" in small
     two = "\n".join(plan_tool.recommendation(result(16, 2, 1024)))
     assert "--cpu_offload true --dp_shard 16" in two and f"{per_node / 2:.2f} GiB" in two, two
+
+
+# --objective grpo: a step trains micro-batches of completions; a round generates each GPU's G/W completions at once
+# from the whole model gathered in the compute dtype, beside the sharded state.
+GRPO_8B = ["--config_name", "llama-8b", "--gpu", "h100", "--num_gpus", "8", "--objective", "grpo"]
+
+
+def grpo_shapes(preset: str, global_batch: int = 256, prompt: int = 512, completion: int = 512, beta: float = 0.0):
+    shapes, _, _ = plan_tool.load_shapes(None, preset)
+    generation = memory_plan.Generation(global_batch, prompt, completion, 8, beta)
+    return dataclasses.replace(shapes, generation=generation, reference=beta > 0)
+
+
+def test_grpo_kv_cache_of_a_known_shape():
+    """Llama-3-8B (32 layers, 8 KV heads of 128): K and V are 2 × 32 × 8 × 128 × 2 bytes = 128 KiB a token in bf16;
+    32 completions of 512 + 512 tokens hold 4 GiB, twice that in fp32."""
+    shapes = grpo_shapes("llama-8b")
+    assert (shapes.num_layers, shapes.num_kv_heads, shapes.head_dim) == (32, 8, 128)
+    assert memory_plan.kv_cache_bytes(shapes, 1, 1, "bf16") == 2 * 32 * 8 * 128 * 2 == 128 * 2**10
+    assert memory_plan.kv_cache_bytes(shapes, 32, 1024, "bf16") == 4 * 2**30
+    assert memory_plan.kv_cache_bytes(shapes, 32, 1024, "fp32") == 8 * 2**30
+    machine = memory_plan.Machine(8, 80 * 2**30)
+    row = memory_plan.row_for(shapes, machine, "fsdp2", "bf16", True, False, 1, 1024)
+    assert row.generation_bytes["kv_cache"] == 4 * 2**30  # 256 completions over 8 GPUs: 32 each, in one batch
+
+
+def test_grpo_generation_holds_the_gathered_model_beside_the_sharded_state():
+    """A round's generation peak: the sharded parameters and AdamW state (no gradients: freed at each step's end),
+    the whole model gathered in bf16 (2 bytes a parameter, on every GPU), the KV cache and the working tensors; a
+    row's total is the larger of that and its training step; no gathered copy where FSDP2 does not shard (one rank,
+    fp32)."""
+    shapes = grpo_shapes("llama-8b")
+    machine = memory_plan.Machine(8, 80 * 2**30)
+    row = memory_plan.row_for(shapes, machine, "fsdp2", "bf16", True, False, 1, 1024)
+    gen, b = row.generation_bytes, row.per_gpu_bytes
+    assert gen["gathered"] == 2 * shapes.num_params
+    assert row.generation_peak == b["parameters"] + b["optimizer"] + b["reserved"] + sum(gen.values())
+    assert row.total == max(row.training_peak, row.generation_peak) == row.generation_peak
+    assert row.training_peak == sum(b.values())
+    one = memory_plan.Machine(1, 80 * 2**30)
+    assert memory_plan.row_for(shapes, one, "fsdp2", "bf16", True, False, 1, 1024).generation_bytes["gathered"] > 0
+    assert memory_plan.row_for(shapes, one, "fsdp2", "fp32", True, False, 1, 1024).generation_bytes["gathered"] == 0
+    # the training rows keep the completion's logits only (513 positions, the dtype's and three fp32 copies)
+    plain = dataclasses.replace(shapes, generation=None)
+    body = memory_plan.activation_bytes(plain, 1, 1024, "bf16", True, lean_loss=False)
+    logits = 1024 * shapes.vocab_size * (2 + 4 + 4)  # the lm objective's: every position, no lean loss
+    assert memory_plan.activation_bytes(shapes, 1, 1024, "bf16", True) == body - logits + 513 * shapes.vocab_size * 14
+
+
+def grpo_plan(*args: str) -> tuple[memory_plan.PlanResult, memory_plan.PlanResult]:
+    parser = plan_tool.build_parser()
+    parsed = parser.parse_args([*GRPO_8B, *args])
+    assert plan_tool.check_args(parsed) is None
+    return plan_tool.plan(parsed)
+
+
+def test_grpo_beta_adds_a_reference_but_not_to_lora():
+    """--beta > 0: a frozen reference in bf16 sharded like the policy (2 bytes a parameter over the GPUs), counted in
+    the training and the generation peaks; LoRA's reference is its base (nothing more); --beta 0: none. Only the
+    FSDP2 engine's strategies are planned."""
+    full, lora = grpo_plan("--beta", "0.04", "--global_batch_size", "256")
+    shapes = full.shapes
+    for row in full.rows:
+        assert row.strategy == "fsdp2"
+        expected = memory_plan.reference_bytes(shapes, "fsdp2", row.precision, 8)
+        assert row.per_gpu_bytes["reference"] == expected > 0
+        assert row.generation_peak - sum(row.generation_bytes.values()) == sum(
+            row.per_gpu_bytes[k] for k in ("parameters", "optimizer", "reference", "reserved")
+        )
+    bf16 = next(r for r in full.rows if r.precision == "bf16")
+    assert abs(bf16.per_gpu_bytes["reference"] - 2 * shapes.num_params / 8) < 2 * 2**20
+    assert all("reference" not in r.per_gpu_bytes for r in lora.rows)
+    none, _ = grpo_plan("--global_batch_size", "256")
+    assert all("reference" not in r.per_gpu_bytes for r in none.rows)
+    assert all(a.total < b.total for a, b in zip(none.rows, full.rows))
+
+
+def test_grpo_8b_fits_8_h100_and_70b_does_not():
+    """8 × H100: Llama-3-8B fits (16 GB of gathered bf16 weights, 15 GiB of sharded state, 4 GiB of KV cache for 32
+    completions); Llama-3-70B does not: its gathered bf16 weights alone are 141 GB, more than a GPU, so no batch,
+    length or GPU count helps; the plan says so and shows the generation peak."""
+    eight = run_plan(*GRPO_8B, "--global_batch_size", "256", "--json")
+    assert eight.returncode == 0, eight.stderr
+    data = json.loads(eight.stdout)
+    rec = data["recommended"]["full"]
+    assert rec["fits"] and rec["strategy"] == "fsdp2" and rec["total_bytes"] <= 0.9 * 79.6 * 2**30
+    assert data["grpo"]["gathered_model_bytes_bf16"] == 2 * data["model"]["parameters"] < 17e9
+    assert data["grpo"]["completions_per_gpu"] == 32
+    # by hand: states 16 bytes a parameter over 8, the gradients freed, the gathered copy, the cache
+    n = data["model"]["parameters"]
+    gen = rec["generation_bytes"]
+    assert gen["gathered"] + gen["kv_cache"] == 2 * n + 4 * 2**30
+    assert abs(rec["generation_peak_bytes"] - (12 * n / 8 + 2 * n + 4 * 2**30 + gen["working"] + 2**30)) < 2**24
+    text = run_plan(*GRPO_8B, "--global_batch_size", "256").stdout
+    assert "generation peak ≈ " in text and "the model gathered in bf16 14.96" in text, text
+    args = [a if a != "llama-8b" else "llama-70b" for a in GRPO_8B]
+    big = run_plan(*args, "--global_batch_size", "256")
+    assert big.returncode == 0, big.stderr
+    assert "recommendation: nothing fits a GRPO step" in big.stdout
+    assert "model gathered for generation (131.42 GiB" in big.stdout and "more GPUs cannot help" in big.stdout
+    assert "LoRA does not fit either" in big.stdout, big.stdout
+    shapes, _, _ = plan_tool.load_shapes(None, "llama-70b")
+    assert 2 * shapes.num_params > 140e9 > 0.9 * 79.6 * 2**30
+
+
+def test_grpo_when_the_cache_does_not_fit_the_plan_names_a_batch_and_a_length_that_do():
+    """8B, 1024 completions of 512 + 4096 tokens on 8 GPUs: 128 per GPU at once do not fit; the global batch and the
+    completion length the plan offers instead each fit when planned."""
+    import re
+
+    full, _ = grpo_plan("--global_batch_size", "1024", "--max_completion_length", "4096")
+    assert full.recommended is None
+    advice = "\n".join(full.notes)
+    batch = int(re.search(r"--global_batch_size (\d+) or less", advice).group(1))
+    length = int(re.search(r"--max_completion_length, (\d+) or less", advice).group(1))
+    assert 0 < batch < 1024 and batch % 8 == 0 and 0 < length < 4096, advice
+    fits_batch, _ = grpo_plan("--global_batch_size", str(batch), "--max_completion_length", "4096")
+    fits_length, _ = grpo_plan("--global_batch_size", "1024", "--max_completion_length", str(length))
+    assert fits_batch.recommended is not None and fits_length.recommended is not None
+    over, _ = grpo_plan("--global_batch_size", str(batch + 8), "--max_completion_length", "4096")
+    assert over.recommended is None  # the largest that fits: one completion more per GPU does not
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--objective", "grpo", "--num_generations", "1"], "--num_generations 1 must be at least 2"),
+        (["--objective", "grpo", "--max_completion_length", "0"], "--max_completion_length 0 must be at least 1"),
+        (["--objective", "grpo", "--global_batch_size", "12"], "--global_batch_size 12 completions is not whole"),
+        (["--objective", "grpo", "--beta", "-1"], "--beta -1.0 cannot be negative"),
+        (["--objective", "grpo", "--block_size", "512"], "--block_size 512 with --objective grpo: a row is a prompt"),
+        (["--objective", "grpo", "--cp", "2", "--num_gpus", "2"], "--cp 2 with --objective grpo"),
+        (["--objective", "grpo", "--packing", "true"], "--packing true with --objective grpo"),
+        (["--max_prompt_length", "64"], "--max_prompt_length is --objective grpo's: add --objective grpo"),
+        (["--beta", "0.1"], "--beta is a preference or RL objective's"),
+    ],
+)
+def test_grpo_bad_values_are_refused_in_one_line(args, says):
+    proc = run_plan("--config_name", "tiny", *args)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+
+
+def test_grpo_rows_are_the_fsdp2_engines_alone():
+    """Two nodes: fsdp2 and hsdp rows only (no DDP, DeepSpeed or offload), each run with the native engine."""
+    full, lora = grpo_plan("--num_nodes", "2", "--num_gpus", "16", "--global_batch_size", "256")
+    assert {r.strategy for r in full.rows + lora.rows} == {"fsdp2", "hsdp"}
+    assert all(r.accelerate_config.startswith("run_fsdp_standalone.py") for r in full.rows + lora.rows)

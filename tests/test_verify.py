@@ -274,3 +274,128 @@ def test_each_ep_is_one_more_fsdp_run_at_the_largest_world_size_it_divides(tmp_p
         ("fsdp-w2-cp2", 2, 2, 1),
         ("fsdp-w2-ep2", 2, 1, 2),
     ]
+
+
+# --objective grpo: its reward and kl curves and its completions are compared too (unit tests of the comparison;
+# the runs themselves agree in test_grpo.py)
+def grpo_run(root, name: str, losses, rewards, kls=None, completions=None, weight=1.0, resumed_from=None):
+    """A finished GRPO run's folder as verify reads it: metrics.jsonl, final/*.safetensors, completions.jsonl."""
+    import torch
+    from safetensors.torch import save_file
+
+    from anygpu.tools.verify import Run
+
+    out = root / name
+    (out / "final").mkdir(parents=True)
+    save_file({"w": torch.tensor([weight, 2.0])}, str(out / "final" / "model.safetensors"))
+    lines = []
+    for i, (loss, reward) in enumerate(zip(losses, rewards), 1):
+        rec = {"step": i, "loss": loss, "grad_norm": 1.0, "reward": reward, "global_batch_size": 4}
+        if kls is not None:
+            rec["kl"] = kls[i - 1]
+        lines.append(json.dumps(rec))
+    (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if completions is not None:
+        (out / "completions.jsonl").write_text("".join(json.dumps(c) + "\n" for c in completions))
+    run = Run(name, "fsdp", 1, str(out), resumed_from=resumed_from)
+    return run
+
+
+def samples(texts_by_step: dict[int, list[str]]) -> list[dict]:
+    """completions.jsonl's rows: two prompts × two generations a step, in the global batch's order."""
+    prompts = ["def f(x):", [{"role": "user", "content": "Sum 2 and 3."}]]
+    return [
+        {"step": step, "prompt": prompts[i // 2], "completion": text, "generation": i % 2, "reward": 0.5}
+        for step, texts in texts_by_step.items()
+        for i, text in enumerate(texts)
+    ]
+
+
+SAME = {1: ["a", "b", "c", "d"], 2: ["e", "f", "g", "h"]}
+
+
+def test_grpo_completions_are_compared_exactly_from_the_first_difference():
+    from anygpu.tools.verify import completions_diff
+
+    ref = samples(SAME)
+    assert completions_diff(ref, samples(SAME), [1, 2]) is None
+    flipped = samples({1: SAME[1], 2: ["e", "f", "x", "h"]})
+    said = completions_diff(ref, flipped, [1, 2])
+    assert said.startswith('step 2, completion 2 (generation 0 of prompt \'[{"role": "user"') and "'x'" in said
+    assert completions_diff(ref, flipped, [1]) is None  # a resumed run: only the steps after the checkpoint
+    fewer = [r for r in ref if not (r["step"] == 1 and r["completion"] == "d")]
+    assert completions_diff(ref, fewer, [1, 2]) == "step 1: 3 completions written, the reference 4"
+    swapped = samples(SAME)
+    swapped[0]["generation"], swapped[1]["generation"] = 1, 0
+    assert "step 1, completion 0" in completions_diff(ref, swapped, [1, 2])
+
+
+def test_grpo_runs_compare_reward_kl_and_completions(tmp_path):
+    """Two runs that agree: reward and kl compared, a loss that sits near 0 (a sum of advantages that cancel) judged
+    against max(|loss|, 1), not its own size; completions the same → PASS, with a table column for each. A flipped
+    completion fails the verification in one line that names it and says why it can happen."""
+    from anygpu.tools.verify import completions_verdict, compare, read_metrics, table
+
+    ref = grpo_run(tmp_path, "fsdp-w1", [3e-9, -0.25], [0.5, 0.75], [0.0, 1e-3], samples(SAME))
+    two = grpo_run(tmp_path, "fsdp-w2", [-2e-9, -0.25000001], [0.5, 0.75], [0.0, 1e-3 + 1e-12], samples(SAME))
+    odd = {1: SAME[1], 2: ["e", "f", "g", "x"]}
+    three = grpo_run(tmp_path, "fsdp-w3", [3e-9, -0.25], [0.5, 0.75], [0.0, 1e-3], samples(odd))
+    for run in (ref, two, three):
+        read_metrics(run)
+    assert ref.reward == {1: 0.5, 2: 0.75} and ref.kl == {1: 0.0, 2: 1e-3}
+    worst = compare([ref, two], None, grpo=True)
+    assert set(two.max_rel_diff) == {"loss", "grad_norm", "reward", "kl", "weights"}
+    assert two.max_rel_diff["loss"] == pytest.approx(1e-8) and two.max_rel_diff["kl"] == pytest.approx(1e-12)
+    assert worst.value < 1e-7 and two.completions == "same" and completions_verdict([ref, two]) is None
+    head, _, row = table([ref, two]).splitlines()[-3:]
+    assert head.split()[7:11] == ["weights", "reward", "kl", "completions"] and row.split()[-1] == "same"
+    assert compare([ref, two], None).value > 1  # the same loss curve judged relative to its own size: noise
+    compare([ref, three], None, grpo=True)
+    line = completions_verdict([ref, three])
+    assert line.startswith("verdict: FAIL: the completions of fsdp-w3 differ from fsdp-w1's: step 2, completion 3")
+    assert "near-tie" in line and "\n" not in line
+    assert table([ref, three]).splitlines()[-1].split()[-1] == "DIFFER"
+
+
+def test_a_grpo_run_missing_its_reward_curve_is_an_error(tmp_path):
+    from anygpu.tools.verify import VerifyError, compare, read_metrics
+
+    ref = grpo_run(tmp_path, "a", [0.1, 0.2], [0.5, 0.75], completions=samples(SAME))
+    other = grpo_run(tmp_path, "b", [0.1, 0.2], [0.5, 0.75], completions=samples(SAME))
+    for run in (ref, other):
+        read_metrics(run)
+    other.reward.pop(2)
+    with pytest.raises(VerifyError, match=r"b: no reward logged for step\(s\) \[2\]"):
+        compare([ref, other], None, grpo=True)
+
+
+def test_a_grpo_job_gets_every_completion_printed_unless_it_sets_how_many(tmp_path, monkeypatch):
+    """verify reads a GRPO job as such and has its runs write every completion of the global batch
+    (--num_completions_to_print G), unless the job sets the flag, on its command line or in its YAML file; a
+    language-model job gets nothing added. The flag reaches the run's command line."""
+    from types import SimpleNamespace
+
+    from anygpu.tools import verify as verify_tool
+
+    job = ["--config_name", "tiny", "--objective", "grpo", "--reward_funcs", "format", "--global_batch_size", "8"]
+    job += ["--num_generations", "4", "--output_dir", str(tmp_path)]
+    facts = verify_tool.check_job(job, ["fsdp"], [1, 2])
+    assert facts.grpo and facts.extra == ("--num_completions_to_print", "8") and facts.precision == "fp32"
+    assert verify_tool.check_job([*job, "--num_completions_to_print", "2"], ["fsdp"], [1, 2]).extra == ()
+    config = tmp_path / "job.yaml"
+    config.write_text("num_completions_to_print: 0\n")
+    assert verify_tool.check_job([str(config), *job], ["fsdp"], [1, 2]).extra == ()
+    lm = verify_tool.check_job(["--config_name", "tiny", "--output_dir", str(tmp_path)], ["fsdp"], [1, 2])
+    assert not lm.grpo and lm.extra == ()
+
+    seen = []
+
+    def plan(argv, env, probe_torch):  # what the run is launched with; the run itself is `true`
+        seen.append(list(argv))
+        return SimpleNamespace(cmd=["true"], env=dict(env))
+
+    monkeypatch.setattr(verify_tool.launcher, "make_plan", plan)
+    (tmp_path / "verify").mkdir()
+    run = verify_tool.Run("fsdp-w1", "fsdp", 1, str(tmp_path / "verify" / "fsdp-w1"))
+    verify_tool.launch(run, job, 2, True, "nvidia", None, facts.extra)
+    assert seen[0][-2:] == ["--num_completions_to_print", "8"] and run.seconds is not None, seen

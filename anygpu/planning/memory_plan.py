@@ -31,6 +31,15 @@ With activation checkpointing each layer keeps only its input, and one layer is 
 selective checkpointing (the FSDP2 engine's `--gradient_checkpointing_policy selective`) each layer keeps its input
 and the outputs of its matrix multiplications and attention (q, k, v, the attention output, o_proj's, gate's, up's
 and down's), and one layer's elementwise rest is recomputed at a time.
+
+--objective grpo (`Generation`, the native engine's FSDP2 and HSDP only) adds a round's generation, which holds,
+beside the sharded parameters and AdamW state (the gradients are freed at each step's end), the whole model gathered
+in the compute dtype on every rank (`gathered_model_bytes`: `anygpu.train.generation.gathered`), the KV cache of
+this rank's G/W completions generated in one batch (`kv_cache_bytes`), and the prefill's and the sampler's working
+tensors (`generation_working_bytes`): a row's peak is the larger of its training step and its generation. Its
+training rows are prompt + completion tokens long and make the logits of the completion's positions only (no lean
+loss: `grpo_logit_bytes`); β > 0 adds a frozen reference sharded like the policy (none with LoRA: its base is the
+reference).
 """
 
 from __future__ import annotations
@@ -59,6 +68,11 @@ GIB = 2**30
 # The FSDP2 engine's HSDP: its rows exist only where the shard group is smaller than the job (make_plan's dp_shard).
 HSDP = "hsdp"
 DPO_STRATEGIES = ("ddp", "zero2", "zero3", "fsdp2", HSDP)  # --objective dpo: not under offload
+GRPO_STRATEGIES = ("fsdp2", HSDP)  # --objective grpo: the native engine's, not under offload (refused there)
+# --objective grpo's sampler, per row and vocabulary entry, at each new token: the logits in the compute dtype and
+# their fp32 copy, the warpers' fp32 copies, the keyed noise's int64 words (splitmix64's temporaries) and its fp32
+# uniforms and Gumbel values (`anygpu.train.generation.KeyedSampler`): an estimate, a few tensors of (B, V)
+SAMPLER_BYTES_PER_LOGIT = 48
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,26 @@ class Param:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """--objective grpo's rounds: G completions a step (`global_batch_size`, counted in completions), each rank
+    generating its G/W in one batch; rows of at most `prompt_length` + `completion_length` tokens."""
+
+    global_batch_size: int
+    prompt_length: int
+    completion_length: int
+    num_generations: int = 8
+    beta: float = 0.0  # > 0: a reference (`Shapes.reference`, none with LoRA)
+
+    def rows_per_rank(self, machine: Machine) -> int:
+        """The completions one rank generates in one batch (G/W: every GPU is a data-parallel rank under grpo)."""
+        return max(1, self.global_batch_size // max(1, machine.num_gpus))
+
+    @property
+    def row_length(self) -> int:
+        return self.prompt_length + self.completion_length
 
 
 @dataclass(frozen=True)
@@ -104,6 +138,8 @@ class Shapes:
     experts_per_token: int = 0
     moe_layers: int = 0
     ep: int = 1
+    # --objective grpo: its rounds' shapes (None: no generation)
+    generation: Generation | None = None
 
     @property
     def num_params(self) -> int:
@@ -209,13 +245,32 @@ class Row:
     accelerate_config: str
     activations_are_estimates: bool = True
     host_bytes: dict[str, int] = field(default_factory=dict)  # node 0's host RAM: loading, exporting (`host_bytes`)
+    # --objective grpo: what a round's generation holds beside the sharded state (gathered, kv_cache, working)
+    generation_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def training_peak(self) -> int:
+        return sum(self.per_gpu_bytes.values())
+
+    @property
+    def generation_peak(self) -> int:
+        """--objective grpo: the sharded parameters, AdamW state, reference and reserve (no gradients: freed at each
+        step's end) with the generation's own bytes; 0 without generation."""
+        if not self.generation_bytes:
+            return 0
+        kept = ("parameters", "optimizer", "reference", "reserved")
+        return sum(self.per_gpu_bytes.get(k, 0) for k in kept) + sum(self.generation_bytes.values())
 
     @property
     def total(self) -> int:
-        return sum(self.per_gpu_bytes.values())
+        """The row's peak: its training step's, or under grpo the larger of that and its generation's."""
+        return max(self.training_peak, self.generation_peak)
 
     def to_json(self) -> dict:
-        return {**asdict(self), "total_bytes": self.total}
+        out = {**asdict(self), "total_bytes": self.total}
+        if self.generation_bytes:
+            out.update(training_peak_bytes=self.training_peak, generation_peak_bytes=self.generation_peak)
+        return out
 
 
 def model_state_bytes(
@@ -302,11 +357,66 @@ def activation_bytes(
     }[checkpointing]
     tokens = micro_batch * block_size
     per_token = shapes.num_layers * kept + (layer if checkpointing else 0)  # one layer recomputed at a time
+    if shapes.generation is not None:  # grpo: embedding out, final norm; the completions' logits only
+        return tokens * (per_token + e * h + 4 * h) + grpo_logit_bytes(shapes, micro_batch, precision)
     if lean_loss:  # embedding out, final norm, the hidden states' gradient; one chunk's logits at a time
         chunk = min(tokens, max(1, LEAN_CHUNK_BYTES // (4 * v)))
         return tokens * (per_token + e * h + 4 * h + e * h) + chunk * v * (e + 4 + 4)
     # embedding out, final norm, logits: dtype, fp32 copy, log-softmax
     return tokens * (per_token + e * h + 4 * h + v * (e + 4 + 4))
+
+
+def grpo_logit_bytes(shapes: Shapes, micro_batch: int, precision: str) -> int:
+    """--objective grpo's log-probs (`anygpu.train.rollout.token_log_probs`) of a micro-batch of completions (an
+    estimate): the logits of the completion's positions only (max_completion_length + 1 of a row), in the compute
+    dtype, their fp32 copy over the temperature (kept for the backward), and two more fp32 tensors of that size at
+    the peak (logsumexp's shifted exponentials in the forward, the logits' gradients in the backward); the
+    entropies are taken a row at a time (not counted)."""
+    e = 2 if precision == "bf16" else 4
+    positions = micro_batch * (shapes.generation.completion_length + 1)
+    return positions * shapes.vocab_size * (e + 3 * 4)
+
+
+def gathered_model_bytes(shapes: Shapes, strategy: str, precision: str, world: int) -> int:
+    """--objective grpo: the whole model gathered for a round's generation, on every rank, in the compute dtype
+    (FSDP2 all-gathers bf16 under --bf16; a 4-bit base stays NF4). Nothing where FSDP2 does not shard: one rank in
+    fp32 (`anygpu.runtime.parallel.needs_sharding`), whose model is whole already."""
+    bf16 = precision == "bf16"
+    if not (world > 1 or bf16 or strategy == HSDP):
+        return 0
+    e = 2 if bf16 else 4
+    return sum(nf4.nbytes(p.numel, e) if p.four_bit else p.numel * e for p in shapes.params)
+
+
+def kv_cache_bytes(shapes: Shapes, rows: int, length: int, precision: str) -> int:
+    """The KV cache of `rows` completions generated in one batch, each `length` tokens (prompt + completion): K and
+    V of every layer, num_key_value_heads × head_dim per token, in the compute dtype."""
+    e = 2 if precision == "bf16" else 4
+    return 2 * shapes.num_layers * shapes.num_kv_heads * shapes.head_dim * e * rows * length
+
+
+def generation_working_bytes(shapes: Shapes, rows: int, prompt_length: int, precision: str) -> int:
+    """An estimate of generation's working tensors beside the weights and the cache: the prefill's one layer at a
+    time over every prompt token of the batch (no gradient: hidden states, q/k/v, attention out, SwiGLU's gate, up
+    and their product), and the sampler's few (B, V) tensors (`SAMPLER_BYTES_PER_LOGIT`)."""
+    e = 2 if precision == "bf16" else 4
+    h, i = shapes.hidden_size, shapes.intermediate_size
+    q, kv = shapes.num_heads * shapes.head_dim, shapes.num_kv_heads * shapes.head_dim
+    prefill = rows * prompt_length * e * (2 * h + q + 2 * kv + 3 * i)
+    return prefill + rows * shapes.vocab_size * SAMPLER_BYTES_PER_LOGIT
+
+
+def generation_bytes(shapes: Shapes, machine: Machine, strategy: str, precision: str, world: int) -> dict[str, int]:
+    """--objective grpo: what a round's generation holds on a rank beside its sharded state ({} without)."""
+    gen = shapes.generation
+    if gen is None:
+        return {}
+    rows = gen.rows_per_rank(machine)
+    return {
+        "gathered": gathered_model_bytes(shapes, strategy, precision, world),
+        "kv_cache": kv_cache_bytes(shapes, rows, gen.row_length, precision),
+        "working": generation_working_bytes(shapes, rows, gen.prompt_length, precision),
+    }
 
 
 def transient_bytes(shapes: Shapes, strategy: str, precision: str, world: int, lean_loss: bool = True) -> int:
@@ -487,6 +597,7 @@ def row_for(
     the FSDP2 engine's context parallelism (a rank holds the activations of block_size / C tokens)."""
     world = max(1, machine.num_gpus)  # no GPU detected: the plan of one process
     shards = (dp_shard or world) if strategy == HSDP else world
+    lean_loss = lean_loss and shapes.generation is None  # grpo: the engine keeps the completions' logits instead
     states, cpu = model_state_bytes(shapes, strategy, precision, shards)
     acts = activation_bytes(
         shapes, micro_batch * shapes.sequences_per_item, block_size // cp, precision, checkpointing, lean_loss
@@ -507,15 +618,23 @@ def row_for(
     host = host_bytes(shapes, strategy, dp_shard or world)
     if cpu:
         host["offloaded"] = cpu * machine.gpus_per_node
-    fits = bool(machine.gpu_memory_bytes) and sum(per_gpu.values()) <= budget and fits_host(host, machine)
+    generating = generation_bytes(shapes, machine, strategy, precision, shards)
     how = hsdp_command(world, shards) if strategy == HSDP else ACCELERATE_CONFIG[strategy]
     if cp > 1:
         how = f"run_fsdp_standalone.py --cp {cp}" + " --bf16 true" * (precision == "bf16")
         how += " --gradient_checkpointing true" * (checkpointing is True)
+    elif shapes.generation is not None:  # --objective grpo: the native engine's alone
+        how = (how if strategy == HSDP else "run_fsdp_standalone.py") + " --bf16 true" * (precision == "bf16")
+        how += " --gradient_checkpointing true" * (checkpointing is True)
     if checkpointing == SELECTIVE:  # the FSDP2 engine's only
         how = how if how.startswith("run_fsdp_standalone.py") else "run_fsdp_standalone.py"
         how += " --gradient_checkpointing_policy selective"
-    return Row(strategy, precision, checkpointing, lora, micro_batch, per_gpu, cpu, fits, how, host_bytes=host)
+    row = Row(
+        strategy, precision, checkpointing, lora, micro_batch, per_gpu, cpu, False, how, host_bytes=host,
+        generation_bytes=generating,
+    )  # fmt: skip
+    row.fits = bool(machine.gpu_memory_bytes) and row.total <= budget and fits_host(host, machine)
+    return row
 
 
 def fits_host(host: dict[str, int], machine: Machine) -> bool:
@@ -635,11 +754,13 @@ def has_policy(strategy: str, checkpointing: bool | str, cp: int = 1) -> bool:
 
 def strategies_for(shapes: Shapes, hsdp: bool, cp: int) -> tuple[str, ...]:
     """The strategies that can run this job: HSDP where the shard group is smaller than the job, the FSDP2 engine's
-    alone under context parallelism or a 4-bit base, no DeepSpeed with low-bit optimizer state."""
+    alone under context parallelism, a 4-bit base or --objective grpo, no DeepSpeed with low-bit optimizer state."""
     strategies = (*STRATEGIES, HSDP) if hsdp else STRATEGIES
     strategies = strategies if cp == 1 else ("fsdp2",)
     if shapes.sequences_per_item > 1:  # --objective dpo: DDP, ZeRO-2, ZeRO-3, FSDP2 and HSDP (not under offload)
         strategies = tuple(s for s in strategies if s in DPO_STRATEGIES)
+    if shapes.generation is not None:  # --objective grpo: the native engine's FSDP2 and HSDP, without offload
+        strategies = tuple(s for s in strategies if s in GRPO_STRATEGIES)
     if shapes.four_bit:  # QLoRA: the FSDP2 engine's FSDP2 and HSDP, without offload
         strategies = tuple(s for s in strategies if s in ("fsdp2", HSDP))
     if shapes.optim != FP32:  # DeepSpeed's flat partitions: not the row-blocked nor the bf16 state
@@ -691,7 +812,8 @@ def make_plan(
                 )
     _recommend(result, strategies, precisions, lora, global_batch_size // dp, cp)
     rec = result.recommended
-    if cp == 1 and machine.gpu_memory_bytes and (rec is None or rec.strategy.endswith("offload")):
+    grpo = shapes.generation is not None  # generation runs whole rows on every rank: no --cp
+    if cp == 1 and not grpo and machine.gpu_memory_bytes and (rec is None or rec.strategy.endswith("offload")):
         result.cp_advice = cp_advice(shapes, machine, block_size, lora)
     if shapes.optim == FP32 and machine.gpu_memory_bytes and (rec is None or rec.cpu_bytes):
         result.low_bit_advice = low_bit_advice(result, lora, mfu, flops_per_token)

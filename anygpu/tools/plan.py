@@ -3,6 +3,7 @@
     anygpu plan --config_name llama-1b --block_size 2048 --global_batch_size 64 --num_gpus 8 --gpu_memory_gb 80
     anygpu plan --model_name_or_path ./my-model --json
     anygpu plan --config_name llama-8b --num_nodes 2 --num_gpus 16 --gpu_memory_gb 80   # + HSDP rows (2 × 8)
+    anygpu plan --config_name llama-8b --gpu h100 --objective grpo --global_batch_size 256 --beta 0.04
 
 The model is built on the meta device (nothing allocated). Model states are exact; activations are
 estimates (see anygpu/planning/memory_plan.py).
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass
 
@@ -24,6 +26,9 @@ from anygpu.planning.gpus import GPUS
 from anygpu.planning.memory_plan import GIB, Machine, PlanResult, Row, Shapes
 
 DEFAULT_MFU = 0.4
+DEFAULT_BLOCK = 1024
+# --objective grpo's flags: the engines' (TRL's GRPOConfig) defaults
+GRPO_DEFAULTS = {"num_generations": 8, "max_prompt_length": 512, "max_completion_length": 512, "beta": 0.0}
 ASSUMED_GPUS = 8  # --gpu without --num_gpus on a machine without that GPU: one node of eight
 
 
@@ -39,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num_gpus 8 --gpu_memory_gb 80",
     )
     _model_arguments(p)
+    _objective_arguments(p)
     _cluster_arguments(p)
     _run_arguments(p)
     return p
@@ -52,29 +58,18 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
         help="A preset (tiny, default, llama-1b, llama-8b), a config.json or a folder. "
         "Default: 'default' when --model_name_or_path is not given.",
     )
-    p.add_argument("--block_size", type=int, default=1024, help="Tokens per sequence (default 1024).")
+    p.add_argument(
+        "--block_size",
+        type=int,
+        help=f"Tokens per sequence (default {DEFAULT_BLOCK}; --objective grpo: --max_prompt_length + "
+        "--max_completion_length instead).",
+    )
     p.add_argument(
         "--global_batch_size",
         type=int,
         default=64,
-        help="Sequences (pairs with --objective dpo) per step (default 64).",
+        help="Sequences (pairs with --objective dpo, completions with --objective grpo) per step (default 64).",
     )
-    p.add_argument(
-        "--objective",
-        choices=("lm", "dpo"),
-        default="lm",
-        help="dpo: a micro-batch item is a preference pair (two sequences in one forward), and the reference counts "
-        "(docs/dpo.md).",
-    )
-    p.add_argument(
-        "--precompute_ref_log_probs",
-        choices=("true", "false"),
-        default="true",
-        help="--objective dpo: true (the engines' default): the reference's log-probs are computed before training "
-        "and nothing of it stays in memory; false: a frozen copy in the compute dtype, sharded like the parameters "
-        "(LoRA: none, the base with its adapter disabled is the reference).",
-    )
-
     p.add_argument(
         "--optim",
         choices=OPTIMIZERS,
@@ -103,6 +98,50 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
         default="sdpa",
         help="The engines' --attn_implementation (default sdpa). Only sdpa and eager take packed rows as a dense "
         "mask: flash attention takes their sample boundaries, flex attention a block mask.",
+    )
+
+
+def _objective_arguments(p: argparse.ArgumentParser) -> None:
+    """What a step computes beyond the language model: DPO's pairs and reference, GRPO's generation."""
+    p.add_argument(
+        "--objective",
+        choices=("lm", "dpo", "grpo"),
+        default="lm",
+        help="dpo: a micro-batch item is a preference pair (two sequences in one forward), and the reference counts "
+        "(docs/dpo.md). grpo: micro-batches of completions, plus a round's generation: the whole model gathered "
+        "in the compute dtype on every rank, the KV cache of each rank's G/W completions, the sampler; the FSDP2 "
+        "engine's strategies only (docs/grpo.md).",
+    )
+    p.add_argument(
+        "--num_generations",
+        type=int,
+        help=f"--objective grpo: completions per prompt (default {GRPO_DEFAULTS['num_generations']}); must divide "
+        "--global_batch_size.",
+    )
+    p.add_argument(
+        "--max_prompt_length",
+        type=int,
+        help=f"--objective grpo: prompt tokens (default {GRPO_DEFAULTS['max_prompt_length']}).",
+    )
+    p.add_argument(
+        "--max_completion_length",
+        type=int,
+        help=f"--objective grpo: completion tokens (default {GRPO_DEFAULTS['max_completion_length']}).",
+    )
+    p.add_argument(
+        "--beta",
+        type=float,
+        help="--objective grpo: the KL term's weight (default 0: no reference); above 0 a frozen reference in the "
+        "compute dtype, sharded like the policy (LoRA: none, its base is the reference). --objective dpo: no "
+        "effect on memory (see --precompute_ref_log_probs).",
+    )
+    p.add_argument(
+        "--precompute_ref_log_probs",
+        choices=("true", "false"),
+        default="true",
+        help="--objective dpo: true (the engines' default): the reference's log-probs are computed before training "
+        "and nothing of it stays in memory; false: a frozen copy in the compute dtype, sharded like the parameters "
+        "(LoRA: none, the base with its adapter disabled is the reference).",
     )
 
 
@@ -198,6 +237,10 @@ def _run_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> str | None:
     """One-line refusal for bad input, or None."""
+    problem = check_objective(args)
+    if problem:
+        return problem
+    args = settled(args)
     for name in ("block_size", "global_batch_size", "per_device_train_batch_size", "lora_r"):
         if getattr(args, name) <= 0:
             return f"--{name} {getattr(args, name)} must be a positive whole number, e.g. 1024 or 64"
@@ -235,6 +278,58 @@ def check_args(args: argparse.Namespace) -> str | None:
             f"{', '.join(GPUS)}, or give --gpu_memory_gb (and --gpu_name for the peak FLOP/s)"
         )
     return None
+
+
+def check_objective(args: argparse.Namespace) -> str | None:
+    """--objective grpo's flags and refusals (the engines' own: `anygpu.config.objective.check_grpo_run`)."""
+    flags = ("num_generations", "max_prompt_length", "max_completion_length")
+    grpo_only = [f"--{k}" for k in flags if getattr(args, k) is not None]
+    if args.objective != "grpo":
+        if grpo_only:
+            return f"{grpo_only[0]} is --objective grpo's: add --objective grpo, or leave it out"
+        if args.beta is not None and args.objective == "lm":
+            return "--beta is a preference or RL objective's: add --objective grpo (or dpo), or leave it out"
+        return None
+    if args.block_size is not None:
+        return (
+            f"--block_size {args.block_size} with --objective grpo: a row is a prompt and its completion; give "
+            "--max_prompt_length and --max_completion_length instead"
+        )
+    values = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in GRPO_DEFAULTS.items()}
+    for name, least in (("num_generations", 2), ("max_prompt_length", 1), ("max_completion_length", 1)):
+        if values[name] < least:
+            example = GRPO_DEFAULTS[name]
+            return f"--{name} {values[name]} must be at least {least}, e.g. {example}"
+    if values["beta"] < 0:
+        return f"--beta {values['beta']} cannot be negative: 0 (no KL term, no reference) or more, e.g. 0.04"
+    g, k = args.global_batch_size, values["num_generations"]
+    if g > 0 and g % k:
+        return (
+            f"--global_batch_size {g} completions is not whole groups of --num_generations {k}: pass a multiple, "
+            f"e.g. {k * max(1, g // k)}"
+        )
+    refused = [
+        (args.cp != 1, f"--cp {args.cp}", "completions are generated whole on each rank; use --cp 1"),
+        (args.ep != 1, f"--ep {args.ep}", "generation would need every rank's experts at every token; use --ep 1"),
+        (args.packing == "true", "--packing true", "each completion is its own row; leave --packing out"),
+    ]
+    for bad, what, why in refused:
+        if bad:
+            return f"{what} with --objective grpo: {why}"
+    return None
+
+
+def settled(args: argparse.Namespace) -> argparse.Namespace:
+    """The arguments with the objective's defaults filled in: --objective grpo's flags (TRL's defaults) and its
+    rows' length, --max_prompt_length + --max_completion_length, as --block_size (a copy; `args` is untouched)."""
+    args = argparse.Namespace(**vars(args))
+    if args.objective == "grpo":
+        for name, default in GRPO_DEFAULTS.items():
+            setattr(args, name, getattr(args, name) if getattr(args, name) is not None else default)
+        args.block_size = args.block_size or args.max_prompt_length + args.max_completion_length
+    elif args.block_size is None:
+        args.block_size = DEFAULT_BLOCK
+    return args
 
 
 def load_shapes(
@@ -311,6 +406,7 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     """(full fine-tuning plan, LoRA plan) from parsed arguments."""
     from anygpu.train import metrics
 
+    args = settled(args)
     targets = tuple(t for t in args.lora_target_modules.split(",") if t)
     full, config, matmul_weights = load_shapes(args.model_name_or_path, args.config_name)
     lora, _, _ = load_shapes(
@@ -336,9 +432,11 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
             dp_shard=dp_shard,
             cp=args.cp,
         )
-        if result.step_seconds is not None:  # dpo: two sequences per pair, and the reference's forward (a third)
+        if result.step_seconds is not None:  # dpo: two sequences per pair; dpo, grpo: the reference's forward (a third)
             compute = result.step_seconds - result.offload_seconds
-            result.step_seconds = compute * shapes.sequences_per_item * (4 / 3 if shapes.reference else 1)
+            # grpo with β > 0: a forward of the reference once a round, LoRA's (its base) too
+            forward = shapes.reference or (shapes.generation is not None and shapes.generation.beta > 0)
+            result.step_seconds = compute * shapes.sequences_per_item * (4 / 3 if forward else 1)
             result.step_seconds += result.offload_seconds
         if args.per_device_train_batch_size != 1:
             result.rows = [
@@ -361,15 +459,23 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
         out[1].notes += qlora_advice(args, out[1], targets, dp_shard, fpt)
     for result, shapes in zip(out, (full, lora)):
         result.notes += experts_lines(args, shapes, machine)
+    for result in out:
+        result.notes += grpo_advice(result, out[1])
     return out[0], out[1]
 
 
 def for_the_run(args: argparse.Namespace, shapes: Shapes, is_lora: bool = False) -> Shapes:
     """The model's shapes with what the run adds: DPO's pairs (and a frozen reference unless precomputed; LoRA's is
-    its base), packed rows' dense masks, the optimizer state, --ep."""
+    its base), GRPO's rounds (and a frozen reference for β > 0; LoRA's is its base), packed rows' dense masks, the
+    optimizer state, --ep. `args`: `settled`."""
     if args.objective == "dpo":
         reference = args.precompute_ref_log_probs == "false" and not is_lora
         shapes = dataclasses.replace(shapes, sequences_per_item=2, reference=reference)
+    if args.objective == "grpo":
+        generation = memory_plan.Generation(
+            args.global_batch_size, args.max_prompt_length, args.max_completion_length, args.num_generations, args.beta
+        )
+        shapes = dataclasses.replace(shapes, generation=generation, reference=args.beta > 0 and not is_lora)
     dense_mask = args.packing == "true" and args.attn_implementation in attention.DENSE_MASK
     return dataclasses.replace(shapes, dense_mask=dense_mask, optim=state_kind(args.optim, args.optim_args), ep=args.ep)
 
@@ -417,7 +523,7 @@ def qlora_advice(args: argparse.Namespace, lora: PlanResult, targets, dp_shard, 
     if not lora.machine.gpu_memory_bytes or (rec is not None and not rec.cpu_bytes):
         return []
     four, _, _ = load_shapes(args.model_name_or_path, args.config_name, args.lora_r, targets, load_in_4bit=True)
-    four = dataclasses.replace(four, dense_mask=lora.shapes.dense_mask, optim=lora.shapes.optim)
+    four = for_the_run(settled(args), four, is_lora=True)  # DPO's pairs, GRPO's rounds, the mask, the optimizer
     alt = memory_plan.make_plan(
         four, lora.machine, args.block_size, args.global_batch_size, lora=True, mfu=args.mfu, flops_per_token=fpt,
         dp_shard=dp_shard, cp=args.cp,
@@ -455,17 +561,20 @@ def other(per_gpu: dict[str, int]) -> int:
 
 
 def table(result: PlanResult, title: str) -> list[str]:
+    grpo = result.shapes.generation is not None  # a column more: a round's generation peak (total: the larger)
+    gen_head = f"{'gen*':>8} " if grpo else ""
     lines = [
         title,
         f"{'strategy':<14} {'prec':<5} {'ckpt':<4} {'params':>8} {'grads':>8} {'optim':>8} {'activ*':>8} "
-        f"{'other':>7} {'total':>8} {'cpu':>7}  fits",
+        f"{'other':>7} {gen_head}{'total':>8} {'cpu':>7}  fits",
     ]
     for r in result.rows:
         b = r.per_gpu_bytes
+        gen = f"{gib(r.generation_peak):>8} " if grpo else ""
         lines.append(
             f"{r.strategy:<14} {r.precision:<5} {ckpt_word(r.activation_checkpointing, 'yes', 'no'):<4} "
             f"{gib(b['parameters'] + b.get('reference', 0)):>8} {gib(b['gradients']):>8} {gib(b['optimizer']):>8} "
-            f"{gib(b['activations']):>8} {gib(other(b)):>7} {gib(r.total):>8} "
+            f"{gib(b['activations']):>8} {gib(other(b)):>7} {gen}{gib(r.total):>8} "
             f"{gib(r.cpu_bytes):>7}  {'yes' if r.fits else 'no'}"
         )
     return lines
@@ -489,8 +598,7 @@ def nothing_fits(result: PlanResult) -> list[str]:
         return [
             f"recommendation: nothing fits with AdamW's fp32 moments; with them in {LOW_BIT[low]} bits: --optim {low}, "
             f"{row.strategy}, {row.precision}, activation checkpointing "
-            f"{ckpt_word(row.activation_checkpointing, 'on', 'off')}: accelerate config "
-            f"accelerate_configs/{row.accelerate_config}.yaml or the FSDP2 engine (peak ≈ {gib(row.total)} GiB of "
+            f"{ckpt_word(row.activation_checkpointing, 'on', 'off')}: {engine_of(row)} (peak ≈ {gib(row.total)} GiB of "
             f"{gib(result.machine.gpu_memory_bytes)} GiB per GPU; docs/memory.md#low-bit-optimizer-state)"
         ]
     host_bound = [r for r in result.rows if r.cpu_bytes and not memory_plan.fits_host(r.host_bytes, result.machine)]
@@ -501,16 +609,25 @@ def nothing_fits(result: PlanResult) -> list[str]:
             f"has {gib(result.machine.host_memory_bytes)} GiB; more nodes (each holds its own GPUs' shards), "
             "or LoRA"
         ]
+    if result.shapes.generation is not None:  # what to lower: `grpo_advice`, in the notes
+        return [
+            "recommendation: nothing fits a GRPO step on these GPUs: its training and a round's generation must "
+            "both fit, with activation checkpointing at best (offload is refused under grpo)"
+        ]
     return [
         "recommendation: nothing fits, even with offload and checkpointing: more GPUs, a shorter --block_size, or LoRA"
     ]
 
 
-def recommendation(result: PlanResult) -> list[str]:
-    rec = result.recommended
-    n = max(1, result.machine.num_gpus) // result.cp  # the data-parallel ranks
-    if rec is None:
-        return nothing_fits(result)
+def engine_of(row: Row) -> str:
+    """How to run a row: its accelerate config (either engine), or the FSDP2 engine's command where it is its alone."""
+    if row.accelerate_config.startswith("run_fsdp_standalone.py"):
+        return row.accelerate_config
+    return f"accelerate config accelerate_configs/{row.accelerate_config}.yaml or the FSDP2 engine"
+
+
+def _where(result: PlanResult, rec) -> str:
+    """The engine and config (or the FSDP2 engine's flags) that run the recommended row."""
     where = (
         "the FSDP2 engine, run_fsdp_standalone.py (the HF engine trains pairs under DDP and ZeRO-2 only)"
         if result.shapes.sequences_per_item > 1 and rec.strategy == "fsdp2"
@@ -518,15 +635,49 @@ def recommendation(result: PlanResult) -> list[str]:
     )
     if result.shapes.four_bit:  # QLoRA: the FSDP2 engine's alone
         where = "the FSDP2 engine, run_fsdp_standalone.py --use_peft true --load_in_4bit true"
+    grpo = result.shapes.generation is not None  # the FSDP2 engine's alone: its command
+    if grpo:
+        where = rec.accelerate_config + " --use_peft true --load_in_4bit true" * result.shapes.four_bit
     if rec.strategy == "fsdp2_offload":  # over every GPU: the engine's default mesh shards within a node
         wide = f" --dp_shard {result.machine.num_gpus}" if result.machine.num_nodes > 1 else ""
         where = f"the FSDP2 engine with --cpu_offload true{wide} (run_fsdp_standalone.py), or {where}"
+    return where
+
+
+def _step_time_line(result: PlanResult) -> str:
+    """The estimated step time and MFU (offload's share; grpo: training only)."""
+    offloaded = (
+        f", {result.offload_seconds:.2f} s of it offload's (the CPU optimizer step at "
+        f"{memory_plan.HOST_BANDWIDTH / 1e9:.0f} GB/s of host memory bandwidth per node, and the copies the "
+        f"compute does not hide at {memory_plan.PCIE_BANDWIDTH / 1e9:.0f} GB/s per GPU)"
+        if result.offload_seconds
+        else ""
+    )
+    generating = (
+        "; training only: a round's generation adds its own time, memory-bound (docs/grpo.md)"
+        if result.shapes.generation is not None
+        else ""
+    )
+    return (
+        f"  estimated step time {result.step_seconds:.2f} s at MFU {result.mfu:.0%} "
+        f"({result.flops_per_token / 1e9:.2f} GFLOP/token){offloaded}{generating}"
+    )
+
+
+def recommendation(result: PlanResult) -> list[str]:
+    rec = result.recommended
+    n = max(1, result.machine.num_gpus) // result.cp  # the data-parallel ranks
+    if rec is None:
+        return nothing_fits(result)
+    where = _where(result, rec)
+    grpo = result.shapes.generation is not None
     lines = [
         f"recommendation: {rec.strategy}, {rec.precision}, activation checkpointing "
         f"{ckpt_word(rec.activation_checkpointing, 'on', 'off')}: {where}"
-        if " " not in rec.accelerate_config or result.shapes.four_bit
+        if " " not in rec.accelerate_config or result.shapes.four_bit or grpo
         else f"recommendation: {rec.strategy}, {rec.precision}: {rec.accelerate_config}",
-        f"  global batch {result.global_batch_size} = {rec.micro_batch} per device × {n} devices × "
+        f"  global batch {result.global_batch_size}{' completions' * (result.shapes.generation is not None)} = "
+        f"{rec.micro_batch} per device × {n} devices × "
         f"{result.gradient_accumulation_steps} accumulation step{'' if result.gradient_accumulation_steps == 1 else 's'} "
         f"(peak ≈ {gib(rec.total)} GiB of {gib(result.machine.gpu_memory_bytes)} GiB per GPU)",
         f"  host RAM on node 0: {gib(rec.host_bytes['loading'])} GiB to load the model, "
@@ -545,19 +696,11 @@ def recommendation(result: PlanResult) -> list[str]:
             f"  or without offload, each sequence split over {cp} GPUs (context parallelism): {row.accelerate_config} "
             f"(peak ≈ {gib(row.total)} GiB per GPU; docs/long-context.md)"
         )
+    if result.shapes.generation is not None:
+        lines.append(grpo_peak_line(result, rec))
     lines += optim_lines(result)
     if result.step_seconds is not None:
-        offloaded = (
-            f", {result.offload_seconds:.2f} s of it offload's (the CPU optimizer step at "
-            f"{memory_plan.HOST_BANDWIDTH / 1e9:.0f} GB/s of host memory bandwidth per node, and the copies the "
-            f"compute does not hide at {memory_plan.PCIE_BANDWIDTH / 1e9:.0f} GB/s per GPU)"
-            if result.offload_seconds
-            else ""
-        )
-        lines.append(
-            f"  estimated step time {result.step_seconds:.2f} s at MFU {result.mfu:.0%} "
-            f"({result.flops_per_token / 1e9:.2f} GFLOP/token){offloaded}"
-        )
+        lines.append(_step_time_line(result))
     return lines
 
 
@@ -594,7 +737,9 @@ def offload_line(result: PlanResult, rec: memory_plan.Row) -> str:
 
 
 def objective_lines(result: PlanResult) -> list[str]:
-    """--objective dpo: what the plan counts for it."""
+    """--objective dpo or grpo: what the plan counts for it."""
+    if result.shapes.generation is not None:
+        return grpo_lines(result)
     if result.shapes.sequences_per_item == 1:
         return []
     ref = (
@@ -606,6 +751,138 @@ def objective_lines(result: PlanResult) -> list[str]:
         f"objective dpo: micro-batches and the global batch count pairs (two sequences each); {ref}; strategies: "
         "ddp (either engine), zero2 (the HF engine), fsdp2 and hsdp with the FSDP2 engine (run_fsdp_standalone.py)"
     ]
+
+
+def grpo_lines(result: PlanResult) -> list[str]:
+    """--objective grpo: what a step and a round hold."""
+    shapes, machine = result.shapes, result.machine
+    gen = shapes.generation
+    rows = gen.rows_per_rank(machine)
+    lora = shapes.num_trainable < shapes.num_params
+    if gen.beta == 0:
+        ref = "no reference (--beta 0)"
+    elif lora:
+        ref = "no reference copy (LoRA: its base, the adapter disabled, is the reference)"
+    else:
+        ref = f"--beta {gen.beta:g}: a frozen reference in the compute dtype, sharded like the policy (in params)"
+    per = memory_plan.kv_cache_bytes(shapes, 1, gen.row_length, "bf16")
+    gathered = gib(memory_plan.gathered_model_bytes(shapes, "fsdp2", "bf16", 2))
+    gathered += " GiB: the 4-bit base in NF4, the rest in bf16" if shapes.four_bit else " GiB in bf16"
+    return [
+        f"objective grpo: the global batch counts completions ({gen.global_batch_size // gen.num_generations} prompts "
+        f"× {gen.num_generations}); each GPU generates its {rows} in one batch, with the whole model gathered in the "
+        f"compute dtype ({gathered}, on every GPU at once) and a KV cache of {per / 2**20:.0f} MiB a completion "
+        f"({gen.prompt_length} + {gen.completion_length} tokens, bf16); micro-batches of completions train on rows of "
+        f"{gen.row_length} tokens; {ref}; strategies: fsdp2 and hsdp, the FSDP2 engine's alone "
+        "(run_fsdp_standalone.py; no offload, --cp or --ep under grpo)"
+    ]
+
+
+def grpo_peak_line(result: PlanResult, row: Row) -> str:
+    """A grpo row's two peaks: a round's generation, with what it holds, and a training step."""
+    gen, b = result.shapes.generation, row.generation_bytes
+    state = sum(row.per_gpu_bytes.get(k, 0) for k in ("parameters", "optimizer", "reference"))
+    return (
+        f"  generation peak ≈ {gib(row.generation_peak)} GiB per GPU: the sharded state {gib(state)} + the model "
+        f"gathered in {row.precision} {gib(b['gathered'])} + the KV cache of {gen.rows_per_rank(result.machine)} "
+        f"completions × {gen.row_length} tokens {gib(b['kv_cache'])} + prefill and sampler {gib(b['working'])} (+ "
+        f"{gib(row.per_gpu_bytes['reserved'])} reserved); training peak ≈ {gib(row.training_peak)} GiB"
+    )
+
+
+def grpo_advice(result: PlanResult, lora: PlanResult) -> list[str]:
+    """--objective grpo and nothing fits: which of its two peaks does not, and what to lower (the completions a
+    GPU generates at once, their length, the sharded state, the trained parameters)."""
+    shapes, machine = result.shapes, result.machine
+    gen = shapes.generation
+    if gen is None or result.recommended is not None or not machine.gpu_memory_bytes:
+        return []
+    is_lora = shapes.num_trainable < shapes.num_params
+    # the least a step can hold: FSDP2 over every GPU, bf16, full checkpointing, one completion a micro-batch
+    row = memory_plan.row_for(shapes, machine, "fsdp2", "bf16", True, is_lora, 1, result.block_size)
+    budget = int(machine.gpu_memory_bytes * memory_plan.SAFETY)
+    fixed = row.generation_peak - row.generation_bytes["kv_cache"] - row.generation_bytes["working"]
+    lines = [
+        f"grpo: with bf16 and activation checkpointing, a training step peaks at {gib(row.training_peak)} GiB and a "
+        f"round's generation at {gib(row.generation_peak)} GiB per GPU, against {gib(budget)} GiB usable "
+        f"({memory_plan.SAFETY:.0%} of the GPU)"
+    ]
+    if fixed > budget:
+        lines.append(_grpo_state_line(row, fixed, budget, max(1, machine.num_gpus)))
+    else:
+        lines += _grpo_completion_lines(result, row, fixed, budget)
+    if not is_lora:
+        lines.append(_grpo_lora_line(lora, fixed > budget))
+    return lines
+
+
+def _grpo_state_line(row, fixed: int, budget: int, n: int) -> str:
+    """The sharded state and the gathered model exceed a GPU before any completion: whether more GPUs help."""
+    gathered, reserved = row.generation_bytes["gathered"], row.per_gpu_bytes["reserved"]
+    state = fixed - gathered - reserved
+    if gathered + reserved >= budget:
+        more = "more GPUs cannot help (each gathers the whole model)"
+    else:
+        least = -(-state * n // (budget - gathered - reserved))
+        more = f"about {least} GPUs or more would shrink the sharded state enough (not the gathered copy)"
+    return (
+        f"  before any completion, the sharded state ({gib(state)} GiB) and the model gathered for generation "
+        f"({gib(gathered)} GiB, the whole model on every GPU) exceed it: fewer or shorter completions cannot help; "
+        f"{more}"
+    )
+
+
+def _grpo_completion_lines(result: PlanResult, row, fixed: int, budget: int) -> list[str]:
+    """Too many completions a GPU generates at once, or a training row too long: what to lower, with numbers."""
+    shapes, machine = result.shapes, result.machine
+    gen, n = shapes.generation, max(1, machine.num_gpus)
+    rows = gen.rows_per_rank(machine)
+    per_row = memory_plan.kv_cache_bytes(shapes, 1, gen.row_length, "bf16") + (
+        memory_plan.generation_working_bytes(shapes, 1, gen.prompt_length, "bf16")
+    )
+    lines = []
+    fit = (budget - fixed) // per_row
+    if fit < rows:
+        step = math.lcm(gen.num_generations, n)  # whole groups, split evenly over the GPUs
+        groups = fit * n // step * step
+        kv_token = memory_plan.kv_cache_bytes(shapes, rows, 1, "bf16")
+        working = memory_plan.generation_working_bytes(shapes, rows, gen.prompt_length, "bf16")
+        shorter = (budget - fixed - working) // kv_token - gen.prompt_length if kv_token else 0
+        ways = []
+        if fit:
+            batch = (
+                f"--global_batch_size {groups} or less (whole groups of --num_generations {gen.num_generations} "
+                f"over {n} GPUs) or " if groups else ""
+            )  # fmt: skip
+            ways.append(f"fewer completions per GPU: {batch}about {-(-gen.global_batch_size // fit)} GPUs")
+        if shorter >= 1:
+            ways.append(f"a shorter --max_completion_length, {shorter} or less")
+        lines.append(
+            f"  generation: {rows} completions per GPU at once need {gib(rows * per_row)} GiB of KV cache and "
+            f"working memory ({per_row / 2**20:.0f} MiB each) beside {gib(fixed)} GiB of weights and state; "
+            + (f"{fit} fit. Lower: " + "; ".join(ways) if ways else "not one fits")
+        )
+    if row.training_peak > budget:
+        lines.append(
+            f"  training: one completion a micro-batch ({gen.row_length} tokens) peaks at "
+            f"{gib(row.training_peak)} GiB: a shorter --max_completion_length or --max_prompt_length, or more GPUs"
+        )
+    return lines
+
+
+def _grpo_lora_line(lora: PlanResult, state_exceeds: bool) -> str:
+    """Whether LoRA would fit a GRPO run full fine-tuning does not."""
+    if lora.recommended is not None:
+        return (
+            f"  LoRA fits: --finetune lora (peak ≈ {gib(lora.recommended.total)} GiB per GPU; its frozen base is 2 "
+            "bytes a parameter, without gradients or AdamW state, and is the reference)"
+        )
+    if state_exceeds:
+        return (
+            "  LoRA does not fit either: its base is gathered whole for generation too; a 4-bit base (NF4) gathers "
+            "about a quarter of it: anygpu plan --finetune qlora"
+        )
+    return "  LoRA does not fit either: its generation holds the same KV cache (anygpu plan --finetune lora)"
 
 
 def hsdp_mesh(result: PlanResult) -> dict | None:
@@ -646,11 +923,25 @@ def to_json(full: PlanResult, lora: PlanResult) -> dict:
         },
         "block_size": full.block_size,
         "global_batch_size": full.global_batch_size,
+        "grpo": grpo_json(full),
         "hsdp": hsdp_mesh(full),
         "activations_are_estimates": True,
         "rows": [r.to_json() for r in full.rows + lora.rows],
         "recommended": {"full": rec(full), "lora": rec(lora)},
         "notes": {"full": full.notes, "lora": lora.notes},
+    }
+
+
+def grpo_json(result: PlanResult) -> dict | None:
+    """--objective grpo's shapes in the JSON (each row has its generation_bytes and both peaks)."""
+    gen = result.shapes.generation
+    if gen is None:
+        return None
+    return {
+        **dataclasses.asdict(gen),
+        "completions_per_gpu": gen.rows_per_rank(result.machine),
+        "kv_cache_bytes_per_completion_bf16": memory_plan.kv_cache_bytes(result.shapes, 1, gen.row_length, "bf16"),
+        "gathered_model_bytes_bf16": memory_plan.gathered_model_bytes(result.shapes, "fsdp2", "bf16", 2),
     }
 
 
@@ -665,18 +956,34 @@ def hsdp_lines(result: PlanResult) -> list[str]:
     ]
 
 
+def batch_words(result: PlanResult) -> str:
+    """The step's shape: its block and global batch (grpo: its rows' prompt and completion tokens, completions)."""
+    gen = result.shapes.generation
+    if gen is None:
+        return f"block {result.block_size}, global batch {result.global_batch_size}"
+    return (
+        f"rows of {gen.prompt_length} + {gen.completion_length} tokens, global batch {result.global_batch_size} "
+        "completions"
+    )
+
+
 def render(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str:
     m = full.machine
     head = [
         f"model: {full.shapes.num_params / 1e6:.1f}M parameters ({full.shapes.num_layers} layers, hidden "
         f"{full.shapes.hidden_size}, vocab {full.shapes.vocab_size}); LoRA r={args.lora_r}: "
         f"{lora.shapes.num_trainable / 1e6:.2f}M trainable",
-        f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source}); block "
-        f"{full.block_size}, global batch {full.global_batch_size}, micro-batch "
-        f"{args.per_device_train_batch_size} in the tables",
+        f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source}); "
+        f"{batch_words(full)}, micro-batch {args.per_device_train_batch_size} in the tables",
         "GiB per GPU; activ* = estimate (Korthikanti et al., real shapes); other = gathered units / bf16 "
         f"copies / the lean loss's head gradient / packed rows' attention mask + {gib(memory_plan.RESERVED_BYTES)} GiB reserved; fits = total ≤ {memory_plan.SAFETY:.0%} "
-        "of the GPU",
+        "of the GPU"
+        + (
+            "; gen* = a round's generation peak (estimate: the sharded state, the gathered model, the KV cache, "
+            "prefill and sampler), total = the larger of it and the training step's"
+            if full.shapes.generation is not None
+            else ""
+        ),
         *hsdp_lines(full),
         *objective_lines(full),
         "",
@@ -758,8 +1065,7 @@ def compact(args: argparse.Namespace, full: PlanResult, lora: PlanResult) -> str
     what = {"full": "full fine-tuning", "lora": f"LoRA r={args.lora_r}", "qlora": f"QLoRA r={args.lora_r} (4-bit base)"}
     lines = [
         f"model: {full.shapes.num_params / 1e6:.1f}M parameters ({full.shapes.num_layers} layers, hidden "
-        f"{full.shapes.hidden_size}); {what[args.finetune]}; "
-        f"block {chosen.block_size}, global batch {chosen.global_batch_size}",
+        f"{full.shapes.hidden_size}); {what[args.finetune]}; {batch_words(chosen)}",
         f"machine: {m.num_gpus} GPU(s) × {gib(m.gpu_memory_bytes)} GiB {m.gpu_name} ({m.source})",
         *objective_lines(chosen),
     ]

@@ -14,6 +14,15 @@ are compared with it. The largest relative difference decides: exit 0 within the
 The runs are deterministic (deterministic algorithms, cuBLAS's fixed workspace, TF32 off), so two runs differ only
 by what the world size or engine changes: the split of the batch and the order of the sums. How far that moves a
 result depends on the precision: the default tolerance is the job's precision's (TOLERANCE), --tolerance sets one.
+
+A GRPO job (`--objective grpo`) is compared on its `reward` and `kl` curves too, and on its completions: each run's
+<run>/completions.jsonl (verify has rank 0 write every completion of the global batch at each step, unless the job
+sets --num_completions_to_print) must hold the same prompts, generation indices and completions in the same order.
+Sampling is keyed by (seed, round, prompt, generation index), so they are identical on any world size; a difference
+fails the verification, naming the first step and completion that differ. (A floating-point near-tie between two
+tokens' perturbed scores can, rarely, flip a token: the logits of the same row differ by rounding in another batch
+shape.) GRPO's loss and mean reward sit near 0 by construction (a group's advantages sum to 0), where a relative
+difference measures only rounding: its loss, reward and kl differences are taken relative to max(|value|, 1).
 """
 
 from __future__ import annotations
@@ -48,6 +57,11 @@ TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 # cuBLAS's deterministic workspace must be in the environment before its first call.
 DETERMINISTIC_ENV = {"ANYGPU_DETERMINISTIC": "1"}
 CUBLAS_WORKSPACE = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # kept if the caller set one
+SAMPLES_FILE = "completions.jsonl"  # anygpu.train.grpo_objective.SAMPLES_FILE (not imported: it imports torch)
+# --objective grpo's curves: differences relative to max(|value|, this): its loss is a sum of advantages that
+# cancel within each group and its mean reward may sit at 0, so a value near 0 is rounding, not a scale
+GRPO_FLOOR = 1.0
+GRPO_CURVES = ("reward", "kl")  # compared besides loss and grad norm (kl where the reference logged it: β > 0)
 
 
 @dataclass
@@ -66,7 +80,10 @@ class Run:
     global_batch_size: int | None = None
     loss: dict[int, float] = field(default_factory=dict)
     grad_norm: dict[int, float] = field(default_factory=dict)
+    reward: dict[int, float] = field(default_factory=dict)  # --objective grpo
+    kl: dict[int, float] = field(default_factory=dict)  # --objective grpo with --beta > 0
     max_rel_diff: dict[str, float] = field(default_factory=dict)  # against the reference: loss, grad_norm, weights
+    completions: str | None = None  # --objective grpo: "same", or where they first differ from the reference's
 
 
 @dataclass
@@ -74,7 +91,7 @@ class Worst:
     """The largest relative difference of the comparison, and where it is."""
 
     value: float = 0.0
-    quantity: str = ""  # loss, grad_norm or weights
+    quantity: str = ""  # loss, grad_norm, weights (grpo: reward, kl)
     where: str = ""  # the step, or the tensor's name
     run: str = ""
 
@@ -206,9 +223,20 @@ def check_options(opts: argparse.Namespace) -> tuple[list[int], list[str]]:
     return sizes, engines
 
 
-def check_job(job: list[str], engines: list[str], sizes: list[int], cps: list[int] = ()) -> tuple[str, str]:
+@dataclass(frozen=True)
+class JobFacts:
+    """What verify needs of the job's own arguments."""
+
+    output_dir: str
+    precision: str  # fp32, bf16 or fp16
+    grpo: bool = False  # --objective grpo: its reward, kl and completions are compared too
+    extra: tuple[str, ...] = ()  # what every run gets besides `job_overrides` (grpo: every completion printed)
+
+
+def check_job(job: list[str], engines: list[str], sizes: list[int], cps: list[int] = ()) -> JobFacts:
     """Parse the job's arguments as the engines will (refusing bad ones now, before any process starts); return
-    its output folder and its precision (fp32, bf16 or fp16)."""
+    its output folder, its precision and, for a GRPO job, the --num_completions_to_print that has its runs write
+    every completion of a global batch (the largest of the world sizes'), unless the job sets it."""
     import anygpu
 
     anygpu.set_offline_defaults()
@@ -238,6 +266,7 @@ def check_job(job: list[str], engines: list[str], sizes: list[int], cps: list[in
                 f"sets it itself; drop it (see --resume_at)"
             )
     block = parsed[1].block_size
+    largest = 0  # the largest global batch of the world sizes (in completions under grpo)
     for w in sizes:  # the batch split every world size will ask for (refused here, not after a minute of runs)
         if train.global_batch_tokens is not None and block is None:
             break  # the block size comes from the model: the runs check it
@@ -253,7 +282,22 @@ def check_job(job: list[str], engines: list[str], sizes: list[int], cps: list[in
             plan_batch(g, w, train.per_device_train_batch_size, train.gradient_accumulation_steps)
         except UsageError as e:
             raise UsageError(f"world size {w}: {e}") from None
-    return train.output_dir, "bf16" if train.bf16 else "fp16" if train.fp16 else "fp32"
+        largest = max(largest, g)
+    precision = "bf16" if train.bf16 else "fp16" if train.fp16 else "fp32"
+    if not train.is_grpo:
+        return JobFacts(train.output_dir, precision)
+    extra = () if sets(job, "num_completions_to_print") else ("--num_completions_to_print", str(largest))
+    return JobFacts(train.output_dir, precision, grpo=True, extra=extra)
+
+
+def sets(job: list[str], name: str) -> bool:
+    """Whether the job's arguments (its command line, or the YAML/JSON file they start with) set --`name`."""
+    from anygpu.config.args import _file_to_argv
+
+    argv = job
+    if job and not job[0].startswith("-") and job[0].endswith((".yaml", ".yml", ".json")):
+        argv = _file_to_argv(job[0]) + job[1:]
+    return any(word.split("=")[0] == f"--{name}" for word in argv)
 
 
 def job_overrides(out: Path, max_steps: int) -> list[str]:
@@ -333,11 +377,14 @@ def usable_sizes(sizes: list[int], cpu: bool, vendor: str, probe) -> tuple[list[
     return kept, f"{label} GPUs"
 
 
-def launch(run: Run, job: list[str], max_steps: int, cpu: bool, vendor: str, probe) -> None:
-    """Train one run in its own fresh folder, as the launcher would; its output goes to <run>.log."""
+def launch(
+    run: Run, job: list[str], max_steps: int, cpu: bool, vendor: str, probe, extra: tuple[str, ...] = ()
+) -> None:
+    """Train one run in its own fresh folder, as the launcher would; its output goes to <run>.log. `extra`: what
+    verify adds for this job (`JobFacts.extra`)."""
     out = Path(run.output_dir)
     shutil.rmtree(out, ignore_errors=True)
-    args = [*job, *job_overrides(out, max_steps)]
+    args = [*job, *job_overrides(out, max_steps), *extra]
     if run.save_at:  # the checkpoint a resumed run starts from, kept whatever the job's --save_total_limit
         args += ["--save_steps", str(run.save_at), "--save_total_limit", str(max_steps)]
     if run.resumed_from:
@@ -384,6 +431,9 @@ def read_metrics(run: Run) -> None:
             run.loss[rec["step"]] = rec["loss"]
             run.grad_norm[rec["step"]] = rec.get("grad_norm", math.nan)
             run.global_batch_size = rec.get("global_batch_size")
+            for name in GRPO_CURVES:  # --objective grpo's (kl only with --beta > 0)
+                if name in rec:
+                    getattr(run, name)[rec["step"]] = rec[name]
 
 
 def earlier_seconds(root: Path, runs: list[Run]) -> None:
@@ -396,12 +446,13 @@ def earlier_seconds(root: Path, runs: list[Run]) -> None:
         run.seconds = earlier.get(run.name)
 
 
-def rel_diff(ref: float, other: float) -> float:
-    """|other − ref| / |ref| (inf when one is NaN or only the reference is 0)."""
+def rel_diff(ref: float, other: float, floor: float = 0.0) -> float:
+    """|other − ref| / max(|ref|, floor) (inf when one is NaN, or the reference is 0 and there is no floor)."""
     if math.isnan(ref) or math.isnan(other):
         return math.inf
     diff = abs(other - ref)
-    return 0.0 if diff == 0 else diff / abs(ref) if ref else math.inf
+    scale = max(abs(ref), floor)
+    return 0.0 if diff == 0 else diff / scale if scale else math.inf
 
 
 def final_weights(run: Run) -> dict[str, Any]:
@@ -434,17 +485,26 @@ def weights_diff(ref: dict[str, Any], other: dict[str, Any]) -> tuple[float, str
     return worst, where
 
 
-def compare(runs: list[Run], resume_at: int | None) -> Worst:
-    """Every run against the first: steps both logged, then the final weights; the worst difference overall."""
+def compare(runs: list[Run], resume_at: int | None, grpo: bool = False) -> Worst:
+    """Every run against the first: steps both logged, then the final weights; the worst difference overall. A GRPO
+    job's runs: also the reward and kl curves (relative to max(|value|, GRPO_FLOOR), the loss too) and the
+    completions (`Run.completions`: judged apart, by `completions_verdict`)."""
     ref = runs[0]
     ref_weights = final_weights(ref)
+    ref_samples = read_completions(ref) if grpo else []
     worst = Worst()
     for run in runs[1:]:
         expected = [s for s in ref.loss if s > resume_at] if run.resumed_from else list(ref.loss)
-        if missing := [s for s in expected if s not in run.loss]:
-            raise VerifyError(f"{run.name}: no loss logged for step(s) {missing} (see {run.output_dir}/metrics.jsonl)")
-        for quantity, ref_values, values in (("loss", ref.loss, run.loss), ("grad_norm", ref.grad_norm, run.grad_norm)):
-            diffs = {s: rel_diff(ref_values[s], values[s]) for s in expected}
+        curves = [("loss", ref.loss, run.loss), ("grad_norm", ref.grad_norm, run.grad_norm)]
+        if grpo:
+            curves += [(name, getattr(ref, name), getattr(run, name)) for name in GRPO_CURVES if getattr(ref, name)]
+        for quantity, ref_values, values in curves:
+            if missing := [s for s in expected if s not in values]:
+                raise VerifyError(
+                    f"{run.name}: no {quantity} logged for step(s) {missing} (see {run.output_dir}/metrics.jsonl)"
+                )
+            floor = GRPO_FLOOR if grpo and quantity != "grad_norm" else 0.0
+            diffs = {s: curve_diff(quantity, ref_values[s], values[s], floor) for s in expected}
             step = max(diffs, key=diffs.get)
             run.max_rel_diff[quantity] = diffs[step]
             if diffs[step] > worst.value or not worst.run:
@@ -453,7 +513,67 @@ def compare(runs: list[Run], resume_at: int | None) -> Worst:
         run.max_rel_diff["weights"] = value
         if value > worst.value:
             worst = Worst(value, "weights", tensor, run.name)
+        if grpo and ref_samples:
+            run.completions = completions_diff(ref_samples, read_completions(run), expected) or "same"
     return worst
+
+
+def curve_diff(quantity: str, ref: float, other: float, floor: float = 0.0) -> float:
+    """A step's relative difference (`rel_diff`); a GRPO mean reward that both runs logged as NaN (no completion
+    had one: every reward function gave None) is no difference."""
+    if quantity == "reward" and math.isnan(ref) and math.isnan(other):
+        return 0.0
+    return rel_diff(ref, other, floor)
+
+
+def read_completions(run: Run) -> list[dict[str, Any]]:
+    """A GRPO run's <run>/completions.jsonl (rank 0's record of the global batch's first completions at each logging
+    step); [] where there is none (--num_completions_to_print 0)."""
+    path = Path(run.output_dir) / SAMPLES_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def completions_diff(ref: list[dict[str, Any]], other: list[dict[str, Any]], steps: list[int]) -> str | None:
+    """Where `other`'s completions first differ from `ref`'s at `steps` (the same number at each step, each with
+    the same prompt, generation index and completion, in the same order), or None where they do not. Rewards and
+    advantages are not compared here: the reward curve is, within the tolerance."""
+    for step in steps:
+        a = [r for r in ref if r["step"] == step]
+        b = [r for r in other if r["step"] == step]
+        if len(a) != len(b):
+            return f"step {step}: {len(b)} completions written, the reference {len(a)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            for key in ("prompt", "generation", "completion"):
+                if x.get(key) != y.get(key):
+                    return (
+                        f"step {step}, completion {i} (generation {x.get('generation')} of prompt "
+                        f"{excerpt(x.get('prompt'))}): {key} {excerpt(y.get(key))}, the reference {excerpt(x.get(key))}"
+                    )
+    return None
+
+
+def excerpt(value: Any, limit: int = 48) -> str:
+    """A prompt or completion (text, or messages) in one short line."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = " ".join(str(text).split())
+    return repr(text if len(text) <= limit else text[: limit - 1] + "…")
+
+
+def completions_verdict(runs: list[Run]) -> str | None:
+    """A GRPO job's runs whose completions differ from the reference's: one line that fails the verification, or
+    None where every run's are the same (or none were compared)."""
+    differ = [r for r in runs[1:] if r.completions not in (None, "same")]
+    if not differ:
+        return None
+    first = differ[0]
+    more = f" (and {len(differ) - 1} other run{'s' * (len(differ) > 2)})" if len(differ) > 1 else ""
+    return (
+        f"verdict: FAIL: the completions of {first.name} differ from {runs[0].name}'s{more}: {first.completions}. "
+        "Sampling is keyed by (seed, round, prompt, generation index), so they should be identical on any world "
+        "size; rarely, a floating-point near-tie between two tokens' perturbed scores flips one (docs/grpo.md)"
+    )
 
 
 def hints(runs: list[Run]) -> list[str]:
@@ -480,17 +600,26 @@ def table(runs: list[Run]) -> str:
     for s in steps:
         lines.append(f"{s:>5}" + "".join(f"{r.loss[s]:>{width}.7f}" if s in r.loss else f"{'':>{width}}" for r in runs))
     lines.append("")
+    # a GRPO job's runs: its reward and kl curves, and whether its completions are the reference's
+    quantities = ["loss", "grad_norm", "weights"] + [q for q in GRPO_CURVES if any(q in r.max_rel_diff for r in runs)]
+    grpo = any(r.completions is not None for r in runs)
+    heads = {"grad_norm": "grad norm"}
     lines.append(
-        f"{'run':<{width}}{'world':>6}{'engine':>7}{'seconds':>9}{'loss':>11}{'grad norm':>11}{'weights':>11}"
-        "   (largest relative difference from the first run)"
+        f"{'run':<{width}}{'world':>6}{'engine':>7}{'seconds':>9}"
+        + "".join(f"{heads.get(q, q):>11}" for q in quantities)
+        + f"{'completions':>13}" * grpo
+        + "   (largest relative difference from the first run)"
     )
     for i, r in enumerate(runs):
         d = r.max_rel_diff
         secs = f"{r.seconds:.1f}" if r.seconds is not None else "—"
-        cells = (
-            ("reference", "", "") if i == 0 else (fmt(d.get("loss")), fmt(d.get("grad_norm")), fmt(d.get("weights")))
+        cells = ["reference"] + [""] * (len(quantities) - 1) if i == 0 else [fmt(d.get(q)) for q in quantities]
+        same = "" if i == 0 else "same" if r.completions == "same" else "DIFFER" if r.completions else "—"
+        lines.append(
+            f"{r.name:<{width}}{r.world_size:>6}{r.engine:>7}{secs:>9}"
+            + "".join(f"{c:>11}" for c in cells)
+            + f"{same:>13}" * grpo
         )
-        lines.append(f"{r.name:<{width}}{r.world_size:>6}{r.engine:>7}{secs:>9}" + "".join(f"{c:>11}" for c in cells))
     return "\n".join(ln.rstrip() for ln in lines) + "\n"
 
 
@@ -571,6 +700,8 @@ class Job:
     vendor: str
     probe: object
     precision: str  # the job's: fp32, bf16 or fp16
+    grpo: bool = False  # --objective grpo: reward, kl and completions compared too
+    extra: tuple[str, ...] = ()  # what verify adds to every run of this job (`JobFacts.extra`)
 
 
 def parse(argv: list[str]) -> Job:
@@ -582,8 +713,8 @@ def parse(argv: list[str]) -> Job:
     sizes, engines = check_options(opts)
     cps = check_cps(opts, sizes, engines)
     eps = check_eps(opts, sizes, engines)
-    output_dir, precision = check_job(job, engines, sizes, cps)
-    root = Path(output_dir) / "verify"
+    facts = check_job(job, engines, sizes, cps)
+    root = Path(facts.output_dir) / "verify"
     vendor = vendor_here()
     probe = launcher.once(launcher.torch_probe)
     where = ""
@@ -602,7 +733,7 @@ def parse(argv: list[str]) -> Job:
             f"--compare_only: no earlier run {', '.join(missing)} in {root}: run verify without "
             "--compare_only first (with the same --world_sizes, --engines and --resume_at)"
         )
-    return Job(opts, job, root, runs, where, vendor, probe, precision)
+    return Job(opts, job, root, runs, where, vendor, probe, facts.precision, facts.grpo, facts.extra)
 
 
 def run_all(v: Job) -> None:
@@ -619,7 +750,7 @@ def run_all(v: Job) -> None:
             file=sys.stderr,
             flush=True,
         )
-        launch(run, v.job, v.opts.max_steps, v.opts.cpu, v.vendor, v.probe)
+        launch(run, v.job, v.opts.max_steps, v.opts.cpu, v.vendor, v.probe, v.extra)
         print(f"{PREFIX} {i}/{len(runs)} {run.name}: done in {run.seconds:.1f} s", file=sys.stderr, flush=True)
 
 
@@ -639,17 +770,21 @@ def main(argv: list[str] | None = None) -> int:
             run_all(v)
         for run in runs:
             read_metrics(run)
-        worst = compare(runs, opts.resume_at)
+        worst = compare(runs, opts.resume_at, v.grpo)
     except (UsageError, VerifyError) as e:
         write_result(v.root, opts, v.job, runs, worst, False, v.precision, str(e))
         print(f"anygpu verify: error: {e}", file=sys.stderr)
         return EXIT_USAGE if isinstance(e, UsageError) else 1
     tolerance, source = tolerance_of(opts, v.precision)
-    passed = worst.value <= tolerance
+    differ = completions_verdict(runs)
+    passed = worst.value <= tolerance and differ is None
     sys.stdout.write(table(runs))
     for line in hints(runs) if not passed else []:
         print(f"hint: {line}")
-    print(verdict(worst, tolerance, source))
+    if v.grpo and all(r.completions is None for r in runs[1:]):
+        print("note: the completions were not compared: the job writes none (--num_completions_to_print 0)")
+    same = "; every run's completions are the reference's" if any(r.completions == "same" for r in runs) else ""
+    print(differ or verdict(worst, tolerance, source) + same)
     print(f"result: {write_result(v.root, opts, v.job, runs, worst, passed, v.precision)}")
     return 0 if passed else 1
 
