@@ -147,6 +147,9 @@ def capabilities(family: str) -> list[Capability]:
                    curve="grad_norm"),
         Capability("grpo_lora", (*grpo, *grpo_kl, *lora), (ONE_BIG, TWO), data="grpo",
                    banner="the LoRA adapter disabled", curve="grad_norm"),
+        # one step a round: the reference's forward (the adapter off) right before the step's backward
+        Capability("grpo_qlora", (*grpo, "--beta", "0.04", *lora, "--load_in_4bit", "true"), (ONE_BIG, TWO),
+                   data="grpo", banner="QLoRA: ", curve="grad_norm"),
     ]  # fmt: skip
     if family not in NAMED:
         keep = ("pretraining", "lora", "fp8_rowwise", "dpo", "packed_sft", "grpo")

@@ -254,3 +254,30 @@ def test_a_moe_family_without_query_value_names_adapts_its_attention_not_the_exp
     wrapped = lora.wrap(model, args)
     assert "; parameters" not in lora.trainable_line(wrapped)  # no expert weight adapted
     expert_parallel.check(wrapped, 2, MeshShape(1, 2))
+
+
+def test_adapters_off_gives_the_base_and_leaves_what_trains_alone():
+    """LoRA's reference (DPO's, GRPO's): the base model's output with the adapter switched off, and every adapter
+    weight still trainable inside and after (peft's disable_adapter flips requires_grad, which under FSDP2 changed
+    the next backward of a 4-bit base: tests/conformance.py's grpo_qlora)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from anygpu.model.lora import adapters_off
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        plain = base(ids).logits
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        adapted = model(ids).logits
+        with adapters_off(model):
+            assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+            off = model(ids).logits
+        again = model(ids).logits
+    assert not torch.allclose(adapted, plain) and torch.equal(off, plain) and torch.equal(again, adapted)

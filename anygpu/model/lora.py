@@ -17,6 +17,9 @@ mixture of experts every linear layer of the attention instead (DeepSeek-V3's la
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import hashlib
 import math
 
@@ -114,6 +117,23 @@ def check_targets(model: nn.Module, targets: list[str]) -> None:
             f"--lora_target_modules {','.join(missing)}: the model has no such module. Its linear modules: "
             f"{','.join(linear_names(model))} (or all-linear)."
         )
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The base model's forward (LoRA's reference): each LoRA layer's disabled flag set, and restored. Not peft's
+    `disable_adapter`, which also flips the adapters' requires_grad off and on: after a GRPO round's generation
+    (`generation.gathered`) that toggle on a 4-bit base's FSDP2 units changed the next backward (2 ranks' grad norm
+    10% off 1 rank's); the forward needs only the flag."""
+    layers = [m for m in model.modules() if hasattr(m, "_disable_adapters")]
+    was = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, was):
+            m._disable_adapters = flag
 
 
 def is_peft(model: nn.Module) -> bool:

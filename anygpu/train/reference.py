@@ -31,7 +31,7 @@ from datasets import Dataset
 from anygpu.data.collate import batch_to
 from anygpu.data.order import eval_shards
 from anygpu.data.pair_batches import REF_COLUMNS
-from anygpu.model import hub_weights, sequence_log_probs
+from anygpu.model import hub_weights, lora, sequence_log_probs
 from anygpu.runtime import context_parallel, distributed
 from anygpu.runtime.context_parallel import CPGroup
 from anygpu.runtime.distributed import DistInfo
@@ -58,14 +58,14 @@ def cache_file(cache_dir: str, pairs_key: str, reference: str, precision: str, s
 
 def forward_of(model, call: Callable, disable_adapter: bool = False) -> RefForward:
     """The reference's log-probs of a batch from `model` (forward through `call`), under no_grad; `disable_adapter`:
-    the PEFT model's base (peft's `disable_adapter`). Under CP (`part`, `cp`: the policy's part of the rows, inside
+    the PEFT model's base (`lora.adapters_off`). Under CP (`part`, `cp`: the policy's part of the rows, inside
     its `context_parallel.split`) from the same part: the policy itself is split already, a frozen copy is split
     for its forward."""
 
     def forward(
         batch: dict[str, torch.Tensor], part: dict[str, torch.Tensor] | None = None, cp: CPGroup = context_parallel.NONE
     ) -> torch.Tensor:
-        off = model.disable_adapter() if disable_adapter else contextlib.nullcontext()
+        off = lora.adapters_off(model) if disable_adapter else contextlib.nullcontext()
         own = cp.size > 1 and not context_parallel.is_split(model)
         was_training = model.training
         model.eval()  # the policy itself (the starting model, or LoRA's base): no checkpointing, no training-only paths

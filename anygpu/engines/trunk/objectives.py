@@ -117,7 +117,7 @@ def _grpo(prep, model, model_args, train_args, info, frozen_reference: BuildRefe
     elif lora.is_peft(model) and train_args.ref_model_name_or_path is None:
 
         def ref(batch):
-            with torch.no_grad(), model.disable_adapter():
+            with torch.no_grad(), lora.adapters_off(model):
                 return rollout.token_log_probs(model, model, batch, temperature)[0]
 
         line = "reference: the base model (the LoRA adapter disabled), once per round"
