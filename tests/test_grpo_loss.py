@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import tiny_llm
 import torch
 
 from anygpu.errors import UsageError
@@ -32,24 +33,10 @@ def reward_column(prompts, completions, reward, **kwargs):
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny Llama and a word-level tokenizer, saved where TRL loads them (its reference model too)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     path = tmp_path_factory.mktemp("grpo_model")
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1").save_pretrained(path)
+    tiny_llm.llama(VOCAB).save_pretrained(path)
+    tiny_llm.word_tokenizer(VOCAB).save_pretrained(path)
     return path
 
 

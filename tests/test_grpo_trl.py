@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
+import tiny_llm
 import torch
 
 from anygpu.runtime import distributed
@@ -71,25 +72,10 @@ def fixed_reward(completion_ids, **kwargs):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """The reference (a tiny Llama) and the policy (its weights plus noise), each with a word-level tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     root = tmp_path_factory.mktemp("grpo_trl")
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        initializer_range=INIT,
-    )
-    model = LlamaForCausalLM(config)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1")
+    model = tiny_llm.llama(VOCAB, initializer_range=INIT)
+    tokenizer = tiny_llm.word_tokenizer(VOCAB)
     out = {}
     for name in ("reference", "policy"):
         if name == "policy":
