@@ -17,6 +17,7 @@ from conftest import TINY, fsdp_runs, python, records
 from anygpu.engines.fsdp import main
 
 G, K, STEPS = 12, 4, 4  # 3 prompts a round, each round serving 2 steps
+LORA = ("--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear")
 REWARDS = Path(__file__).parent / "scripts" / "grpo_rewards.py"
 CURVES = ("loss", "grad_norm", "reward", "reward_std", "kl", "rewards/mentions/mean", "rewards/accuracy/mean",
           "completions/mean_length", "clip_ratio/region_mean", "entropy")  # fmt: skip
@@ -56,22 +57,23 @@ def job(model: Path, data: Path, out: Path, micro_batch: int, *extra: str) -> li
 
 @pytest.fixture(scope="module")
 def grpo(tmp_path_factory) -> dict:
-    """One launch per world size: 1 rank (micro-batches of 12 and 3), 2 ranks (of 2; and a run stopped after step 3,
-    within its second round), 3 ranks (of 1; and that stopped run resumed)."""
+    """One launch per world size: 1 rank (micro-batches of 12 and 3; LoRA, of 12), 2 ranks (of 2; and a run stopped
+    after step 3, within its second round), 3 ranks (of 1; that stopped run resumed; LoRA, of 2)."""
     from hub_sources import SMALL, write
 
     root = tmp_path_factory.mktemp("grpo")
     model = write(root / "llama", dict(model_type="llama", **{**SMALL, "tie_word_embeddings": False}), "float32")
     data = write_prompts(root / "prompts.jsonl", 40)
-    out = {name: root / name for name in ("a", "b", "c", "stopped", "d")}
+    out = {name: root / name for name in ("a", "b", "c", "stopped", "d", "lora-a", "lora-d")}
     said = {}
-    said.update(zip("ab", fsdp_runs(1, [job(model, data, out["a"], 12), job(model, data, out["b"], 3)])))
+    runs = [job(model, data, out["a"], 12), job(model, data, out["b"], 3), job(model, data, out["lora-a"], 12, *LORA)]
+    said.update(zip(("a", "b", "lora-a"), fsdp_runs(1, runs)))
     stop = ("--save_steps", "3", "--stop_at_step", "3")
-    said.update(
-        zip(("c", "stopped"), fsdp_runs(2, [job(model, data, out["c"], 2), job(model, data, out["stopped"], 1, *stop)]))
-    )
+    runs = [job(model, data, out["c"], 2), job(model, data, out["stopped"], 1, *stop)]
+    said.update(zip(("c", "stopped"), fsdp_runs(2, runs)))
     resume = ("--resume_from_checkpoint", str(out["stopped"] / "checkpoint-3"))
-    said.update(zip("de", fsdp_runs(3, [job(model, data, out["d"], 1), job(model, data, out["stopped"], 2, *resume)])))
+    runs = [job(model, data, out["d"], 1), job(model, data, out["stopped"], 2, *resume)]
+    said.update(zip(("d", "e", "lora-d"), fsdp_runs(3, [*runs, job(model, data, out["lora-d"], 2, *LORA)])))
     return {"out": out, "said": said}
 
 
@@ -80,9 +82,10 @@ def curve(out: Path, name: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["b", "c", "d", "stopped"])
+@pytest.mark.parametrize("run", ["b", "c", "d", "stopped", "lora-d"])
 def test_every_world_size_micro_batch_and_resume_gives_the_same_curve(grpo, run):
-    first, other = grpo["out"]["a"], grpo["out"][run]
+    """LoRA (its base the reference: the adapter off) on 3 ranks against LoRA on 1."""
+    first, other = grpo["out"]["lora-a" if run.startswith("lora") else "a"], grpo["out"][run]
     for name in CURVES:
         a, b = curve(first, name), curve(other, name)
         assert sorted(a) == sorted(b) == list(range(1, STEPS + 1)), (name, a, b)
