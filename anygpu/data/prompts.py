@@ -19,16 +19,15 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 
-from datasets import Dataset, DatasetDict, List, Value, load_dataset, load_from_disk
+from datasets import Dataset, DatasetDict, List, Value
 
 from anygpu.config.args import DataArguments
 from anygpu.data import chat_template, files, readers
 from anygpu.data.order import eval_subset
 from anygpu.data.preference import _chat_ids, _template_kwargs, is_conversational, split_names
-from anygpu.data.sources import _load_files, stdlib_corpus
+from anygpu.data.sources import load_given, stdlib_corpus
 from anygpu.errors import UsageError
 
 PROMPT, IDS = "prompt", "prompt_ids"
@@ -142,39 +141,17 @@ def default_prompts(args: DataArguments) -> DatasetDict:
     return DatasetDict(train=Dataset.from_dict({PROMPT: train}), validation=Dataset.from_dict({PROMPT: validation}))
 
 
-def _load_hub(args: DataArguments) -> DatasetDict:
-    """A hub id or a saved folder, as `sources.load_raw_text` loads them, less its format detection (prompt-only rows
-    are no format of the lm path; the loading could move to one function of `sources` that both call)."""
-    name = args.dataset_name
-    if Path(name).is_dir() and (Path(name) / "dataset_dict.json").exists():
-        raw = load_from_disk(name)
-    elif Path(name).is_dir() and (Path(name) / "dataset_info.json").exists():
-        raw = DatasetDict(train=load_from_disk(name))
-    else:
-        raw = load_dataset(name, args.dataset_config_name)
-    raw = raw if isinstance(raw, DatasetDict) else DatasetDict(train=raw)
-    if "train" not in raw:
-        raise UsageError(
-            f"--dataset_name {name} has no 'train' split to draw prompts from (its splits: {list(raw)}): save the "
-            "prompts as its 'train' split."
-        )
-    if "validation" not in raw and "test" in raw:
-        raw["validation"] = raw["test"]
-    return DatasetDict({k: raw[k] for k in ("train", "validation") if k in raw})
-
-
 def load_prompts(args: DataArguments) -> tuple[DatasetDict, bool]:
     """{'train', 'validation'?} raw prompt rows, checked for a `prompt` column, and whether they are the default."""
     if not args.dataset_name and not args.train_file:
         return default_prompts(args), True
-    if args.dataset_name:
-        raw = _load_hub(args)
-    else:
-        raw = DatasetDict(train=_load_files(args.train_file, args.text_column, "--train_file", args.txt_sample_by))
-        if args.validation_file:
-            raw["validation"] = _load_files(
-                args.validation_file, args.text_column, "--validation_file", args.txt_sample_by
-            )
+    raw = load_given(args)
+    if "train" not in raw:
+        raise UsageError(
+            f"--dataset_name {args.dataset_name} has no 'train' split to draw prompts from (its splits: "
+            f"{list(raw)}): save the prompts as its 'train' split."
+        )
+    raw = DatasetDict({k: raw[k] for k in ("train", "validation") if k in raw})
     names = split_names(args)
     for split, ds in raw.items():
         check_columns(ds.column_names, names[split])

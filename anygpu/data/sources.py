@@ -75,30 +75,36 @@ def _load_files(path_or_glob: str, text_column: str, option: str = "--train_file
     return ds.rename_column("text", text_column) if builder == "text" and text_column != "text" else ds
 
 
+def load_given(args: DataArguments) -> DatasetDict:
+    """The rows --dataset_name (a hub id or a saved folder; its 'test' split stands in for a missing 'validation')
+    or --train_file / --validation_file name, as read: no format check, and a 'train' split not yet required (each
+    caller refuses its absence in its own words). Both objectives' data paths read their sources here."""
+    name = args.dataset_name
+    if name:
+        if Path(name).is_dir() and (Path(name) / "dataset_dict.json").exists():
+            raw = load_from_disk(name)
+        elif Path(name).is_dir() and (Path(name) / "dataset_info.json").exists():
+            raw = DatasetDict(train=load_from_disk(name))
+        else:
+            raw = load_dataset(name, args.dataset_config_name)
+        raw = raw if isinstance(raw, DatasetDict) else DatasetDict(train=raw)
+        if "validation" not in raw and "test" in raw:
+            raw["validation"] = raw["test"]
+        return raw
+    raw = DatasetDict(train=_load_files(args.train_file, args.text_column, "--train_file", args.txt_sample_by))
+    if args.validation_file:
+        raw["validation"] = _load_files(args.validation_file, args.text_column, "--validation_file", args.txt_sample_by)
+    return raw
+
+
 def load_raw_text(args: DataArguments, seed: int = 0) -> tuple[DatasetDict, bool]:
     """{'train','validation'} of raw data (only 'train' when there are too few documents to split: the
     validation rows are then carved after tokenising), and whether it is the embedded default corpus."""
-    if args.dataset_name:
-        if Path(args.dataset_name).is_dir() and (Path(args.dataset_name) / "dataset_dict.json").exists():
-            raw = load_from_disk(args.dataset_name)
-        elif Path(args.dataset_name).is_dir() and (Path(args.dataset_name) / "dataset_info.json").exists():
-            raw = DatasetDict(train=load_from_disk(args.dataset_name))
-        else:
-            raw = load_dataset(args.dataset_name, args.dataset_config_name)
-        if not isinstance(raw, DatasetDict):
-            raw = DatasetDict(train=raw)
-        if "train" not in raw:
-            raise UsageError(f"--dataset_name {args.dataset_name} has no 'train' split (splits: {list(raw)}).")
-        if "validation" not in raw and "test" in raw:
-            raw["validation"] = raw["test"]
-    elif args.train_file:
-        raw = DatasetDict(train=_load_files(args.train_file, args.text_column, "--train_file", args.txt_sample_by))
-        if args.validation_file:
-            raw["validation"] = _load_files(
-                args.validation_file, args.text_column, "--validation_file", args.txt_sample_by
-            )
-    else:
+    if not args.dataset_name and not args.train_file:
         return stdlib_corpus(args.validation_split_percentage, args.max_corpus_mb), True
+    raw = load_given(args)
+    if "train" not in raw:
+        raise UsageError(f"--dataset_name {args.dataset_name} has no 'train' split (splits: {list(raw)}).")
     source = args.dataset_name or args.train_file
     formats = {
         split: detect_format(ds.column_names, args.text_column, f"{source} ({split})") for split, ds in raw.items()
