@@ -240,10 +240,7 @@ class GRPOObjective:
 
     def _metrics(self, totals, per_func, gathered, every: list[float]) -> dict[str, float]:
         """TRL's reward and completion metrics over the global batch."""
-        moments = self.rewards.moments(totals, per_func)
-        keys = sorted(moments)
-        summed = distributed.all_reduce_sum(torch.tensor([moments[k] for k in keys], dtype=torch.float64))
-        out = self.rewards.metrics(dict(zip(keys, summed.tolist())))
+        out, _ = self._reward_metrics(totals, per_func)
         lengths = [n for part in gathered for n in part[1]]
         cut = [t for part in gathered for t in part[2]]
         ended = [n for n, t in zip(lengths, cut) if not t]
@@ -336,15 +333,20 @@ class GRPOObjective:
                 ids = [rows[i]["prompt_ids"] for i in part]
                 done += generation.generate(model, ids, keys[part.start : part.stop], self.sampling)
         totals, per_func = self._score(rows, done)[:2] if rows else ([], {n: [] for n in self.rewards.names})
-        moments = self.rewards.moments(totals, per_func)
-        keys_ = sorted(moments)
-        lengths = float(sum(len(c.ids) for c in done))
-        summed = distributed.all_reduce_sum(
-            torch.tensor([moments[k] for k in keys_] + [lengths, float(len(done))], dtype=torch.float64)
-        ).tolist()
-        metrics = self.rewards.metrics(dict(zip(keys_, summed[:-2])))
-        metrics["completions/mean_length"] = summed[-2] / max(summed[-1], 1.0)
+        metrics, (lengths, count) = self._reward_metrics(totals, per_func, [sum(len(c.ids) for c in done), len(done)])
+        metrics["completions/mean_length"] = lengths / max(count, 1.0)
         return {f"eval_{k}": v for k, v in metrics.items()}
+
+    def _reward_metrics(
+        self, totals: list[float], per_func: dict[str, list[float]], more: list[float] = ()
+    ) -> tuple[dict[str, float], list[float]]:
+        """TRL's reward metrics over every rank's completions (a collective), and `more` summed in the same one."""
+        moments = self.rewards.moments(totals, per_func)
+        keys = sorted(moments)
+        summed = distributed.all_reduce_sum(
+            torch.tensor([moments[k] for k in keys] + [float(v) for v in more], dtype=torch.float64)
+        ).tolist()
+        return self.rewards.metrics(dict(zip(keys, summed[: len(keys)]))), summed[len(keys) :]
 
     def describe(self) -> list[str]:
         """The banner's lines on the objective."""
