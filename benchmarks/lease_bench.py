@@ -590,6 +590,11 @@ def tflops(value: float | None) -> str:
 GRPO_NAMES = {r.name for r in ROWS if r.data == "grpo"}
 
 
+def _fmt(value, spec: str) -> str:
+    """A table cell: the value in `spec`, or – where the row has none."""
+    return "–" if value is None else format(value, spec)
+
+
 def grpo_table(rows: list[dict]) -> list[str]:
     """The GRPO rows' step split: seconds a step, its sampling, scoring and training (the step less both)."""
     lines = [
@@ -597,7 +602,6 @@ def grpo_table(rows: list[dict]) -> list[str]:
         "completion) | sampled tokens/s | tokens/s (step) | tokens/s (training) | peak memory (GiB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
     for r in rows:
         if r.get("status", "ok") != "ok":
             lines.append(f"| {r['name']} | {r['layers']} | {r['status']} | | | | | | | | |")
@@ -606,8 +610,8 @@ def grpo_table(rows: list[dict]) -> list[str]:
         lines.append(
             f"| {r['name']} | {r['layers']} | {r['ms_per_step'] / 1000:.2f} | {r['generation_seconds']:.2f} | "
             f"{r['reward_seconds']:.3f} | {r['training_seconds']:.2f} | {shape} | "
-            f"{fmt(r['generated_tokens_per_second'], ',.0f')} | {fmt(r['tokens_per_second'], ',.0f')} | "
-            f"{fmt(r['training_tokens_per_second'], ',.0f')} | {fmt(r['peak_memory_gib'], '.1f')} |"
+            f"{_fmt(r['generated_tokens_per_second'], ',.0f')} | {_fmt(r['tokens_per_second'], ',.0f')} | "
+            f"{_fmt(r['training_tokens_per_second'], ',.0f')} | {_fmt(r['peak_memory_gib'], '.1f')} |"
         )
     return lines
 
@@ -621,15 +625,14 @@ def table(part: int, path: Path) -> str:
         "| configuration | layers | ms/step | tokens/s | MFU | peak memory (GiB) | host syncs/step | graph breaks |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
     for r in rows:
         if r.get("status", "ok") != "ok":
             lines.append(f"| {r['name']} | {r['layers']} | {r['status']} | | | | | |")
             continue
         lines.append(
-            f"| {r['name']} | {r['layers']} | {fmt(r['ms_per_step'], '.1f')} | {fmt(r['tokens_per_second'], ',.0f')} | "
-            f"{'–' if r.get('mfu') is None else format(100 * r['mfu'], '.1f') + '%'} | {fmt(r['peak_memory_gib'], '.1f')} | "
-            f"{fmt(r['host_syncs_per_step'], 'd')} | {fmt(r['graph_breaks'], 'd')} |"
+            f"| {r['name']} | {r['layers']} | {_fmt(r['ms_per_step'], '.1f')} | {_fmt(r['tokens_per_second'], ',.0f')} | "
+            f"{'–' if r.get('mfu') is None else format(100 * r['mfu'], '.1f') + '%'} | {_fmt(r['peak_memory_gib'], '.1f')} | "
+            f"{_fmt(r['host_syncs_per_step'], 'd')} | {_fmt(r['graph_breaks'], 'd')} |"
         )
     out = [f"### Part {part}", ""] + ([*lines, ""] if rows or not grpo_rows else [])  # ROWS=grpo-…: GRPO's alone
     if grpo_rows:
@@ -648,7 +651,7 @@ def table(part: int, path: Path) -> str:
                 f"{tflops(r.get('fp8_tensorwise_tflops'))}, rowwise {tflops(r.get('fp8_rowwise_tflops'))} TFLOP/s"
             )
         if r.get("kind") == "cp":
-            cells = ", ".join(f"{k['kind']} C={k['cp']}: {fmt(k.get('ms'), '.1f')} ms" for k in r["kernels"])
+            cells = ", ".join(f"{k['kind']} C={k['cp']}: {_fmt(k.get('ms'), '.1f')} ms" for k in r["kernels"])
             out.append(f"- attention at {r['kernels'][0]['tokens']:,} tokens, forward + backward per rank: {cells}")
     return "\n".join(out) + "\n"
 
