@@ -27,7 +27,7 @@ from anygpu.config.args import DataArguments
 from anygpu.data import chat_template, files, readers
 from anygpu.data.order import eval_subset
 from anygpu.data.preference import _chat_ids, _template_kwargs, is_conversational, split_names
-from anygpu.data.sources import load_given, stdlib_corpus
+from anygpu.data.sources import content_key, load_given, stdlib_corpus
 from anygpu.errors import UsageError
 
 PROMPT, IDS = "prompt", "prompt_ids"
@@ -161,22 +161,15 @@ def load_prompts(args: DataArguments) -> tuple[DatasetDict, bool]:
 
 
 def fingerprint(raw: DatasetDict) -> str:
-    """A content key of the raw prompts (`sources.fingerprint`'s, every column: the rewards read them all)."""
-    h = hashlib.sha256()
-    for split in ("train", "validation"):
-        ds = raw.get(split)
-        fp = getattr(ds, "_fingerprint", None)
-        if ds is None:
-            h.update(f"{split}:none".encode())
-        elif ds.cache_files and fp:  # file-backed: datasets' own fingerprint covers the files
-            h.update(f"{split}:{fp}".encode())
-        else:
-            for i in range(0, len(ds), 1000):
-                rows = ds[i : i + 1000]
-                for values in zip(*(rows[c] for c in sorted(rows))):
-                    h.update(json.dumps(values, sort_keys=True, default=str).encode("utf-8", errors="replace"))
-                    h.update(b"\0")
-    return h.hexdigest()
+    """A content key of the raw prompts (`sources.content_key`, over every column: the rewards read them all)."""
+
+    def rows(ds: Dataset) -> Iterator[bytes]:
+        for i in range(0, len(ds), 1000):
+            batch = ds[i : i + 1000]
+            for values in zip(*(batch[c] for c in sorted(batch))):
+                yield json.dumps(values, sort_keys=True, default=str).encode("utf-8", errors="replace")
+
+    return content_key(raw, rows)
 
 
 def prompt_texts(ds: Dataset, batch: int = 1000) -> Iterator[str]:

@@ -9,6 +9,7 @@ import os
 import re
 import sysconfig
 from pathlib import Path
+from typing import Callable, Iterable
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
@@ -129,22 +130,26 @@ def data_format(raw: DatasetDict, text_column: str) -> str:
 
 def fingerprint(raw: DatasetDict, text_column: str) -> str:
     """A content key for the corpus, for the tokenizer and packing caches."""
-    h = hashlib.sha256()
     fmt = data_format(raw, text_column)
+    if fmt == TEXT:
+        return content_key(raw, lambda ds: (text.encode("utf-8", errors="replace") for text in ds[text_column]))
+    return content_key(raw, lambda ds: row_key(ds, fmt, text_column))
+
+
+def content_key(raw: DatasetDict, rows: Callable[[Dataset], Iterable[bytes]]) -> str:
+    """A content key of the train and validation splits: datasets' own fingerprint for a file-backed split (it
+    covers the files), else the hash of each row's bytes as `rows` gives them."""
+    h = hashlib.sha256()
     for split in ("train", "validation"):
         if split not in raw:
             h.update(f"{split}:none".encode())
             continue
         ds = raw[split]
         fp = getattr(ds, "_fingerprint", None)
-        if ds.cache_files and fp:  # file-backed: datasets' own fingerprint covers the files
+        if ds.cache_files and fp:
             h.update(f"{split}:{fp}".encode())
-        elif fmt == TEXT:
-            for text in ds[text_column]:
-                h.update(text.encode("utf-8", errors="replace"))
-                h.update(b"\0")
-        else:
-            for row in row_key(ds, fmt, text_column):
-                h.update(row)
-                h.update(b"\0")
+            continue
+        for row in rows(ds):
+            h.update(row)
+            h.update(b"\0")
     return h.hexdigest()
