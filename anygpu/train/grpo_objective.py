@@ -177,7 +177,8 @@ class GRPOObjective:
         """This rank's share of round `index`: drawn now, or (resumed within a round) as the checkpoint kept it."""
         cfg, info, data = self.cfg, self.info, self.prep.datasets["train"]
         share = rollout.rank_share(self.prep.order.global_batch(index), cfg.num_generations, info.rank, info.world_size)
-        rows = [data[i] for i in share.prompts]
+        read = {i: data[i] for i in dict.fromkeys(share.prompts)}  # each prompt's row once, not once a completion
+        rows = [read[i] for i in share.prompts]
         saved, self.saved = self.saved, None
         if saved is not None and saved["round"] == index:
             drawn = [Drawn(**d) for d in saved["drawn"][share.first : share.first + len(rows)]]
