@@ -194,6 +194,22 @@ def test_flash_attention_over_packed_samples_matches_sdpa(tmp_path):
     assert_close(losses(tmp_path / "sdpa"), losses(tmp_path / "flash"), rel=BF16_REL)
 
 
+def test_varlen_attention_over_packed_samples_matches_sdpa(tmp_path):
+    """Packed prompt-completion rows under torch's own varlen kernel (no flash-attn package): the losses of sdpa
+    confined through transformers' dense mask, to bf16 tolerance."""
+    data = tmp_path / "pc.jsonl"
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    with open(data, "w") as f:
+        for i in range(400):
+            prompt = " ".join(words[(i + j) % len(words)] for j in range(1 + i % 23)) + " =>"
+            f.write(json.dumps({"prompt": prompt, "completion": f" {words[i % len(words)]} {i % 7}"}) + "\n")
+    corpus = EXACT.index("--max_corpus_mb")
+    job = [*EXACT[:corpus], *EXACT[corpus + 2 :], "--train_file", str(data), "--bf16", "true", "--packing", "true"]
+    native([*job, "--attn_implementation", "varlen_attention"], tmp_path / "varlen")
+    native([*job, "--attn_implementation", "sdpa"], tmp_path / "sdpa")
+    assert_close(losses(tmp_path / "sdpa"), losses(tmp_path / "varlen"), rel=BF16_REL)
+
+
 def test_hub_moe_checkpoint_fine_tunes_in_bf16_and_exports_its_own_layout(tmp_path):
     """A Mixtral folder as save_pretrained writes it (experts one tensor each, bf16 over several files) on GPU 0
     with --bf16: the loader copies each tensor to the device's shards, and final/ comes back in bf16 with the

@@ -79,7 +79,7 @@ class ModelArguments:
         default="sdpa",
         metadata={
             "resume": FREE,
-            "help": "Attention kernel: sdpa (eager for a family without sdpa, e.g. gpt-oss), eager, or flash_attention_2/3 (needs its flash-attn package, a GPU and --bf16).",
+            "help": "Attention kernel: sdpa (eager for a family without sdpa, e.g. gpt-oss), eager, flash_attention_2/3 (needs its flash-attn package, a GPU and --bf16), flex_attention (a GPU), or varlen_attention (torch's own varlen flash kernel: packed samples without a mask and without flash-attn; a GPU needs --bf16).",
         },
     )
     experts_implementation: str | None = field(
@@ -144,7 +144,7 @@ class ModelArguments:
             )
         if self.attn_implementation not in attention.IMPLEMENTATIONS:
             raise UsageError(
-                f"--attn_implementation {self.attn_implementation!r} is unknown: use sdpa, eager or flash_attention_2."
+                f"--attn_implementation {self.attn_implementation!r} is unknown: use one of {', '.join(attention.IMPLEMENTATIONS)}."
             )
         if self.experts_implementation not in (None, *attention.EXPERTS):
             raise UsageError(

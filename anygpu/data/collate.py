@@ -36,6 +36,7 @@ import torch
 from datasets import Dataset
 from datasets.table import InMemoryTable
 
+from anygpu.config import attention
 from anygpu.data.formats import IGNORE
 
 
@@ -108,9 +109,9 @@ def pack_samples(ds: Dataset, capacity: int) -> Dataset:
 
 
 def packing_supported(model_type: str, attn_implementation: str) -> bool:
-    """Whether the model's attention honours packed samples given only position ids: flash attention's varlen
-    path, or transformers' masking utilities (which detect restarting position ids) in the model's code."""
-    if attn_implementation.startswith("flash_attention"):
+    """Whether the model's attention honours packed samples given only position ids: flash attention's or torch's
+    varlen path, or transformers' masking utilities (which detect restarting position ids) in the model's code."""
+    if attn_implementation in attention.OFFSETS:
         return True
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

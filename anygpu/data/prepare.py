@@ -16,6 +16,7 @@ from typing import Any
 from datasets import DatasetDict
 from transformers import PretrainedConfig
 
+from anygpu.config import attention
 from anygpu.config.args import DataArguments, ModelArguments, TrainArguments
 from anygpu.config.batch import BatchPlan, plan_batch, resolve_global_batch
 from anygpu.data import corpus, corpus_rows, shared_prep
@@ -181,7 +182,7 @@ def prepare(
         total,
         from_scratch,
         data.is_default,
-        dataclasses.replace(data.rows.collator, varlen=data.rows.collator.packed and attn_is_flash(model_args)),
+        dataclasses.replace(data.rows.collator, varlen=data.rows.collator.packed and takes_offsets(model_args)),
         data.rows.describe() + data.lines,
         data.fingerprint,
         data.eval_sets,
@@ -315,8 +316,9 @@ def training_data(raw, fmt: str, tokenizer, block_size: int, data_args, packing:
     return make_rows(raw, fmt, tokenizer, block_size, data_args, packing, fp, workers)
 
 
-def attn_is_flash(model_args: ModelArguments) -> bool:
-    return model_args.attn_implementation.startswith("flash_attention")
+def takes_offsets(model_args: ModelArguments) -> bool:
+    """Whether packed rows reach the attention as samples' offsets (flash, torch's varlen), not a mask."""
+    return model_args.attn_implementation in attention.OFFSETS
 
 
 def resolve_packing(requested: bool | None, fmt: str, model_type: str, attn_implementation: str) -> bool:

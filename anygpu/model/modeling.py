@@ -20,8 +20,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from anygpu.config.args import PRESETS_DIR, ModelArguments, preset_names
+from anygpu.config.attention import OFFSETS
 from anygpu.errors import UsageError
-from anygpu.model import hub_weights, init_weights, lora
+from anygpu.model import hub_weights, init_weights, lora, varlen_attention
 from anygpu.runtime import context_parallel, expert_parallel, partitioned
 from anygpu.runtime.blocks import decoder_layer_classes, hf_model
 
@@ -91,9 +92,11 @@ def _config_of(args: ModelArguments) -> PretrainedConfig:
 
 def fit_attention(config: PretrainedConfig, args: ModelArguments) -> None:
     """--attn_implementation sdpa (the default) for a family that has no sdpa kernel (gpt-oss: its attention
-    sinks) becomes eager, as transformers' own default would choose, said once; any other choice stays."""
+    sinks) becomes eager, as transformers' own default would choose, said once; any other choice stays. Our own
+    kernel's name (varlen_attention) is made known to transformers first."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    varlen_attention.register()
     if args.attn_implementation != "sdpa" or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         return
     if not getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True):
@@ -219,7 +222,7 @@ def flatten_packed_rows(model: nn.Module) -> None:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         attention = str(getattr(getattr(module, "config", None), "_attn_implementation", ""))
         ids = kwargs.get("input_ids")
-        if "flash" not in attention or kwargs.get("position_ids") is None or ids is None or ids.shape[0] == 1:
+        if attention not in OFFSETS or kwargs.get("position_ids") is None or ids is None or ids.shape[0] == 1:
             return None
         if context_parallel.active():
             return None  # split sequences: the Ulysses wrapper flattens the whole rows itself

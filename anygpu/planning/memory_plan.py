@@ -564,7 +564,10 @@ def mask_note(result: PlanResult, unmasked: Shapes, lora: bool, mfu: float, flop
         instead = "nothing fits either"
     shapes, cp = result.shapes, result.cp
     flash = cp == 1 or not (shapes.num_heads % cp or shapes.num_kv_heads % cp)  # gathered K/V need a mask
-    ways = "--attn_implementation flash_attention_2 takes the samples' boundaries instead of a mask, or " * flash
+    ways = (
+        "--attn_implementation varlen_attention (or flash_attention_2) takes the samples' boundaries instead of a mask, or "
+        * flash
+    )
     result.notes.append(
         f"note: packed rows under sdpa/eager attention build a dense {block} × {block} mask per forward "
         f"({mask / GIB:.2f} GiB per micro-batch item in bf16, counted in other; under --cp every rank holds the whole "

@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from anygpu.config.attention import OFFSETS
 from anygpu.errors import UsageError
 
 ATTENTION = "anygpu_cp"
@@ -58,7 +59,7 @@ def check(config, block_size: int, cp: int, attention: str = "sdpa") -> None:
         )
     heads, kv_heads = head_counts(config)
     # flash's causal mask is the top-left one; flex would take the gathered path's dense rows mask as a score bias
-    if not splits_heads(config, cp) and ("flash" in attention or attention == "flex_attention"):
+    if not splits_heads(config, cp) and (attention in OFFSETS or attention == "flex_attention"):
         raise UsageError(
             f"--cp {cp} does not divide the model's {heads} attention and {kv_heads} key/value heads, so each rank "
             f"gathers the whole sequence's keys and values, which --attn_implementation {attention} cannot take "
@@ -207,14 +208,14 @@ def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     for name in LOCAL_ROW_KWARGS:
         kwargs.pop(name, None)  # the local rows' (flash's varlen path): rebuilt from the full rows below
     kernel, mask = _kernel(module, split.base), split.mask
-    if "flash" in split.base and mask is None and q.shape[0] > 1:
+    if split.base in OFFSETS and mask is None and q.shape[0] > 1:
         # packed rows: flash attention confines attention to samples for one flattened row only
         b, hc, T, d = q.shape
         flat = [x.transpose(0, 1).reshape(1, x.shape[1], b * T, d) for x in (q, k, v)]
         out, _ = kernel(module, *flat, None, position_ids=split.position_ids.reshape(1, -1), **kwargs)
         out = out.reshape(b, T, hc, d)
     else:
-        extra = {"position_ids": split.position_ids} if "flash" in split.base else {}
+        extra = {"position_ids": split.position_ids} if split.base in OFFSETS else {}
         out, _ = kernel(module, q, k, v, mask, **extra, **kwargs)
     return heads_to_seq(out, split.group, split.cp), None
 

@@ -1,5 +1,6 @@
-"""Flash attention's varlen path under context parallelism, on CPU (torchrun, 2 ranks, gloo): the stand-in kernel
-of test_flash_attention.py as "flash_attention_2", three packed rows (6 samples) in one micro-batch. Prints, on
+"""A varlen path under context parallelism, on CPU (torchrun, 2 ranks, gloo): the stand-in kernel of
+test_flash_attention.py as "flash_attention_2", or the attention named by the first argument (varlen_attention:
+torch's varlen kernel, on a CPU its blockwise sdpa), three packed rows (6 samples) in one micro-batch. Prints, on
 rank 0, `LOSSES <one process, flattened rows> <cp 2> <cp 2, its gradient norm> <one process, its gradient norm>`."""
 
 import sys
@@ -22,8 +23,8 @@ dist.init_process_group("gloo")
 args = ModelArguments(config_name="tiny")
 model = modeling.build_full_model(modeling.resolve_config(args), args, seed=0)
 modeling.flatten_packed_rows(model)
-model.config._attn_implementation = "flash_attention_2"
-batch = Collator(0, packed=True).collate(packed_rows())
+model.config._attn_implementation = sys.argv[1] if len(sys.argv) > 1 else "flash_attention_2"
+batch = Collator(0, packed=True, varlen=True).collate(packed_rows())
 n = torch.tensor(count_targets(batch))
 
 

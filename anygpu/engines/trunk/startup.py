@@ -122,8 +122,9 @@ def flash_attention_available(attn_implementation: str) -> bool:
 
 def check_attention(attn_implementation: str, train_args, engine: str) -> None:
     """Refuse flash attention where it cannot run (before any process group): in fp32, or without its package;
-    flex attention on a CPU (no backward there)."""
-    attention.check_device(attn_implementation, on_gpu=hardware.vendor() != "cpu")
+    flex attention on a CPU (no backward there); torch's varlen kernel where torch lacks it, or in fp32."""
+    half = bool(train_args.bf16 or getattr(train_args, "fp16", False))
+    attention.check_device(attn_implementation, on_gpu=hardware.vendor() != "cpu", half=half)
     if not attn_implementation.startswith("flash_attention"):
         return
     if not (train_args.bf16 or train_args.fp16):
