@@ -11,7 +11,8 @@ shaped models of a few layers at block 8192, one configuration per process, and 
 
 A row is the engine's `FSDPTrainer.train()` on one GPU (bf16, FSDP2's mixed precision at one rank) for 2·W + 1 steps,
 logged every W: the record of step 2·W is the steady state (compilation and warm-up are in the first), and the
-last step's host syncs are counted. ms/step and
+last step's host syncs are counted (a profiled row runs two more under torch.profiler, a warm-up and one whose
+device time is summarised by kernel kind). ms/step and
 tokens/s are that window's, MFU the engine's own (against the bf16 peak, attention over each sample's length),
 peak memory the engine's `max_memory_allocated`; host syncs are CUDA's own count over one step that does not
 log (`anygpu.runtime.host_syncs`), graph breaks dynamo's count for the run. The model is Llama-3-8B's layer (hidden
@@ -101,6 +102,7 @@ class Row:
     seconds: int = 30  # expected on an H100, start-up included (the part's time budget skips what would not fit)
     late: bool = False  # last, in the time the part's budget leaves (planned to be skipped when time is short)
     moe: bool = False  # Qwen3-30B-A3B's mixture-of-experts layer (`MOE_SHAPE`) instead of Llama-3-8B's
+    profile: bool = False  # one more step, under torch.profiler: where its device time goes (`profile_summary`)
 
     @property
     def id(self) -> str:
@@ -121,10 +123,10 @@ ROWS = (  # seconds: measured on the H100 lease of 2026-11-26 (~30 s of each is 
         seconds=40,
         late=True,
     ),
-    Row("compiled", 2, 4, COMPILE, seconds=55),
-    Row("compiled + FP8 tensorwise", 2, 4, (*COMPILE, "--fp8", "tensorwise"), seconds=55),
-    Row("compiled + FP8 rowwise", 2, 4, (*COMPILE, "--fp8", "rowwise"), seconds=55),
-    Row("SFT rows, packed", 2, 4, (), "sft", seconds=45),
+    Row("compiled", 2, 4, COMPILE, seconds=55, profile=True),
+    Row("compiled + FP8 tensorwise", 2, 4, (*COMPILE, "--fp8", "tensorwise"), seconds=55, profile=True),
+    Row("compiled + FP8 rowwise", 2, 4, (*COMPILE, "--fp8", "rowwise"), seconds=55, profile=True),
+    Row("SFT rows, packed", 2, 4, (), "sft", seconds=45, profile=True),
     Row("compiled + FP8 rowwise", 2, 2, (*COMPILE, "--fp8", "rowwise"), seconds=55, late=True),
     Row("SFT rows, padded (--packing false)", 2, 4, ("--packing", "false"), "sft", seconds=40, late=True),
     # packed rows' samples confined by flex attention's document block mask instead of sdpa's dense (T × T) mask: the
@@ -137,6 +139,18 @@ ROWS = (  # seconds: measured on the H100 lease of 2026-11-26 (~30 s of each is 
         "sft",
         seconds=70,
         late=True,
+        profile=True,
+    ),
+    # the samples' offsets to torch's own varlen kernel (flash attention inside torch; no flash-attn package, no mask)
+    Row(
+        "SFT rows, packed, varlen attention",
+        2,
+        4,
+        ("--attn_implementation", "varlen_attention"),
+        "sft",
+        seconds=50,
+        late=True,
+        profile=True,
     ),
     Row(
         "compiled + selective checkpointing",
@@ -175,8 +189,14 @@ def window(row: Row) -> int:
 
 def num_steps(row: Row) -> int:
     """Two windows, then (not GRPO) one step whose host syncs are counted: a GRPO step's generation syncs at every
-    token by design (HF's stopping check), and a step less spares a GPU several seconds."""
-    return 2 * window(row) + (row.data != "grpo")
+    token by design (HF's stopping check), and a step less spares a GPU several seconds. A profiled row has two more
+    under torch.profiler (a warm-up and the profiled step): past the window and the probe, changing neither."""
+    return 2 * window(row) + (row.data != "grpo") + 2 * row.profile
+
+
+def profiled_step(row: Row) -> int | None:
+    """The step summarised under torch.profiler (the last; the one before runs under it too: `StepProfiler`)."""
+    return num_steps(row) if row.profile else None
 
 
 def engine_argv(row: Row) -> list[str]:
@@ -318,6 +338,154 @@ def prompt_rows(sft: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
+# ------------------------------------------------------------------------------------------------ profile
+# Kernel kinds by (lowercased) name, first match wins; H100's names. Attention comes before the matmuls: FlashAttention's
+# and mem-efficient attention's names carry cutlass:: in their template arguments. "::mm" etc. are the CPU rehearsal's
+# aten ops (no GPU kernel name has them).
+MATMUL = ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "scaled_mm", "splitk", "::mm", "::addmm", "::bmm")
+FP8 = ("e4m3", "e5m2", "f8", "fp8")
+KINDS = (
+    ("communication", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "flex", "sdpa", "cudnn", "efficient")),
+    ("matmul", MATMUL),  # "fp8 matmul" where FP8 operands show (`kernel_kind`)
+    ("optimizer", ("multi_tensor", "foreach", "adam")),
+    ("loss/softmax", ("cross_entropy", "log_softmax", "softmax", "logsumexp", "nll")),  # before amax: softmax's max
+    ("fp8 cast/amax", ("amax", "abs", "clamp", "to_fp8", "float8", "e4m3", "fp8", "reciprocal")),
+    ("copies/memset", ("memcpy", "memset", "copy")),
+)
+KIND_NAMES = ("fp8 matmul", *(k for k, _ in KINDS), "other")
+
+
+def kernel_kind(name: str, fp8: bool = False) -> str:
+    """The kind of a kernel (or, on the CPU, an op) by its name; `fp8`: launched by torch._scaled_mm (cuBLAS's nvjet
+    kernels do not say their operands' type in their name)."""
+    low = name.lower()
+    if re.fullmatch(r"triton_[a-z]+_fused__?(to_copy|clone|copy)_\d+", low):
+        return "copies/memset"  # inductor's kernel of a cast or a copy alone
+    for kind, words in KINDS:
+        if kind == "copies/memset" and low.startswith("triton"):
+            continue  # inductor's kernels are named after their ops, _to_copy (a cast) among them: fused, compute
+        if any(w in low for w in words):
+            if kind == "matmul" and (fp8 or "scaled_mm" in low or any(w in low for w in FP8)):
+                return "fp8 matmul"
+            return kind
+    return "other"
+
+
+def _fp8_kernels(events) -> set[str]:
+    """The names of the kernels torch._scaled_mm launched (the profile's CPU ops know their kernels)."""
+    return {k.name for e in events if "scaled_mm" in e.name for k in getattr(e, "kernels", ())}
+
+
+def _timed_events(events, device: str, mark: str) -> list[tuple[str, float]]:
+    """(name, µs) of what ran from the start of the `mark` range on: on a GPU its kernels, memcpys and memsets (not
+    the GPU-side copies of record_function ranges, which would count their kernels twice); on the CPU each op's
+    self time. Kineto puts the GPU's timestamps on the CPU's clock; the step before ended synchronized."""
+    from torch.autograd import DeviceType
+
+    marks = [e.time_range.start for e in events if e.name == mark and e.device_type == DeviceType.CPU]
+    since = min(marks) if marks else 0
+    ran = [e for e in events if e.time_range.start >= since and e.name != mark]
+    if device == "cuda":
+        kept = [e for e in ran if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+        return [(e.name, e.time_range.elapsed_us()) for e in kept]
+    cpu = [e for e in ran if e.device_type == DeviceType.CPU and not e.is_async]
+    return [(e.name, e.self_cpu_time_total) for e in cpu if e.self_cpu_time_total > 0]
+
+
+def profile_summary(
+    timed: list[tuple[str, float]], step_ms: float, device: str, fp8: set[str] | frozenset[str] = frozenset()
+) -> dict:
+    """A profiled step, small: its wall ms, the ms of what ran (kernels; the CPU's ops), those ms by kind, the 8
+    longest kernels (ms, calls)."""
+    kinds, by_name = dict.fromkeys(KIND_NAMES, 0.0), {}
+    for name, us in timed:
+        kinds[kernel_kind(name, name in fp8)] += us / 1000
+        ms, calls = by_name.get(name, (0.0, 0))
+        by_name[name] = (ms + us / 1000, calls + 1)
+    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:8]
+    return {
+        "device": device,
+        "step_ms": round(step_ms, 3),
+        "kernel_ms": round(sum(kinds.values()), 3),
+        "kinds": {k: round(ms, 3) for k, ms in kinds.items() if ms > 0},
+        "top": [[name[:80], round(ms, 3), calls] for name, (ms, calls) in top],
+    }
+
+
+class StepProfiler:
+    """torch.profiler over a row's last two steps, the second summarised (`profile_summary`): with the profiler on,
+    dynamo compiles some frames again the first time (torchao's Float8TrainingTensor.__torch_dispatch__, 5 frames
+    in the rehearsal), which would count their compilation as the step's. Never fails the row: an error is recorded
+    (`{"error": ...}`), and a step that raised under the profiler returns the previous step's output (the row's
+    figures are measured already; the engine only logs these steps)."""
+
+    MARK = "lease: the profiled step"  # a record_function range: what ran from its start on is the profiled step's
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.torch, self.device, self.on_gpu = torch, device, device.type == "cuda"
+        self.prof, self.summary = None, {}
+
+    def sync(self) -> None:
+        if self.on_gpu:
+            self.torch.cuda.synchronize(self.device)
+
+    def warm(self, step_of, step: int, cpu, fallback) -> object:
+        """The first step under the profiler (not summarised)."""
+        torch = self.torch
+        self.sync()  # the probe step's kernels are not the profile's
+        try:
+            activities = [torch.profiler.ProfilerActivity.CPU]  # the CPU ops: which kernels torch._scaled_mm launched
+            activities += [torch.profiler.ProfilerActivity.CUDA] if self.on_gpu else []
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.start()
+        except Exception as e:  # noqa: BLE001 (the row's timing matters more than its profile)
+            self.prof, self.summary = None, {"error": f"profiler start: {e!r}"[:300]}
+            return step_of(step, cpu)
+        return self._guarded(step_of, step, cpu, fallback)
+
+    def measure(self, step_of, step: int, cpu, fallback) -> object:
+        """The profiled step: its wall time from a synchronized start to a synchronized end, then the summary."""
+        if self.prof is None or self.summary:  # the profiler did not start, or the warm-up step raised
+            self._stop()
+            return step_of(step, cpu) if self.prof is None else fallback
+        self.sync()
+        start = time.perf_counter()
+        with self.torch.profiler.record_function(self.MARK):
+            out = self._guarded(step_of, step, cpu, fallback)
+        step_ms = 1000 * (time.perf_counter() - start)
+        if self._stop() and not self.summary:
+            try:
+                events = self.prof.events()
+                kind = "cuda" if self.on_gpu else "cpu"
+                timed = _timed_events(events, kind, self.MARK)
+                self.summary = profile_summary(timed, step_ms, kind, _fp8_kernels(events))
+            except Exception as e:  # noqa: BLE001
+                self.summary = {"error": f"profile summary: {e!r}"[:300]}
+        return out
+
+    def _guarded(self, step_of, step: int, cpu, fallback) -> object:
+        try:
+            out = step_of(step, cpu)
+            self.sync()
+            return out
+        except Exception as e:  # noqa: BLE001
+            self.summary = self.summary or {"error": f"step {step} under the profiler: {e!r}"[:300]}
+            return fallback
+
+    def _stop(self) -> bool:
+        if self.prof is None:
+            return False
+        try:
+            self.prof.stop()
+            return True
+        except Exception as e:  # noqa: BLE001
+            self.summary = self.summary or {"error": f"profiler stop: {e!r}"[:300]}
+            return False
+
+
 # ------------------------------------------------------------------------------------------------ one row
 def run_row(row: Row) -> dict:
     """Train the row's configuration with the engine; its steady-state figures."""
@@ -332,18 +500,25 @@ def run_row(row: Row) -> dict:
     w, grpo_row = window(row), row.data == "grpo"
     device, probe, counted, rounds = trainer.info.device, 2 * w + 1, {}, {}
     step_of, record_of = trainer.optimizer_step, trainer.log.train
+    profiled, profiler, last_out = profiled_step(row), StepProfiler(device), [None]
 
     def optimizer_step(step, cpu):
         if grpo_row and device.type == "cuda":
             # the host runs ahead: without this the round's sampling clock (`generation_seconds`) would start while
             # the last step's backward and optimizer still run, and count them as sampling
             torch.cuda.synchronize(device)
-        if step != probe:
-            out = step_of(step, cpu)
-        else:
+        if step == probe:
             with host_syncs.count(device) as syncs:
                 out = step_of(step, cpu)
             counted.update(count=syncs.count, where=syncs.summary(3))
+        # the engine's optimizer_step is the whole step (forward, backward, clip, AdamW): profiled from end to end
+        elif profiled and step == profiled - 1:
+            out = profiler.warm(step_of, step, cpu, last_out[0])
+        elif step == profiled:
+            out = profiler.measure(step_of, step, cpu, last_out[0])
+        else:
+            out = step_of(step, cpu)
+        last_out[0] = out  # a step that raised under the profiler returns it: the engine logs something
         if grpo_row:  # the step's round (one a step: --num_iterations 1): its sampling and scoring seconds
             rounds[step] = trainer.objective.round.metrics
         return out
@@ -374,6 +549,8 @@ def run_row(row: Row) -> dict:
         "loss": last["loss"],
         "parameters": sum(p.numel() for p in trainer.model.parameters()),
     }
+    if profiled:
+        out["profile"] = profiler.summary or {"error": "no profile (the profiled step did not run)"}
     if grpo_row:
         out.update(grpo_figures([rounds[s] for s in range(w + 1, 2 * w + 1)], seconds / w, window_tokens[2 * w] / w))
     return out
@@ -616,6 +793,46 @@ def grpo_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def profile_table(rows: list[dict]) -> list[str]:
+    """The profiled rows' step by kernel kind (ms), and each one's longest kernels: the step's wall ms less its
+    kernels' is the time the GPU idled (kernels on two streams at once can make it negative)."""
+    profiled = [r for r in rows if "profile" in r]
+    if not profiled:
+        return []
+    cpu = any(r["profile"].get("device") == "cpu" for r in profiled)
+    lines = [
+        "Where the profiled step's GPU time goes (ms)"
+        + (": the rehearsal, the CPU ops' self time instead of kernels" if cpu else "")
+        + " (ms/step: the measured window's; profiled: the step under the profiler)",
+        "",
+        f"| configuration | layers | ms/step | profiled | kernels | idle | {' | '.join(KIND_NAMES)} |",
+        "|---|---|---|---|---|---|" + "---|" * len(KIND_NAMES),
+    ]
+    tops = []
+    for r in profiled:
+        p = r["profile"]
+        if "error" in p:
+            lines.append(f"| {r['name']} | {r['layers']} | {_fmt(r.get('ms_per_step'), '.1f')} | {_cell(p['error'])} |")
+            continue
+        kinds = " | ".join(_fmt(p["kinds"].get(k), ".1f") for k in KIND_NAMES)
+        idle = p["step_ms"] - p["kernel_ms"]
+        lines.append(
+            f"| {r['name']} | {r['layers']} | {_fmt(r.get('ms_per_step'), '.1f')} | {p['step_ms']:.1f} | "
+            f"{p['kernel_ms']:.1f} | {idle:.1f} | {kinds} |"
+        )
+        top = "; ".join(f"`{name.replace(TICK, QUOTE)}` {ms:.1f} ms × {calls}" for name, ms, calls in p["top"][:5])
+        tops.append(f"- {r['name']} ({r['layers']} layers), longest: {top}")
+    return [*lines, "", *tops]
+
+
+TICK, QUOTE = "`", "'"  # a kernel name's backtick (none seen) would end its code span
+
+
+def _cell(text: str) -> str:
+    """Text safe in a Markdown table cell (an error's text can hold a C++ name: templates, operators)."""
+    return text.replace("|", "\\|").replace("`", "'").replace("\n", " ")
+
+
 def table(part: int, path: Path) -> str:
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     every = [r for r in recs if r.get("kind") == "row"]
@@ -635,6 +852,8 @@ def table(part: int, path: Path) -> str:
             f"{_fmt(r['host_syncs_per_step'], 'd')} | {_fmt(r['graph_breaks'], 'd')} |"
         )
     out = [f"### Part {part}", ""] + ([*lines, ""] if rows or not grpo_rows else [])  # ROWS=grpo-…: GRPO's alone
+    if profiled := profile_table(rows):
+        out += [*profiled, ""]
     if grpo_rows:
         out += [*grpo_table(grpo_rows), ""]
     for name in ("eager", "compiled + FP8 rowwise"):

@@ -4,12 +4,15 @@ bench really runs here (the rehearsal in the device-like venv is docs/benchmarks
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from conftest import ROOT
@@ -56,6 +59,18 @@ def plan_rows() -> list[dict]:
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/lease_bench.py as a module, with the GPU's shapes; what its import sets (HF's offline variables,
+    warning filters) stays in the import."""
+    spec = importlib.util.spec_from_file_location("lease_bench_under_test", ROOT / "benchmarks/lease_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    with mock.patch.dict(os.environ, {"LEASE_SHAPES": "gpu"}), warnings.catch_warnings():
+        spec.loader.exec_module(module)
+    return module
 
 
 def test_the_plan_installs_our_pinned_wheels_and_says_the_device_calls():
@@ -193,6 +208,114 @@ def test_the_table_and_the_projection(tmp_path):
     assert "sampling 18.0 s (1,820 tokens/s), training 8.5 s, step 26.5 s, 68% of it sampling" in out.stdout
 
 
+def test_the_profiled_rows_run_two_more_steps(plan_rows):
+    """The FP8-against-bf16 rows and the packed SFT rows at 4 layers are profiled: two steps past the host-sync probe
+    (a warm-up under the profiler, then the profiled step), the measured window unchanged."""
+    profiled = {r["name"] for r in plan_rows if r["profile"]}
+    assert {
+        "compiled",
+        "compiled + FP8 tensorwise",
+        "compiled + FP8 rowwise",
+        "SFT rows, packed",
+        "SFT rows, packed, flex attention",
+    } <= profiled
+    parser = build_parser()
+    for row in plan_rows:
+        _, _, train_args = parser.parse_args_into_dataclasses(args=row["argv"])
+        if row["data"] != "grpo":  # 2 windows of 8, the probe, and the profiled rows' two
+            assert (train_args.max_steps, train_args.logging_steps) == (17 + 2 * row["profile"], 8), row["id"]
+    assert all(r["layers"] == 4 for r in plan_rows if r["profile"])
+
+
+H100_KERNELS = {  # names as the profiler shows them on an H100, and their kind
+    "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128_warpgroupsize1x1x1_execute_segment_k_off_kernel"
+    "__5x_cublas": "fp8 matmul",
+    "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<"
+    "cute::tuple<int, int, int>, cutlass::gemm::collective::CollectiveMma<cutlass::float_e4m3_t>>>": "fp8 matmul",
+    "nvjet_tst_192x192_64x4_1x2_h_bz_coopB_NTN": "matmul",
+    "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t, "
+    "Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t> >, false, true>(pytorch_flash::Flash_fwd_params)": (
+        "attention"
+    ),
+    "fmha_cutlassB_bf16_aligned_64x64_k128_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<>)": "attention",
+    "triton_tem_fused_flex_attention_0": "attention",
+    "triton_red_fused_abs_amax_0": "fp8 cast/amax",
+    "triton_poi_fused__to_copy_clamp_reciprocal_1": "fp8 cast/amax",
+    "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL": "communication",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4>>": "optimizer",
+    "Memcpy DtoD (Device -> Device)": "copies/memset",
+    "Memset (Device)": "copies/memset",
+    "void at::native::elementwise_kernel<128, 2, at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>": (
+        "copies/memset"
+    ),
+    "triton_poi_fused__to_copy_0": "copies/memset",
+    "triton_per_fused__log_softmax_0": "loss/softmax",
+    "triton_red_fused__log_softmax_amax_sub_1": "loss/softmax",
+    "void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<c10::BFloat16, float, long>": (
+        "loss/softmax"
+    ),
+    "triton_poi_fused_add_mul_silu_2": "other",
+    "triton_poi_fused__to_copy_add_mul_3": "other",  # a cast fused into compute is compute
+    "aten::mm": "matmul",  # the CPU rehearsal's ops
+    "aten::_scaled_mm": "fp8 matmul",
+}
+
+
+def test_kernel_kinds_by_their_h100_names(bench):
+    assert {name: bench.kernel_kind(name) for name in H100_KERNELS} == H100_KERNELS
+    # cuBLAS's nvjet kernels do not name their operands' type: launched by torch._scaled_mm, they are FP8's
+    assert bench.kernel_kind("nvjet_tst_192x192_64x4_1x2_h_bz_coopB_NTN", fp8=True) == "fp8 matmul"
+    assert bench.kernel_kind("triton_red_fused_abs_amax_0", fp8=True) == "fp8 cast/amax"  # not a matmul
+
+
+def test_the_profile_summary_and_its_table(bench, tmp_path):
+    """The profiled step by kind, its 8 longest kernels; the part's table of them, after the main table."""
+    gemm, fp8 = "nvjet_tst_192x192_64x4_1x2_h_bz_coopB_NTN", "nvjet_qqtst_128x256_128x6_2x1_v_bz_coopA_TNT"
+    timed = [(gemm, 1000.0)] * 3 + [(fp8, 2000.0), ("triton_red_fused_abs_amax_0", 500.0)]
+    timed += [(f"triton_poi_fused_mul_{i}", 10.0) for i in range(10)] + [("Memset (Device)", 5.0)]
+    summary = bench.profile_summary(timed, 10.0, "cuda", {fp8})
+    assert summary["device"] == "cuda" and summary["step_ms"] == 10.0 and summary["kernel_ms"] == 5.605
+    assert summary["kinds"] == {"fp8 matmul": 2.0, "matmul": 3.0, "fp8 cast/amax": 0.5, "copies/memset": 0.005,
+                                "other": 0.1}  # fmt: skip
+    assert summary["top"][:2] == [[gemm, 3.0, 3], [fp8, 2.0, 1]] and len(summary["top"]) == 8
+    assert len(json.dumps(summary)) < 2000  # small: the row's record is one line of lease-N.jsonl
+    rows = [
+        {"kind": "row", "name": "compiled + FP8 tensorwise", "layers": 4, "ms_per_step": 9.0, "tokens_per_second": 1.0,
+         "mfu": 0.5, "peak_memory_gib": 1.0, "host_syncs_per_step": 0, "graph_breaks": 0, "profile": summary},
+        {"kind": "row", "name": "compiled", "layers": 4, "ms_per_step": 9.5, "tokens_per_second": 1.0, "mfu": 0.5,
+         "peak_memory_gib": 1.0, "host_syncs_per_step": 0, "graph_breaks": 0,
+         "profile": {"error": "profiler start: RuntimeError('CUPTI | busy')"}},
+        {"kind": "row", "name": "eager", "layers": 4, "ms_per_step": 20.0, "tokens_per_second": 1.0, "mfu": 0.4,
+         "peak_memory_gib": 1.0, "host_syncs_per_step": 0, "graph_breaks": 0},
+    ]  # fmt: skip
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = bench.table(2, path)
+    main, profiled = out.index("| configuration |"), out.index("Where the profiled step's GPU time goes (ms)")
+    assert main < profiled and "rehearsal" not in out
+    # kinds: fp8 matmul, communication, attention, matmul, optimizer, loss/softmax, fp8 cast/amax, copies, other
+    cells = "| 2.0 | – | – | 3.0 | – | – | 0.5 | 0.0 | 0.1 |"
+    assert f"| compiled + FP8 tensorwise | 4 | 9.0 | 10.0 | 5.6 | 4.4 {cells}" in out
+    assert "| compiled | 4 | 9.5 | profiler start: RuntimeError('CUPTI \\| busy') |" in out
+    assert f"- compiled + FP8 tensorwise (4 layers), longest: `{gemm}` 3.0 ms × 3; `{fp8}` 2.0 ms × 1" in out
+    assert "| eager | 4 | 20.0 |" in out and "| eager | 4 | 20.0 | –" not in out.split("Where")[1]
+
+
+def test_the_profile_counts_what_ran_in_the_profiled_step(bench):
+    """The installed torch's profiler events, as `StepProfiler` reads them: only what ran from the mark on (the
+    warm-up step's ops are not the profiled step's), the mark itself not an op."""
+    import torch
+
+    a = torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.softmax(a, -1)  # the warm-up step
+        with torch.profiler.record_function(bench.StepProfiler.MARK):
+            a @ a
+    names = {name for name, us in bench._timed_events(prof.events(), "cpu", bench.StepProfiler.MARK)}
+    assert "aten::mm" in names and not {n for n in names if "softmax" in n or n == bench.StepProfiler.MARK}
+
+
 @pytest.mark.slow
 def test_part_3_runs_the_gpu_tests_no_lease_has_passed_first():
     """Every GPU test once (each marked test file's tests are there), the ones benchmarks/lease_gpu_tests_passed.txt
@@ -211,8 +334,9 @@ def test_part_3_runs_the_gpu_tests_no_lease_has_passed_first():
 
 @pytest.mark.slow
 def test_a_row_runs_the_engines_own_step_here(tmp_path):
-    """One row of the bench for real, with the rehearsal's shapes: the engine trains, the figures are there, and a
-    step that does not log has no host sync."""
+    """One row of the bench for real, with the rehearsal's shapes: the engine trains (compiled, FP8), the figures are
+    there, a step that does not log has no host sync, and the profiled step's ops are summarised (not dynamo's
+    recompilation under the profiler: the warm-up step takes it)."""
     env = {**os.environ, "LEASE_SHAPES": "cpu", "LEASE_WORK": str(tmp_path), "OMP_NUM_THREADS": "1"}
     run = lambda *a: subprocess.run(  # noqa: E731
         [sys.executable, "benchmarks/lease_bench.py", *a],
@@ -222,11 +346,15 @@ def test_a_row_runs_the_engines_own_step_here(tmp_path):
         timeout=300,
         env=env,
     )
-    proc = run("row", "eager-2l")  # prepares what it reads first
+    proc = run("row", "compiled-fp8-tensorwise-4l")  # prepares what it reads first
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads(re.search(r"^LEASE_ROW (.*)$", proc.stdout, flags=re.MULTILINE)[1])
     assert row["ms_per_step"] > 0 and row["tokens_per_second"] > 0 and row["host_syncs_per_step"] == 0
     assert row["parameters"] > 0 and row["graph_breaks"] == 0
+    profile = row["profile"]
+    assert profile["device"] == "cpu" and 0 < profile["kernel_ms"] <= profile["step_ms"], profile
+    assert profile["kinds"]["matmul"] > 0 and profile["kinds"]["fp8 cast/amax"] > 0, profile
+    assert not [name for name, _, _ in profile["top"] if "dynamo" in name], profile
     assert not list(tmp_path.glob("runs/*/checkpoint-*")) and not list(tmp_path.glob("runs/*/final"))
 
 
