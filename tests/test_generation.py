@@ -316,6 +316,20 @@ def test_other_families_are_batch_free(family):
     assert all(isinstance(c, Completion) for c in batch)
 
 
+def test_fsdp_param_groups_of_either_torch_layout():
+    """torch 2.12+ keeps a list of parameter groups per FSDP2 state, torch 2.11 (the lease's GPU image) one optional
+    group: `gathered` read the list only and failed there (AttributeError: '_fsdp_param_groups', the H200 lease of
+    2026-11-28's GRPO row)."""
+    import types
+
+    from anygpu.train.generation import param_groups
+
+    a, b = object(), object()
+    assert param_groups(types.SimpleNamespace(_fsdp_param_groups=[a, b])) == [a, b]
+    assert param_groups(types.SimpleNamespace(_fsdp_param_group=a)) == [a]
+    assert param_groups(types.SimpleNamespace(_fsdp_param_group=None)) == []
+
+
 def test_gathered_leaves_a_plain_model_alone():
     model = tiny_model()
     with generation.gathered(model):

@@ -205,6 +205,16 @@ def _forward_communicates(model: nn.Module) -> bool:
     return is_deepspeed_zero3_enabled() or (is_sharded(model) and not getattr(model, _GATHERED, False))
 
 
+def param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list in torch 2.12 and later (`_fsdp_param_groups`), one optional group
+    before (`_fsdp_param_group`, torch 2.11: the lease's GPU image)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 @contextlib.contextmanager
 def gathered(model: nn.Module) -> Iterator[None]:
     """Every FSDP2 unit's parameters all-gathered once and kept for the block, then resharded (a plain model:
@@ -217,7 +227,7 @@ def gathered(model: nn.Module) -> Iterator[None]:
     model._get_fsdp_state()._lazy_init()
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     states = list({id(s): s for s in (m._get_fsdp_state() for m in units)}.values())  # one per fully_shard call
-    saved = [(s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in s._fsdp_param_groups]) for s in states]
+    saved = [(s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in param_groups(s)]) for s in states]
     try:
         for unit in units:
             unit.set_reshard_after_forward(False, recurse=False)  # each forward's post-hook keeps them
@@ -230,5 +240,5 @@ def gathered(model: nn.Module) -> Iterator[None]:
             unit.reshard()
         for state, (auto, infos) in zip(states, saved):
             state._auto_reshard_after_forward = auto
-            for group, info in zip(state._fsdp_param_groups, infos):
+            for group, info in zip(param_groups(state), infos):
                 group.post_forward_mesh_info = info
