@@ -152,3 +152,17 @@ def test_the_engines_train_packed_rows_with_sdpas_losses(tmp_path):
     assert len(want) == 4
     for name in ("full", "selective", "hf"):
         assert_close(want, losses(tmp_path / name), rel=1e-5)
+
+
+def test_packed_rows_under_sdpa_on_an_nvidia_gpu_are_told_of_varlen(caplog, monkeypatch):
+    import logging
+
+    from anygpu.data import prepare
+
+    monkeypatch.setattr(prepare, "torch_is_hip", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="anygpu.data.prepare"):
+        prepare.advise_kernel("sdpa", torch.device("cpu"))
+        prepare.advise_kernel(varlen_attention.NAME, torch.device("cuda", 0))
+        assert not caplog.records
+        prepare.advise_kernel("sdpa", torch.device("cuda", 0))
+    assert "--attn_implementation varlen_attention takes the samples' boundaries" in caplog.text

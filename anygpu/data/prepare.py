@@ -208,6 +208,8 @@ def _datasets_data(model_args, data_args: DataArguments, train_args, config, blo
             model_args.trust_remote_code,
         )
         packing = resolve_packing(data_args.packing, fmt, config.model_type, model_args.attn_implementation)
+        if packing and info.is_main:
+            advise_kernel(model_args.attn_implementation, info.device)
         workers = preprocessing_workers(data_args.preprocessing_num_workers, raw["train"].data.nbytes)
         data = training_data(raw, fmt, tokenizer, block_size, data_args, packing, fp, workers)
     distributed.wait_for_all("preparing the data")  # other nodes may still be packing: no collective timeout
@@ -319,6 +321,24 @@ def training_data(raw, fmt: str, tokenizer, block_size: int, data_args, packing:
 def takes_offsets(model_args: ModelArguments) -> bool:
     """Whether packed rows reach the attention as samples' offsets (flash, torch's varlen), not a mask."""
     return model_args.attn_implementation in attention.OFFSETS
+
+
+def advise_kernel(attn_implementation: str, device) -> None:
+    """Packed rows under a dense-mask kernel on an NVIDIA GPU: say what the lease measured instead (sdpa stays the
+    default, as transformers' is; the faster kernel is one flag away)."""
+    if attn_implementation in attention.DENSE_MASK and getattr(device, "type", "cpu") == "cuda" and not torch_is_hip():
+        logger.warning(
+            "packed rows under --attn_implementation %s build a dense T × T mask per forward: "
+            "--attn_implementation varlen_attention takes the samples' boundaries instead (the same losses; 1.8× "
+            "the tokens/s of packed sdpa rows on an H200, docs/benchmarks.md)",
+            attn_implementation,
+        )
+
+
+def torch_is_hip() -> bool:
+    import torch
+
+    return getattr(torch.version, "hip", None) is not None
 
 
 def resolve_packing(requested: bool | None, fmt: str, model_type: str, attn_implementation: str) -> bool:
