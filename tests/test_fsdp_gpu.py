@@ -210,6 +210,24 @@ def test_varlen_attention_over_packed_samples_matches_sdpa(tmp_path):
     assert_close(losses(tmp_path / "sdpa"), losses(tmp_path / "varlen"), rel=BF16_REL)
 
 
+def test_packed_rows_take_varlen_when_no_kernel_is_named(tmp_path):
+    """--attn_implementation left out, packed prompt-completion rows in bf16 on an NVIDIA GPU: the banner's model
+    line says varlen_attention runs; raw-text blocks (nothing packed) keep sdpa."""
+    data = tmp_path / "pc.jsonl"
+    with open(data, "w") as f:
+        for i in range(200):
+            f.write(
+                json.dumps({"prompt": f"count {i} =>", "completion": " " + " ".join(str(i + j) for j in range(i % 9))})
+                + "\n"
+            )
+    corpus = EXACT.index("--max_corpus_mb")
+    job = [*EXACT[:corpus], *EXACT[corpus + 2 :], "--bf16", "true", "--max_steps", "2"]
+    packed = native([*job, "--train_file", str(data)], tmp_path / "packed")
+    assert "attention varlen_attention" in packed, packed[-3000:]
+    plain = native([*EXACT, "--bf16", "true", "--max_steps", "2"], tmp_path / "plain")
+    assert "attention sdpa" in plain, plain[-3000:]
+
+
 def test_hub_moe_checkpoint_fine_tunes_in_bf16_and_exports_its_own_layout(tmp_path):
     """A Mixtral folder as save_pretrained writes it (experts one tensor each, bf16 over several files) on GPU 0
     with --bf16: the loader copies each tensor to the device's shards, and final/ comes back in bf16 with the

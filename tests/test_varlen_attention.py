@@ -7,6 +7,8 @@ the lease's "SFT rows, packed, varlen attention" row."""
 from __future__ import annotations
 
 
+import types
+
 import pytest
 import torch
 from test_flash_attention import packed_rows
@@ -146,7 +148,8 @@ def test_the_engines_train_packed_rows_with_sdpas_losses(tmp_path):
         "full": [*job, *varlen, "--gradient_checkpointing", "true"],
         "selective": [*job, *varlen, "--gradient_checkpointing_policy", "selective"],
     }
-    fsdp_runs(2, [[*args, "--output_dir", str(tmp_path / name)] for name, args in runs.items()])
+    outputs = fsdp_runs(2, [[*args, "--output_dir", str(tmp_path / name)] for name, args in runs.items()])
+    assert "attention sdpa" in outputs[0] and "attention varlen_attention" in outputs[1]  # a CPU keeps sdpa
     hf_runs(2, [[*job, *varlen, "--output_dir", str(tmp_path / "hf")]])
     want = losses(tmp_path / "sdpa")
     assert len(want) == 4
@@ -154,15 +157,96 @@ def test_the_engines_train_packed_rows_with_sdpas_losses(tmp_path):
         assert_close(want, losses(tmp_path / name), rel=1e-5)
 
 
-def test_packed_rows_under_sdpa_on_an_nvidia_gpu_are_told_of_varlen(caplog, monkeypatch):
+def test_sdpa_named_for_packed_rows_on_an_nvidia_gpu_is_told_of_varlen(caplog, monkeypatch):
     import logging
 
-    from anygpu.data import prepare
+    from transformers import AutoConfig
 
+    from anygpu.data import prepare
+    from anygpu.runtime.distributed import DistInfo
+
+    config = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2)
     monkeypatch.setattr(prepare, "torch_is_hip", lambda: False)
     with caplog.at_level(logging.WARNING, logger="anygpu.data.prepare"):
-        prepare.advise_kernel("sdpa", torch.device("cpu"))
-        prepare.advise_kernel(varlen_attention.NAME, torch.device("cuda", 0))
+        prepare.packed_rows_kernel(
+            *_defaults(attn_implementation="sdpa"), config, DistInfo(0, 0, 1, torch.device("cpu"))
+        )
+        prepare.packed_rows_kernel(
+            *_defaults(), config, DistInfo(0, 0, 1, torch.device("cuda", 0))
+        )  # chosen: no advice
         assert not caplog.records
-        prepare.advise_kernel("sdpa", torch.device("cuda", 0))
+        prepare.packed_rows_kernel(
+            *_defaults(attn_implementation="sdpa"), config, DistInfo(0, 0, 1, torch.device("cuda", 0))
+        )
     assert "--attn_implementation varlen_attention takes the samples' boundaries" in caplog.text
+
+
+def _defaults(**kw):
+    from anygpu.config.args import ModelArguments
+
+    train = types.SimpleNamespace(bf16=True, fp16=False, cp=1)
+    for key in ("bf16", "fp16", "cp"):
+        if key in kw:
+            setattr(train, key, kw.pop(key))
+    return ModelArguments(**kw), train
+
+
+def test_packed_rows_on_an_nvidia_gpu_take_varlen_unless_a_kernel_is_named(monkeypatch):
+    """--attn_implementation left out: sdpa, and varlen for packed rows on an NVIDIA GPU in 16-bit where the
+    family calls transformers' attention interface; a kernel named is kept (sdpa: with a word of advice)."""
+    from transformers import AutoConfig
+
+    from anygpu.data import prepare
+    from anygpu.runtime.distributed import DistInfo
+
+    config = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2)
+    gpu = DistInfo(0, 0, 1, torch.device("cuda", 0))
+    monkeypatch.setattr(prepare, "torch_is_hip", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    args, train = _defaults()
+    assert args.attn_implementation == "sdpa" and not args.attention_chosen
+    prepare.packed_rows_kernel(args, train, config, gpu)
+    assert args.attn_implementation == varlen_attention.NAME
+    for kw in ({"attn_implementation": "sdpa"}, {"bf16": False}, {"cp": 3}):  # named; fp32; CP gathering the keys
+        args, train = _defaults(**kw)
+        prepare.packed_rows_kernel(args, train, config, gpu)
+        assert args.attn_implementation == "sdpa", kw
+    args, train = _defaults()
+    prepare.packed_rows_kernel(args, train, config, DistInfo(0, 0, 1, torch.device("cpu")))
+    assert args.attn_implementation == "sdpa"  # a CPU: no varlen kernel
+    softcapped = AutoConfig.for_model("gemma2")
+    args, train = _defaults()
+    prepare.packed_rows_kernel(args, train, softcapped, gpu)
+    assert args.attn_implementation == "sdpa"  # the kernel has no score softcapping
+
+
+def test_varlen_packs_only_families_that_call_the_attention_interface():
+    from anygpu.data.collate import packing_supported, uses_attention_interface
+
+    assert uses_attention_interface("llama") and uses_attention_interface("qwen3_moe")
+    assert not uses_attention_interface("mamba")  # no attention layer: its own forward would ignore the offsets
+    assert not packing_supported("mamba", varlen_attention.NAME)
+
+
+@pytest.mark.slow
+def test_packed_dpo_pairs_under_varlen_give_sdpas_curve(tmp_path):
+    """Packed preference pairs (conversational rows, a pretrained Llama, its reference's log-probs computed) on 2
+    ranks: sdpa; varlen; varlen with --cp 2 and a frozen reference copy split like the policy: the same losses,
+    gradient norms and TRL's metrics within 1e-5."""
+    from conftest import fsdp_runs, records
+    from dpo_data import build_models, write_kinds
+    from test_dpo import assert_same, job
+
+    base, ref = build_models(tmp_path)
+    files = write_kinds(tmp_path, train=24, validation=8)
+    varlen = ("--attn_implementation", varlen_attention.NAME)
+    runs = {
+        "sdpa": ("--per_device_train_batch_size", "3"),
+        "varlen": (*varlen, "--per_device_train_batch_size", "3"),
+        "cp": (*varlen, "--cp", "2", "--precompute_ref_log_probs", "false"),
+    }
+    fsdp_runs(2, [job(base, ref, files, tmp_path / name, *extra) for name, extra in runs.items()])
+    want = records(tmp_path / "sdpa")
+    assert len([r for r in want if "loss" in r]) == 3
+    for name in ("varlen", "cp"):
+        assert_same(records(tmp_path / name), want, name)

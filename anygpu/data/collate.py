@@ -111,19 +111,32 @@ def pack_samples(ds: Dataset, capacity: int) -> Dataset:
 def packing_supported(model_type: str, attn_implementation: str) -> bool:
     """Whether the model's attention honours packed samples given only position ids: flash attention's or torch's
     varlen path, or transformers' masking utilities (which detect restarting position ids) in the model's code."""
+    if attn_implementation == attention.VARLEN:
+        return uses_attention_interface(model_type)  # else the family's own attention would ignore the offsets
     if attn_implementation in attention.OFFSETS:
         return True
+    module = family_module(model_type)
+    return module is not None and hasattr(module, "create_causal_mask")
+
+
+def uses_attention_interface(model_type: str) -> bool:
+    """Whether the family's attention calls transformers' attention interface (where a registered kernel, ours,
+    takes over), as transformers itself judges it (`_can_set_attn_implementation`)."""
+    module = family_module(model_type)
+    return module is not None and hasattr(module, "ALL_ATTENTION_FUNCTIONS")
+
+
+def family_module(model_type: str):
+    """transformers' modeling module of a causal-LM family, or None (not one, or not importable)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return False
+        return None
+    name = model_type.replace("-", "_")
     try:
-        module = importlib.import_module(
-            f"transformers.models.{model_type.replace('-', '_')}.modeling_{model_type.replace('-', '_')}"
-        )
+        return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     except ImportError:
-        return False
-    return hasattr(module, "create_causal_mask")
+        return None
 
 
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")

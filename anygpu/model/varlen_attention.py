@@ -25,6 +25,29 @@ NAME = "varlen_attention"
 _SEGMENTS: list = []  # (a weak reference to the position ids, their boundaries): one per forward, reused by each layer
 
 
+def chosen_by_default(model_args, train_args, config, device) -> bool:
+    """Whether packed rows take this kernel although --attn_implementation was left out (sdpa's default): on an
+    NVIDIA GPU in bf16/fp16 with torch's varlen kernel, for a family without what the kernel lacks (score
+    softcapping, attention dropout), and with context parallelism only where it splits the heads (the gathered
+    path needs a mask). The family's use of transformers' attention interface is the caller's check."""
+    import importlib.util
+
+    from anygpu.runtime import context_parallel
+
+    if getattr(model_args, "attention_chosen", True) or model_args.attn_implementation != "sdpa":
+        return False
+    if getattr(device, "type", "cpu") != "cuda" or getattr(torch.version, "hip", None) is not None:
+        return False
+    if not (train_args.bf16 or getattr(train_args, "fp16", False)):
+        return False
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return False
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "attention_dropout", 0.0):
+        return False
+    cp = getattr(train_args, "cp", 1)
+    return cp == 1 or context_parallel.splits_heads(config, cp)
+
+
 def register() -> None:
     """Make the name known to transformers (idempotent): its attention function and its mask function."""
     from transformers.masking_utils import AttentionMaskInterface
