@@ -98,7 +98,7 @@ class Row:
     part: int  # which device call runs it (gpu_lease.sh 1 or 2; 3 runs the GPU tests)
     layers: int
     args: tuple[str, ...] = ()
-    data: str = "text"  # raw-text blocks, "sft": prompt-completion rows, "grpo": their prompts (--objective grpo)
+    data: str = "text"  # raw-text blocks, "sft": prompt-completion rows, "dpo": preference pairs, "grpo": prompts
     seconds: int = 30  # expected on an H100, start-up included (the part's time budget skips what would not fit)
     late: bool = False  # last, in the time the part's budget leaves (planned to be skipped when time is short)
     moe: bool = False  # Qwen3-30B-A3B's mixture-of-experts layer (`MOE_SHAPE`) instead of Llama-3-8B's
@@ -126,7 +126,8 @@ ROWS = (  # seconds: measured on the H100 lease of 2026-11-26 (~30 s of each is 
     Row("compiled", 2, 4, COMPILE, seconds=55, profile=True),
     Row("compiled + FP8 tensorwise", 2, 4, (*COMPILE, "--fp8", "tensorwise"), seconds=55, profile=True),
     Row("compiled + FP8 rowwise", 2, 4, (*COMPILE, "--fp8", "rowwise"), seconds=55, profile=True),
-    Row("SFT rows, packed", 2, 4, (), "sft", seconds=45, profile=True),
+    # sdpa named: with --attn_implementation left out, packed rows on an NVIDIA GPU take varlen_attention
+    Row("SFT rows, packed", 2, 4, ("--attn_implementation", "sdpa"), "sft", seconds=45, profile=True),
     Row("compiled + FP8 rowwise", 2, 2, (*COMPILE, "--fp8", "rowwise"), seconds=55, late=True),
     Row("SFT rows, padded (--packing false)", 2, 4, ("--packing", "false"), "sft", seconds=40, late=True),
     # packed rows' samples confined by flex attention's document block mask instead of sdpa's dense (T × T) mask: the
@@ -152,6 +153,18 @@ ROWS = (  # seconds: measured on the H100 lease of 2026-11-26 (~30 s of each is 
         late=True,
         profile=True,
     ),
+    # preference pairs (--objective dpo from scratch, the reference a frozen copy) packed into 8192-token rows:
+    # sdpa's dense mask, then varlen (the default for packed rows on an NVIDIA GPU)
+    Row("DPO pairs, packed", 2, 4, ("--attn_implementation", "sdpa"), "dpo", seconds=60, late=True),
+    Row(
+        "DPO pairs, packed, varlen attention",
+        2,
+        4,
+        ("--attn_implementation", "varlen_attention"),
+        "dpo",
+        seconds=55,
+        late=True,
+    ),  # fmt: skip
     Row(
         "compiled + selective checkpointing",
         2,
@@ -201,10 +214,16 @@ def profiled_step(row: Row) -> int | None:
 
 def engine_argv(row: Row) -> list[str]:
     """The row's run_fsdp_standalone.py arguments: no checkpoint, no export, a short final evaluation."""
-    batch, micro = {"text": (1, 1), "sft": (SFT_BATCH, SFT_BATCH), "grpo": (GRPO_COMPLETIONS, GRPO_MICRO)}[row.data]
+    batch, micro = {
+        "text": (1, 1),
+        "sft": (SFT_BATCH, SFT_BATCH),
+        "dpo": (SFT_BATCH, SFT_BATCH),  # pairs: each pair's two sequences packed beside the others
+        "grpo": (GRPO_COMPLETIONS, GRPO_MICRO),
+    }[row.data]
     data = {
         "text": ["--max_corpus_mb", str(CORPUS_MB)],
         "sft": ["--train_file", str(WORK / "sft.jsonl")],
+        "dpo": ["--train_file", str(WORK / "dpo.jsonl"), "--objective", "dpo", "--precompute_ref_log_probs", "false"],
         "grpo": ["--train_file", str(WORK / "prompts.jsonl")],
     }[row.data] + ["--max_eval_samples", "1"]
     if row.data == "grpo":
@@ -213,8 +232,8 @@ def engine_argv(row: Row) -> list[str]:
             "--max_prompt_length", str(GRPO_PROMPT), "--max_completion_length", str(GRPO_TOKENS),
         ]  # fmt: skip
     return [
-        "--config_name",
-        str(config_path(row.layers, row.moe)),
+        *(("--model_name_or_path", str(pretrained_path(row.layers))) if row.data == "dpo" else ()),
+        *(("--config_name", str(config_path(row.layers, row.moe))) if row.data != "dpo" else ()),
         "--tokenizer_name",
         str(WORK / "tokenizer"),
         *data,
@@ -275,6 +294,8 @@ def prepare() -> None:
         sft_rows(WORK / "sft.jsonl")
     if not (WORK / "prompts.jsonl").exists():
         prompt_rows(WORK / "sft.jsonl", WORK / "prompts.jsonl")
+    if not (WORK / "dpo.jsonl").exists():
+        preference_rows(WORK / "sft.jsonl", WORK / "dpo.jsonl")
 
 
 def corpus_texts(max_mb: float) -> list[str]:
@@ -335,6 +356,19 @@ def prompt_rows(sft: Path, path: Path) -> None:
     rows = [line for line in sft.read_text().splitlines() if json.loads(line)["prompt"].strip()]
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # rows start side by side in the rehearsal
     tmp.write_text("".join(line + "\n" for line in rows))
+    os.replace(tmp, path)
+
+
+def preference_rows(sft: Path, path: Path) -> None:
+    """The DPO rows' pairs: each SFT row's prompt, its own completion chosen, the next row's rejected."""
+    rows = [json.loads(line) for line in sft.read_text().splitlines()]
+    pairs = [
+        {"prompt": a["prompt"], "chosen": a["completion"], "rejected": b["completion"]}
+        for a, b in zip(rows, rows[1:] + rows[:1])
+        if a["prompt"].strip()
+    ]
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # rows start side by side in the rehearsal
+    tmp.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     os.replace(tmp, path)
 
 
@@ -487,9 +521,35 @@ class StepProfiler:
 
 
 # ------------------------------------------------------------------------------------------------ one row
+def pretrained_path(layers: int) -> Path:
+    return WORK / f"llama3-8b-shape-{layers}L-pretrained"
+
+
+def save_pretrained_model(layers: int) -> None:
+    """A 'pretrained' folder for the DPO rows (--objective dpo starts from one): the config's model with
+    transformers' own random initialisation, built on the GPU in bf16 (seconds, not the CPU's minutes), saved as
+    safetensors."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = pretrained_path(layers)
+    if (folder / "config.json").exists():
+        return
+    config = AutoConfig.from_pretrained(config_path(layers))
+    torch.manual_seed(0)
+    with torch.device("cuda" if GPU else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tmp = folder.with_suffix(f".{os.getpid()}.tmp")
+    model.save_pretrained(tmp)
+    os.replace(tmp, folder)
+
+
 def run_row(row: Row) -> dict:
     """Train the row's configuration with the engine; its steady-state figures."""
     import torch
+
+    if row.data == "dpo":
+        save_pretrained_model(row.layers)
 
     from anygpu.config.args import parse_args
     from anygpu.engines import fsdp as fsdp_engine

@@ -29,6 +29,11 @@ ISSUE_ROWS = {  # what the lease must measure (issue 30), by row name
     "the model's own loss (--lean_loss false)",
     "SFT rows, packed",
     "SFT rows, padded (--packing false)",
+    # issue 43: packed rows' kernels, packed DPO pairs
+    "SFT rows, packed, flex attention",
+    "SFT rows, packed, varlen attention",
+    "DPO pairs, packed",
+    "DPO pairs, packed, varlen attention",
 }
 
 
@@ -49,6 +54,7 @@ def plan_rows() -> list[dict]:
     work.mkdir(exist_ok=True)
     for name in ("sft.jsonl", "prompts.jsonl"):  # `prepare` writes them; the parser checks they are there
         (work / name).write_text('{"prompt": "a", "completion": "b"}\n')
+    (work / "dpo.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
     out = subprocess.run(
         [sys.executable, "benchmarks/lease_bench.py", "plan"],
         cwd=ROOT,
@@ -102,6 +108,25 @@ def test_every_row_is_an_engine_command_that_writes_no_checkpoint(plan_rows):
     assert {r["name"] for r in plan_rows} >= ISSUE_ROWS
     eager = {r["layers"] for r in plan_rows if r["name"] == "eager"}
     assert eager == {2, 4}  # the per-layer cost and the projection of an 8B step
+
+
+def test_the_packed_rows_name_their_kernel_and_dpo_starts_from_a_saved_model(plan_rows):
+    """Unnamed, packed rows on an NVIDIA GPU take varlen: the sdpa rows name sdpa. The DPO rows train pairs from the
+    folder the row saves (--objective dpo starts from a pretrained model), with a frozen reference copy."""
+    parser = build_parser()
+    packed = [r for r in plan_rows if r["data"] in ("sft", "dpo") and "padded" not in r["name"]]
+    for row in packed:
+        model_args, data_args, train_args = parser.parse_args_into_dataclasses(args=row["argv"])
+        assert model_args.attention_chosen, row["id"]
+        kernel = (
+            "varlen_attention" if "varlen" in row["name"] else "flex_attention" if "flex" in row["name"] else "sdpa"
+        )
+        assert model_args.attn_implementation == kernel, row["id"]
+        if row["data"] == "dpo":
+            assert train_args.objective == "dpo" and not train_args.precompute_ref_log_probs
+            assert model_args.model_name_or_path == "/tmp/lease-plan/llama3-8b-shape-4L-pretrained"
+            assert data_args.train_file == "/tmp/lease-plan/dpo.jsonl"
+    assert sum(r["data"] == "dpo" for r in packed) == 2
 
 
 def test_the_grpo_rows_sample_64_completions_of_512_tokens(plan_rows):
