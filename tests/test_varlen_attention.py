@@ -184,8 +184,8 @@ def test_sdpa_named_for_packed_rows_on_an_nvidia_gpu_is_told_of_varlen(caplog, m
 def _defaults(**kw):
     from anygpu.config.args import ModelArguments
 
-    train = types.SimpleNamespace(bf16=True, fp16=False, cp=1)
-    for key in ("bf16", "fp16", "cp"):
+    train = types.SimpleNamespace(bf16=True, fp16=False, cp=1, torch_compile=False)
+    for key in ("bf16", "fp16", "cp", "torch_compile"):
         if key in kw:
             setattr(train, key, kw.pop(key))
     return ModelArguments(**kw), train
@@ -207,7 +207,8 @@ def test_packed_rows_on_an_nvidia_gpu_take_varlen_unless_a_kernel_is_named(monke
     assert args.attn_implementation == "sdpa" and not args.attention_chosen
     prepare.packed_rows_kernel(args, train, config, gpu)
     assert args.attn_implementation == varlen_attention.NAME
-    for kw in ({"attn_implementation": "sdpa"}, {"bf16": False}, {"cp": 3}):  # named; fp32; CP gathering the keys
+    # named; fp32; CP gathering the keys; compiled (not yet run on a GPU)
+    for kw in ({"attn_implementation": "sdpa"}, {"bf16": False}, {"cp": 3}, {"torch_compile": True}):
         args, train = _defaults(**kw)
         prepare.packed_rows_kernel(args, train, config, gpu)
         assert args.attn_implementation == "sdpa", kw

@@ -79,7 +79,7 @@ class ModelArguments:
         default=None,
         metadata={
             "resume": FREE,
-            "help": "Attention kernel: sdpa (eager for a family without sdpa, e.g. gpt-oss), eager, flash_attention_2/3 (needs its flash-attn package, a GPU and --bf16), flex_attention (a GPU), or varlen_attention (torch's own varlen flash kernel: packed samples without a mask and without flash-attn; a GPU needs --bf16). Default: sdpa, and varlen_attention for packed rows on an NVIDIA GPU in bf16/fp16 (the same losses, 1.8x packed sdpa's tokens/s on an H200).",
+            "help": "Attention kernel: sdpa (eager for a family without sdpa, e.g. gpt-oss), eager, flash_attention_2/3 (needs its flash-attn package, a GPU and --bf16), flex_attention (a GPU), or varlen_attention (torch's own varlen flash kernel: packed samples without a mask and without flash-attn; a GPU needs --bf16). Default: sdpa, and varlen_attention for packed rows on an NVIDIA GPU in bf16/fp16 without --torch_compile (the same losses, 1.8x packed sdpa's tokens/s on an H200).",
         },
     )
     experts_implementation: str | None = field(

@@ -27,9 +27,9 @@ _SEGMENTS: list = []  # (a weak reference to the position ids, their boundaries)
 
 def chosen_by_default(model_args, train_args, config, device) -> bool:
     """Whether packed rows take this kernel although --attn_implementation was left out (sdpa's default): on an
-    NVIDIA GPU in bf16/fp16 with torch's varlen kernel, for a family without what the kernel lacks (score
-    softcapping, attention dropout), and with context parallelism only where it splits the heads (the gathered
-    path needs a mask). The family's use of transformers' attention interface is the caller's check."""
+    NVIDIA GPU in bf16/fp16 with torch's varlen kernel, not compiled (unmeasured there), for a family without what
+    the kernel lacks (score softcapping, attention dropout), and with context parallelism only where it splits the
+    heads (the gathered path needs a mask). The family's use of transformers' attention interface is the caller's check."""
     import importlib.util
 
     from anygpu.runtime import context_parallel
@@ -40,6 +40,8 @@ def chosen_by_default(model_args, train_args, config, device) -> bool:
         return False
     if not (train_args.bf16 or getattr(train_args, "fp16", False)):
         return False
+    if getattr(train_args, "torch_compile", False):
+        return False  # compiled over the kernel's varying offsets: not yet run on a GPU (name it to try)
     if importlib.util.find_spec("torch.nn.attention.varlen") is None:
         return False
     if getattr(config, "attn_logit_softcapping", None) or getattr(config, "attention_dropout", 0.0):
