@@ -379,6 +379,16 @@ def shared_runs(tmp_path_factory, name: str, launch: Callable[[Path], dict[str, 
 LEAN_CHUNKS = {"ANYGPU_LEAN_LOSS_CHUNK_TOKENS": "48"}
 
 
+def prompt_completion_file(path: Path, count: int = 400, longest: int = 23) -> Path:
+    """Prompt-completion rows of 1 to `longest` words a prompt (several to a packed row)."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    with open(path, "w") as f:
+        for i in range(count):
+            prompt = " ".join(words[(i + j) % len(words)] for j in range(1 + i % longest)) + " =>"
+            f.write(json.dumps({"prompt": prompt, "completion": f" {words[i % len(words)]} {i % 7}"}) + "\n")
+    return path
+
+
 def records(output_dir: Path) -> list[dict]:
     """Every record of metrics.jsonl."""
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, assert_close, env, losses, records
+from conftest import ROOT, TINY, assert_close, env, losses, prompt_completion_file, records
 
 torch = pytest.importorskip("torch")
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -181,45 +181,28 @@ def test_flash_attention_over_packed_samples_matches_sdpa(tmp_path):
     """Prompt-completion data packed several samples to a row: flash attention confined to each sample through its
     position ids (its varlen path) gives the losses of sdpa confined through transformers' mask, to bf16 tolerance."""
     pytest.importorskip("flash_attn")
-    data = tmp_path / "pc.jsonl"
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    with open(data, "w") as f:
-        for i in range(400):
-            prompt = " ".join(words[(i + j) % len(words)] for j in range(1 + i % 23)) + " =>"
-            f.write(json.dumps({"prompt": prompt, "completion": f" {words[i % len(words)]} {i % 7}"}) + "\n")
-    corpus = EXACT.index("--max_corpus_mb")  # the embedded corpus's option: this job has its own data
-    job = [*EXACT[:corpus], *EXACT[corpus + 2 :], "--train_file", str(data), "--bf16", "true", "--packing", "true"]
-    native([*job, "--attn_implementation", "flash_attention_2"], tmp_path / "flash")
-    native([*job, "--attn_implementation", "sdpa"], tmp_path / "sdpa")
-    assert_close(losses(tmp_path / "sdpa"), losses(tmp_path / "flash"), rel=BF16_REL)
+    packed_losses_match_sdpa(tmp_path, "flash_attention_2")
 
 
 def test_varlen_attention_over_packed_samples_matches_sdpa(tmp_path):
     """Packed prompt-completion rows under torch's own varlen kernel (no flash-attn package): the losses of sdpa
     confined through transformers' dense mask, to bf16 tolerance."""
-    data = tmp_path / "pc.jsonl"
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    with open(data, "w") as f:
-        for i in range(400):
-            prompt = " ".join(words[(i + j) % len(words)] for j in range(1 + i % 23)) + " =>"
-            f.write(json.dumps({"prompt": prompt, "completion": f" {words[i % len(words)]} {i % 7}"}) + "\n")
-    corpus = EXACT.index("--max_corpus_mb")
+    packed_losses_match_sdpa(tmp_path, "varlen_attention")
+
+
+def packed_losses_match_sdpa(tmp_path: Path, kernel: str) -> None:
+    data = prompt_completion_file(tmp_path / "pc.jsonl")
+    corpus = EXACT.index("--max_corpus_mb")  # the embedded corpus's option: this job has its own data
     job = [*EXACT[:corpus], *EXACT[corpus + 2 :], "--train_file", str(data), "--bf16", "true", "--packing", "true"]
-    native([*job, "--attn_implementation", "varlen_attention"], tmp_path / "varlen")
+    native([*job, "--attn_implementation", kernel], tmp_path / kernel)
     native([*job, "--attn_implementation", "sdpa"], tmp_path / "sdpa")
-    assert_close(losses(tmp_path / "sdpa"), losses(tmp_path / "varlen"), rel=BF16_REL)
+    assert_close(losses(tmp_path / "sdpa"), losses(tmp_path / kernel), rel=BF16_REL)
 
 
 def test_packed_rows_take_varlen_when_no_kernel_is_named(tmp_path):
     """--attn_implementation left out, packed prompt-completion rows in bf16 on an NVIDIA GPU: the banner's model
     line says varlen_attention runs; raw-text blocks (nothing packed) keep sdpa."""
-    data = tmp_path / "pc.jsonl"
-    with open(data, "w") as f:
-        for i in range(200):
-            f.write(
-                json.dumps({"prompt": f"count {i} =>", "completion": " " + " ".join(str(i + j) for j in range(i % 9))})
-                + "\n"
-            )
+    data = prompt_completion_file(tmp_path / "pc.jsonl", count=200)
     corpus = EXACT.index("--max_corpus_mb")
     job = [*EXACT[:corpus], *EXACT[corpus + 2 :], "--bf16", "true", "--max_steps", "2"]
     packed = native([*job, "--train_file", str(data)], tmp_path / "packed")

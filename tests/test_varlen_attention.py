@@ -129,16 +129,9 @@ def test_the_engines_train_packed_rows_with_sdpas_losses(tmp_path):
     """Packed prompt-completion rows on 2 ranks (gloo), the native engine: sdpa; varlen with full activation
     checkpointing; varlen with selective checkpointing — the same losses (the offsets survive the recomputation).
     And the HF engine (accelerate, DDP) under varlen: sdpa's losses too."""
-    import json
+    from conftest import TINY, assert_close, fsdp_runs, hf_runs, losses, prompt_completion_file
 
-    from conftest import TINY, assert_close, fsdp_runs, hf_runs, losses
-
-    data = tmp_path / "pc.jsonl"
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    with open(data, "w") as f:
-        for i in range(200):
-            prompt = " ".join(words[(i + j) % len(words)] for j in range(1 + i % 13)) + " =>"
-            f.write(json.dumps({"prompt": prompt, "completion": f" {words[i % len(words)]} {i % 7}"}) + "\n")
+    data = prompt_completion_file(tmp_path / "pc.jsonl", count=200, longest=13)
     corpus = TINY.index("--max_corpus_mb")
     job = [*TINY[:corpus], *TINY[corpus + 2 :], "--train_file", str(data), "--packing", "true", "--max_steps", "4",
            "--export_final", "false", "--save_steps", "0", "--max_eval_samples", "8"]  # fmt: skip
