@@ -110,6 +110,7 @@ class Row:
 
 
 COMPILE = ("--torch_compile", "true")
+MICRO_2 = ("--global_batch_size", "2", "--per_device_train_batch_size", "2")  # after the row's own: these win
 ROWS = (  # seconds: measured on the H100 lease of 2026-11-26 (~30 s of each is the process's start and the model's build)
     Row("eager", 1, 2, seconds=40),
     Row("eager", 1, 4, seconds=40),
@@ -129,6 +130,17 @@ ROWS = (  # seconds: measured on the H100 lease of 2026-11-26 (~30 s of each is 
     # sdpa named: with --attn_implementation left out, packed rows on an NVIDIA GPU take varlen_attention
     Row("SFT rows, packed", 2, 4, ("--attn_implementation", "sdpa"), "sft", seconds=45, profile=True),
     Row("compiled + FP8 rowwise", 2, 2, (*COMPILE, "--fp8", "rowwise"), seconds=55, late=True),
+    # FP8's GEMMs ran 1.38x bf16's at 8192 tokens a GEMM (the H200 lease): twice the tokens a micro-batch, both ways
+    Row("compiled, micro-batch 2", 2, 4, (*COMPILE, *MICRO_2), seconds=60, late=True, profile=True),
+    Row(
+        "compiled + FP8 tensorwise, micro-batch 2",
+        2,
+        4,
+        (*COMPILE, "--fp8", "tensorwise", *MICRO_2),
+        seconds=60,
+        late=True,
+        profile=True,
+    ),  # fmt: skip
     Row("SFT rows, padded (--packing false)", 2, 4, ("--packing", "false"), "sft", seconds=40, late=True),
     # packed rows' samples confined by flex attention's document block mask instead of sdpa's dense (T × T) mask: the
     # target is ≥ 0.9× the plain rows' tokens/s (seconds: a guess, flex_attention and the mask builder compile first)

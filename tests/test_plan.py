@@ -401,18 +401,22 @@ def test_the_packed_rows_mask_is_the_one_transformers_builds():
 
 def test_packed_rows_at_128k_count_their_mask_and_the_plan_says_what_avoids_it():
     """Llama-3-8B, 128k-token packed rows, 8 H100s, --cp 8: the dense mask (16 GiB boolean + 32 GiB bf16 per
-    sequence, every rank the whole row's) is counted, nothing fits, and the plan names what fits without it; with
-    flash attention no mask is counted and --cp 8 fits."""
+    sequence, every rank the whole row's) is counted under sdpa, nothing fits, and the plan names what fits without
+    it; under flash attention, or the kernel left out (varlen for packed rows on NVIDIA GPUs, as the engines), no
+    mask is counted and --cp 8 fits; on AMD GPUs the default keeps sdpa's mask."""
     args = ["--config_name", "llama-8b", "--block_size", "131072", "--global_batch_size", "8", "--gpu", "h100"]
     args += ["--num_gpus", "8", "--cp", "8", "--packing", "true"]
-    masked = json.loads(run_plan(*args, "--json").stdout)
+    masked = json.loads(run_plan(*args, "--attn_implementation", "sdpa", "--json").stdout)
     assert all(r["per_gpu_bytes"]["attention_mask"] == 48 * 2**30 for r in masked["rows"] if r["precision"] == "bf16")
     assert masked["recommended"]["full"] is None
     (note,) = masked["notes"]["full"]
-    assert "dense 131072 × 131072 mask" in note and "--cp 8" in note and "flash_attention_2" in note, note
-    flash = json.loads(run_plan(*args, "--attn_implementation", "flash_attention_2", "--json").stdout)
-    assert all("attention_mask" not in r["per_gpu_bytes"] for r in flash["rows"])
-    assert flash["recommended"]["full"]["fits"] and flash["notes"]["full"] == []
+    assert "dense 131072 × 131072 mask" in note and "--cp 8" in note and "varlen_attention" in note, note
+    for kernel in (("--attn_implementation", "flash_attention_2"), ()):  # named; left out: varlen, as the engines
+        flash = json.loads(run_plan(*args, *kernel, "--json").stdout)
+        assert all("attention_mask" not in r["per_gpu_bytes"] for r in flash["rows"]), kernel
+        assert flash["recommended"]["full"]["fits"] and flash["notes"]["full"] == [], kernel
+    mi300x = json.loads(run_plan(*["mi300x" if a == "h100" else a for a in args], "--json").stdout)
+    assert any("attention_mask" in r["per_gpu_bytes"] for r in mi300x["rows"])  # AMD: sdpa's mask, unmeasured varlen
 
 
 def test_70b_on_8_h100_gets_a_native_offload_run_with_its_host_memory_and_cost():

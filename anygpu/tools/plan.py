@@ -95,9 +95,10 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attn_implementation",
         choices=attention.IMPLEMENTATIONS,
-        default="sdpa",
-        help="The engines' --attn_implementation (default sdpa). Only sdpa and eager take packed rows as a dense "
-        "mask: flash attention takes their sample boundaries, flex attention a block mask.",
+        default=None,
+        help="The engines' --attn_implementation (default as theirs: sdpa, and varlen_attention for packed rows on "
+        "NVIDIA GPUs). Only sdpa and eager take packed rows as a dense mask: flash and varlen attention take their "
+        "sample boundaries, flex attention a block mask.",
     )
 
 
@@ -413,10 +414,11 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
         args.model_name_or_path, args.config_name, args.lora_r, targets, load_in_4bit=args.finetune == "qlora"
     )
     check_ep(args.ep, full, config.model_type)
-    full, lora = for_the_run(args, full), for_the_run(args, lora, is_lora=True)
     machine = detect_machine(
         args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes, args.host_memory_gb
     )
+    args.attn_implementation = packed_rows_kernel(args, machine, config)
+    full, lora = for_the_run(args, full), for_the_run(args, lora, is_lora=True)
     fpt = metrics.flops_per_token(config, matmul_weights, args.block_size)
     dp_shard = dp_shard_of(args, machine)
     out = []
@@ -462,6 +464,19 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     for result in out:
         result.notes += grpo_advice(result, out[1])
     return out[0], out[1]
+
+
+def packed_rows_kernel(args: argparse.Namespace, machine: Machine, config) -> str:
+    """The kernel the engines would run: the one named, else sdpa, and for packed rows on NVIDIA GPUs varlen (where
+    --cp splits the heads), as `varlen_attention.chosen_by_default` decides in a run (bf16, the plan's GPU rows)."""
+    from anygpu.runtime import context_parallel
+
+    if args.attn_implementation:
+        return args.attn_implementation
+    name = machine.gpu_name.upper()
+    nvidia = machine.gpu_memory_bytes > 0 and not any(w in name for w in ("AMD", "INSTINCT", "MI2", "MI3"))
+    splits = args.cp == 1 or context_parallel.splits_heads(config, args.cp)
+    return attention.VARLEN if args.packing == "true" and nvidia and splits else "sdpa"
 
 
 def for_the_run(args: argparse.Namespace, shapes: Shapes, is_lora: bool = False) -> Shapes:
