@@ -97,6 +97,8 @@ def fit_attention(config: PretrainedConfig, args: ModelArguments) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     varlen_attention.register()
+    if args.attn_implementation == varlen_attention.NAME:
+        varlen_attention.check_family(config)
     if args.attn_implementation != "sdpa" or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         return
     if not getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", True):

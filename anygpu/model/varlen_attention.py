@@ -50,6 +50,26 @@ def chosen_by_default(model_args, train_args, config, device) -> bool:
     return cp == 1 or context_parallel.splits_heads(config, cp)
 
 
+def check_family(config) -> None:
+    """Refuse, before any work, a family whose attention needs what the kernel lacks: score softcapping (Gemma 2),
+    attention sinks and other families without an sdpa path (gpt-oss)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from anygpu.errors import UsageError
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if getattr(config, "attn_logit_softcapping", None):
+        lacks = "softcaps its attention scores"
+    elif model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+        lacks = "has no sdpa attention (attention sinks or another term beside the scores)"
+    else:
+        return
+    raise UsageError(
+        f"--attn_implementation {NAME}: {config.model_type} {lacks}, which torch's varlen kernel cannot compute: "
+        "use --attn_implementation eager."
+    )
+
+
 def register() -> None:
     """Make the name known to transformers (idempotent): its attention function and its mask function."""
     from transformers.masking_utils import AttentionMaskInterface
