@@ -135,7 +135,8 @@ def test_varlen_under_context_parallelism():
 @pytest.mark.slow
 def test_the_engines_train_packed_rows_with_sdpas_losses(tmp_path):
     """Packed prompt-completion rows on 2 ranks (gloo), the native engine: sdpa; varlen with full activation
-    checkpointing; varlen with selective checkpointing — the same losses (the offsets survive the recomputation).
+    checkpointing; varlen with selective checkpointing; varlen compiled — the same losses (the offsets survive the
+    recomputation and dynamo).
     And the HF engine (accelerate, DDP) under varlen: sdpa's losses too."""
     from conftest import TINY, assert_close, fsdp_runs, hf_runs, losses, prompt_completion_file
 
@@ -148,13 +149,15 @@ def test_the_engines_train_packed_rows_with_sdpas_losses(tmp_path):
         "sdpa": job,
         "full": [*job, *varlen, "--gradient_checkpointing", "true"],
         "selective": [*job, *varlen, "--gradient_checkpointing_policy", "selective"],
+        "compiled": [*job, *varlen, "--torch_compile", "true"],  # dynamo over the offsets: no graph break
     }
     outputs = fsdp_runs(2, [[*args, "--output_dir", str(tmp_path / name)] for name, args in runs.items()])
     assert "attention sdpa" in outputs[0] and "attention varlen_attention" in outputs[1]  # a CPU keeps sdpa
     hf_runs(2, [[*job, *varlen, "--output_dir", str(tmp_path / "hf")]])
     want = losses(tmp_path / "sdpa")
     assert len(want) == 4
-    for name in ("full", "selective", "hf"):
+    assert "0 graph breaks" in outputs[3], outputs[3][-2000:]
+    for name in ("full", "selective", "compiled", "hf"):
         assert_close(want, losses(tmp_path / name), rel=1e-5)
 
 
