@@ -270,3 +270,19 @@ def test_a_family_the_kernel_cannot_compute_is_refused_before_any_work(model_typ
     args = ModelArguments(config_name=str(tmp_path), attn_implementation=varlen_attention.NAME)
     with pytest.raises(UsageError, match=f"^--attn_implementation varlen_attention: {model_type} "):
         modeling.resolve_config(args)
+
+
+def test_dataparallel_batches_carry_no_offsets():
+    """DataParallel cuts each tensor of a batch by its first dimension, the offsets too: under it the collator adds
+    none, and each replica's attention finds its own from its rows' positions (as the position-id path above)."""
+    from anygpu.data.collate import Collator
+    from anygpu.engines.hf.run import without_offsets_under_dataparallel
+
+    from anygpu.data.prepare import Prepared
+
+    made = Prepared(None, None, {}, 64, None, None, 1, True, False, Collator(0, packed=True, varlen=True))
+    ddp, dp = types.SimpleNamespace(kind="ddp"), types.SimpleNamespace(kind="dataparallel")
+    assert without_offsets_under_dataparallel(made, ddp).collator.varlen
+    cut = without_offsets_under_dataparallel(made, dp)
+    assert not cut.collator.varlen and cut.collator.packed
+    assert "cu_seq_lens_q" not in cut.collator.collate(packed_rows())

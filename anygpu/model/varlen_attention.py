@@ -132,8 +132,9 @@ def _boundaries(kwargs: dict) -> tuple[torch.Tensor, int] | None:
     positions = kwargs.get("position_ids")
     if positions is None:
         return None
-    if _SEGMENTS and _SEGMENTS[0][0]() is positions and _SEGMENTS[0][1] == positions._version:
-        return _SEGMENTS[0][2]
+    entry = _SEGMENTS[0] if _SEGMENTS else None  # read once: DataParallel's replicas run in threads of their own
+    if entry is not None and entry[0]() is positions and entry[1] == positions._version:
+        return entry[2]
     found = segments(positions)
     _SEGMENTS[:] = [(weakref.ref(positions), positions._version, found)]
     return found

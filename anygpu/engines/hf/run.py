@@ -18,7 +18,7 @@ from anygpu import errors
 from anygpu.checkpoint import resume_guard
 from anygpu.config.args import TrainArguments, resolved_dict
 from anygpu.config.batch import BatchPlan
-from anygpu.data.prepare import prepare
+from anygpu.data.prepare import Prepared, prepare
 from anygpu.engines.hf import construct
 from anygpu.engines.hf import strategy as hf_strategy
 from anygpu.engines.hf.trainer import (
@@ -102,7 +102,9 @@ class HFRun:
         startup.joined(self.info, self.resolved, train_args.output_dir)
         self.resume = startup.resume_target(train_args, claimed, "hf")
         hf_strategy.check_resume_world(self.resume, plan)
-        self.prep = prep = prepare(model_args, data_args, train_args, self.info)
+        self.prep = prep = without_offsets_under_dataparallel(
+            prepare(model_args, data_args, train_args, self.info), plan
+        )
         run_guard.check_data_agrees(self.info, prep.data_fingerprint)
         self.fingerprint = resume_guard.fingerprint(resolved_dict(model_args, data_args, train_args), prep)
         self.resumed, self.changed = self._resumed()
@@ -344,3 +346,12 @@ class HFRun:
         self.log.close()
         self.preemption.close()
         distributed.leave(self.info)
+
+
+def without_offsets_under_dataparallel(prep: Prepared, plan) -> Prepared:
+    """DataParallel cuts every tensor of a batch along its first dimension, the packed samples' offsets too, which
+    would then belong to no replica's rows: there the attention finds each replica's offsets from its own rows'
+    positions (transformers' flash path, `varlen_attention`) instead of the collator's."""
+    if plan.kind != "dataparallel" or prep.collator is None or not getattr(prep.collator, "varlen", False):
+        return prep
+    return dataclasses.replace(prep, collator=dataclasses.replace(prep.collator, varlen=False))
