@@ -409,11 +409,7 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
 
     args = settled(args)
     targets = tuple(t for t in args.lora_target_modules.split(",") if t)
-    full, config, matmul_weights = load_shapes(args.model_name_or_path, args.config_name)
-    lora, _, _ = load_shapes(
-        args.model_name_or_path, args.config_name, args.lora_r, targets, load_in_4bit=args.finetune == "qlora"
-    )
-    check_ep(args.ep, full, config.model_type)
+    full, lora, config, matmul_weights = both_shapes(args, targets)
     machine = detect_machine(
         args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes, args.host_memory_gb
     )
@@ -464,6 +460,16 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     for result in out:
         result.notes += grpo_advice(result, out[1])
     return out[0], out[1]
+
+
+def both_shapes(args: argparse.Namespace, targets: tuple[str, ...]) -> tuple[Shapes, Shapes, object, int]:
+    """(full fine-tuning's shapes, LoRA's, the config, the matmul weights a token is multiplied by); --ep checked."""
+    full, config, matmul_weights = load_shapes(args.model_name_or_path, args.config_name)
+    lora, _, _ = load_shapes(
+        args.model_name_or_path, args.config_name, args.lora_r, targets, load_in_4bit=args.finetune == "qlora"
+    )
+    check_ep(args.ep, full, config.model_type)
+    return full, lora, config, matmul_weights
 
 
 def packed_rows_kernel(args: argparse.Namespace, machine: Machine, config) -> str:
