@@ -14,6 +14,7 @@ import torch
 from test_flash_attention import packed_rows
 
 from anygpu.model import varlen_attention
+from anygpu.runtime import hardware
 
 FAMILIES = {  # unlike attention layouts: GQA, MHA with q/k/v biases and tied embeddings, a sliding window, sliding
     # and full layers with a head_dim of their own and q/k norms
@@ -170,7 +171,7 @@ def test_sdpa_named_for_packed_rows_on_an_nvidia_gpu_is_told_of_varlen(caplog, m
     from anygpu.runtime.distributed import DistInfo
 
     config = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2)
-    monkeypatch.setattr(prepare, "torch_is_hip", lambda: False)
+    monkeypatch.setattr(hardware, "vendor", lambda: "nvidia")
     with caplog.at_level(logging.WARNING, logger="anygpu.data.prepare"):
         prepare.packed_rows_kernel(
             *_defaults(attn_implementation="sdpa"), config, DistInfo(0, 0, 1, torch.device("cpu"))
@@ -205,8 +206,7 @@ def test_packed_rows_on_an_nvidia_gpu_take_varlen_unless_a_kernel_is_named(monke
 
     config = AutoConfig.for_model("llama", num_attention_heads=4, num_key_value_heads=2)
     gpu = DistInfo(0, 0, 1, torch.device("cuda", 0))
-    monkeypatch.setattr(prepare, "torch_is_hip", lambda: False)
-    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(hardware, "vendor", lambda: "nvidia")  # this CPU stands for an NVIDIA GPU's process
     args, train = _defaults()
     assert args.attn_implementation == "sdpa" and not args.attention_chosen
     prepare.packed_rows_kernel(args, train, config, gpu)

@@ -142,7 +142,7 @@ class ModelArguments:
             raise UsageError(
                 f"--vocab_size {self.vocab_size} is too small for a byte-level BPE (256 bytes + specials): use at least 300, e.g. 8192."
             )
-        # left out: sdpa, which packed rows on an NVIDIA GPU trade for varlen_attention (`varlen_attention.choose`)
+        # left out: sdpa, which packed rows on an NVIDIA GPU trade for varlen_attention (`varlen_attention.chosen_by_default`)
         self.attention_chosen = self.attn_implementation is not None
         self.attn_implementation = self.attn_implementation or "sdpa"
         if self.attn_implementation not in attention.IMPLEMENTATIONS:

@@ -14,6 +14,13 @@ OFFSETS = ("flash_attention_2", "flash_attention_3", VARLEN)
 EXPERTS = ("grouped_mm", "eager", "batched_mm")
 
 
+def varlen_kernel_available() -> bool:
+    """Whether this torch has its varlen attention kernel (torch.nn.attention.varlen: 2.9 and later)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
 def check_device(attn_implementation: str, on_gpu: bool, half: bool = True) -> None:
     """torch (2.13) has no FlexAttention backward on a CPU (`_validate_device`): refused before any work, not a
     traceback at the first backward. torch's varlen kernel is flash attention's: a GPU and 16-bit inputs (`half`),
@@ -21,9 +28,7 @@ def check_device(attn_implementation: str, on_gpu: bool, half: bool = True) -> N
     from anygpu.errors import UsageError
 
     if attn_implementation == VARLEN and on_gpu:
-        import importlib.util
-
-        if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        if not varlen_kernel_available():
             raise UsageError(
                 f"--attn_implementation {VARLEN}: this torch has no torch.nn.attention.varlen (torch 2.9 or later "
                 "has): upgrade torch, or use --attn_implementation sdpa."

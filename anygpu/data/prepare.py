@@ -334,7 +334,7 @@ def packed_rows_kernel(model_args: ModelArguments, train_args, config, info: Dis
         if info.is_main:
             logger.info("packed rows on an NVIDIA GPU: attention through torch's varlen kernel (varlen_attention)")
         return
-    on_nvidia = getattr(info.device, "type", "cpu") == "cuda" and not torch_is_hip()
+    on_nvidia = getattr(info.device, "type", "cpu") == "cuda" and hardware.vendor() == "nvidia"
     if info.is_main and on_nvidia and model_args.attn_implementation in attention.DENSE_MASK:
         logger.warning(
             "packed rows under --attn_implementation %s build a dense T × T mask per forward: "
@@ -342,12 +342,6 @@ def packed_rows_kernel(model_args: ModelArguments, train_args, config, info: Dis
             "the tokens/s of packed sdpa rows on an H200, docs/benchmarks.md)",
             model_args.attn_implementation,
         )
-
-
-def torch_is_hip() -> bool:
-    import torch
-
-    return getattr(torch.version, "hip", None) is not None
 
 
 def resolve_packing(requested: bool | None, fmt: str, model_type: str, attn_implementation: str) -> bool:

@@ -14,6 +14,7 @@ sample's block of a block-diagonal mask: the same losses, for tests and for CPU 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 
@@ -30,19 +31,18 @@ def chosen_by_default(model_args, train_args, config, device) -> bool:
     NVIDIA GPU in bf16/fp16 with torch's varlen kernel, not compiled (unmeasured there), for a family without what
     the kernel lacks (score softcapping, attention dropout), and with context parallelism only where it splits the
     heads (the gathered path needs a mask). The family's use of transformers' attention interface is the caller's check."""
-    import importlib.util
-
-    from anygpu.runtime import context_parallel
+    from anygpu.config.attention import varlen_kernel_available
+    from anygpu.runtime import context_parallel, hardware
 
     if getattr(model_args, "attention_chosen", True) or model_args.attn_implementation != "sdpa":
         return False
-    if getattr(device, "type", "cpu") != "cuda" or getattr(torch.version, "hip", None) is not None:
+    if getattr(device, "type", "cpu") != "cuda" or hardware.vendor() != "nvidia":
         return False
     if not (train_args.bf16 or getattr(train_args, "fp16", False)):
         return False
     if getattr(train_args, "torch_compile", False):
         return False  # compiled over the kernel's varying offsets: not yet run on a GPU (name it to try)
-    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+    if not varlen_kernel_available():
         return False
     if getattr(config, "attn_logit_softcapping", None) or getattr(config, "attention_dropout", 0.0):
         return False
@@ -158,7 +158,7 @@ def _varlen(q, k, v, cu: torch.Tensor, longest: int, scale: float | None, window
     later: window_size and enable_gqa)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    params = _kernel_parameters()
     extra: dict = {"scale": scale} if "scale" in params else {}
     if "is_causal" in params:
         extra["is_causal"] = True
@@ -175,6 +175,14 @@ def _varlen(q, k, v, cu: torch.Tensor, longest: int, scale: float | None, window
         else:
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     return varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
+
+
+@functools.cache
+def _kernel_parameters() -> frozenset[str]:
+    """The varlen kernel's keyword names, read once (it runs in every layer of every forward)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def _blockwise(q, k, v, cu: torch.Tensor, longest: int, scale: float | None, window: int | None) -> torch.Tensor:
