@@ -297,9 +297,7 @@ def prepare() -> None:
         text = json.dumps(config, indent=1)
         path = config_path(layers, is_moe)
         if not path.exists() or path.read_text() != text:
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # rows start side by side in the rehearsal
-            tmp.write_text(text)
-            os.replace(tmp, path)
+            write_whole(path, text)
     if not (WORK / "tokenizer" / "tokenizer.json").exists():
         padded_tokenizer(WORK / "tokenizer", SHAPE["vocab_size"])
     if not (WORK / "sft.jsonl").exists():
@@ -362,13 +360,19 @@ def sft_rows(path: Path, count: int = 1500) -> None:
             f.write(json.dumps({"prompt": text[at : at + p], "completion": text[at + p : at + p + c]}) + "\n")
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`text` as `path`, whole or not at all: rows start side by side in the rehearsal, and one may read it while
+    another writes it."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def prompt_rows(sft: Path, path: Path) -> None:
     """The GRPO rows' prompts: the SFT rows whose prompt is not blank (a cut of the corpus can be all spaces, which
     grpo refuses), their `completion` kept (grpo keeps the column and passes it to no reward function)."""
     rows = [line for line in sft.read_text().splitlines() if json.loads(line)["prompt"].strip()]
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # rows start side by side in the rehearsal
-    tmp.write_text("".join(line + "\n" for line in rows))
-    os.replace(tmp, path)
+    write_whole(path, "".join(line + "\n" for line in rows))
 
 
 def preference_rows(sft: Path, path: Path) -> None:
@@ -379,9 +383,7 @@ def preference_rows(sft: Path, path: Path) -> None:
         for a, b in zip(rows, rows[1:] + rows[:1])
         if a["prompt"].strip()
     ]
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # rows start side by side in the rehearsal
-    tmp.write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    os.replace(tmp, path)
+    write_whole(path, "".join(json.dumps(p) + "\n" for p in pairs))
 
 
 # ------------------------------------------------------------------------------------------------ profile
