@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ["requirements.txt", "requirements-test.txt"]
+SOURCES = ["requirements.txt", "requirements-test.txt", "requirements-vllm-deps.txt"]
 LEFT_TO_SETUP = {"torch", "triton"}  # the build depends on the machine (CPU, CUDA, ROCm)
 
 

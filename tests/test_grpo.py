@@ -178,7 +178,7 @@ GRPO = ["--objective", "grpo", "--reward_funcs", "accuracy", "--num_generations"
         (["--beta", "-1"], "--beta -1.0 cannot be negative"),
         (["--scale_rewards", "rank"], "--scale_rewards 'rank' is not one of group, batch, none"),
         (["--importance_sampling_level", "step"], "--importance_sampling_level 'step' is not one of token, sequence"),
-        (["--use_vllm", "true"], "--use_vllm true: vLLM is"),
+        (["--use_vllm", "true", "--vllm_gpu_memory_utilization", "1.5"], "--vllm_gpu_memory_utilization 1.5 must be in (0, 1)"),
         (["--cp", "2"], "--cp 2 with --objective grpo"),
         (["--ep", "2"], "--ep 2 with --objective grpo"),
         (["--fp8", "rowwise"], "--fp8 rowwise with --objective grpo"),
@@ -206,6 +206,26 @@ def test_bad_grpo_input_is_refused_by_name(capsys, tmp_path, extra, said):
         assert "--reward_funcs accuracy reads the column 'solution'" in err
         return
     assert said in refuse(argv, capsys)
+
+
+def test_use_vllm_without_vllm_is_refused_in_one_line(capsys, tmp_path, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    err = refuse([*TINY, *GRPO, "--use_vllm", "true", "--output_dir", str(tmp_path / "run")], capsys)
+    assert "--use_vllm true: vLLM is not installed here" in err and "leave --use_vllm out" in err
+
+
+def test_use_vllm_over_a_4_bit_base_is_refused_saying_why(tmp_path):
+    from anygpu.config.args import parse_args
+    from anygpu.config.objective import check_grpo_run
+    from anygpu.errors import UsageError
+
+    model_args, _, train_args = parse_args([*TINY, *GRPO, "--use_vllm", "true", "--output_dir", str(tmp_path)])[:3]
+    model_args.load_in_4bit = True  # QLoRA (a pretrained base and --use_peft: the check reads the flag alone)
+    with pytest.raises(UsageError, match="--use_vllm true and --load_in_4bit true with --objective grpo: vLLM would"):
+        check_grpo_run(model_args, train_args)
 
 
 def test_the_hf_engine_refuses_grpo_saying_why(tmp_path):

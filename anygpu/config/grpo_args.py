@@ -143,6 +143,14 @@ class GRPOArguments:
             "generation with a KV cache.",
         },
     )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={
+            "resume": FREE,
+            "help": "--use_vllm true: the share of each GPU's memory its vLLM engine takes, for the weights it "
+            "samples from and its KV cache (TRL's colocate default).",
+        },
+    )
     num_completions_to_print: int = field(
         default=4,
         metadata={
@@ -192,7 +200,7 @@ class GRPOArguments:
         if self.num_completions_to_print < 0:
             raise UsageError(f"--num_completions_to_print {self.num_completions_to_print} cannot be negative, e.g. 4.")
         if self.use_vllm:
-            check_vllm()
+            check_vllm(self)
         if self.global_batch_size is not None and self.global_batch_size % self.num_generations:
             raise UsageError(
                 f"--global_batch_size {self.global_batch_size} completions is not whole groups of --num_generations "
@@ -205,8 +213,8 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise UsageError(f"--{name} {value!r} is not one of {', '.join(choices)} under --objective grpo.")
 
 
-def check_vllm() -> None:
-    """--use_vllm true: refused in one line where vLLM is not installed (and, here, where it is: not wired yet)."""
+def check_vllm(args) -> None:
+    """--use_vllm true: refused in one line where vLLM is not installed (QLoRA's base: `check_grpo_run`)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -214,7 +222,7 @@ def check_vllm() -> None:
             "--use_vllm true: vLLM is not installed here (pip install vllm, on a GPU machine); leave --use_vllm "
             "out to generate with the policy itself (batched, with a KV cache)."
         )
-    raise UsageError(
-        "--use_vllm true: vLLM is installed, but anygpu does not drive it yet (docs/grpo.md); leave --use_vllm out "
-        "to generate with the policy itself (batched, with a KV cache)."
-    )
+    if not 0 < args.vllm_gpu_memory_utilization < 1:
+        raise UsageError(
+            f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization} must be in (0, 1), e.g. 0.3."
+        )

@@ -218,6 +218,9 @@ def check_grpo_run(model_args, train_args) -> None:
          "generation grows its rows a token at a time and would recompile each block at every length; leave it out"),
         (train_args.cpu_offload, "--cpu_offload true",
          "generation gathers the whole model for a round, which offloading is meant to avoid; leave it out"),
+        (train_args.use_vllm and model_args.load_in_4bit, "--use_vllm true and --load_in_4bit true",
+         "vLLM would hold the 4-bit base dequantised on every GPU, the memory QLoRA saves; leave --use_vllm out "
+         "(the policy samples over its NF4 base itself)"),
         (train_args.beta > 0 and not model_args.model_name_or_path and not train_args.ref_model_name_or_path,
          f"--beta {train_args.beta} without --model_name_or_path",
          "the KL term compares with a pretrained reference; pass --model_name_or_path (or --ref_model_name_or_path), "

@@ -518,6 +518,7 @@ class FSDPTrainer:
             self.async_saver.close()  # a write still in flight completes and commits before exit
         if self.preemption is not None:
             self.preemption.close()
+        objectives.close(self.objective)
         distributed.leave(self.info)
 
 

@@ -171,6 +171,31 @@ def generate(model: nn.Module, prompts: list[list[int]], keys: torch.Tensor, sam
     return [_completion(row, sampling) for row in out[:, width:].tolist()]
 
 
+class PolicyGenerator:
+    """The policy's own generation (GRPOObjective's generator interface): its weights gathered once for the call,
+    rows batched with a KV cache, `batch_size` prompts at a time."""
+
+    line = "batched with a KV cache from weights gathered once a round"  # the banner's
+
+    def __init__(self, sampling: Sampling) -> None:
+        self.sampling = sampling
+
+    def complete(
+        self, model: nn.Module, prompts: list[list[int]], keys: torch.Tensor, version: int, batch_size: int = 0
+    ) -> list[Completion]:
+        """One completion per prompt (keys[i] for prompts[i]); `version` unused: the policy is its own weights.
+        A collective: every rank calls it, also one without prompts."""
+        step = batch_size or max(len(prompts), 1)
+        done: list[Completion] = []
+        with gathered(model):
+            for start in range(0, len(prompts), step):
+                done += generate(model, prompts[start : start + step], keys[start : start + step], self.sampling)
+        return done
+
+    def close(self) -> None:
+        pass
+
+
 def _completion(row: list[int], sampling: Sampling) -> Completion:
     """A generated row cut after its first EOS (HF pads a finished row while others go on)."""
     ends = [i for i, token in enumerate(row) if token in sampling.eos_token_ids]

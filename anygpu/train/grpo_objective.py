@@ -104,6 +104,7 @@ class GRPOObjective:
         reference: TokenLogps | None,
         reference_line: str,
         output_dir: str,
+        start_generator: Callable[[generation.Sampling], Any] = generation.PolicyGenerator,
     ) -> None:
         self.cfg, self.rewards, self.prep, self.info = cfg, rewards, prep, info
         self.reference, self.reference_line = reference, reference_line
@@ -113,6 +114,7 @@ class GRPOObjective:
             cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_completion_length, stop_ids(tok, prep.config),
             tok.pad_token_id,
         )  # fmt: skip
+        self.generator = start_generator(self.sampling)  # `complete(model, prompts, keys, version, batch_size)`
         self.round: Round | None = None
         self.saved: dict[str, Any] | None = None  # the round a resumed checkpoint was within
         self._sums: torch.Tensor | None = None  # the step's grpo.metric_sums, this rank's micro-batches
@@ -224,8 +226,8 @@ class GRPOObjective:
 
     def _sample(self, model, index: int, prompt_rows: list[int], generations: list[int], rows: list[dict]) -> list:
         keys = generation.sample_keys(self.cfg.seed, index, prompt_rows, generations, self.info.device)
-        with generation.gathered(model):  # a collective: every rank enters, also one without prompts
-            return generation.generate(model, [r["prompt_ids"] for r in rows], keys, self.sampling) if rows else []
+        # a collective: every rank calls it, also one without prompts; the weights after the round's first step
+        return self.generator.complete(model, [r["prompt_ids"] for r in rows], keys, index * self.cfg.num_iterations)
 
     def _score(self, rows: list[dict], done: list) -> tuple[list[float], dict[str, list[float]], list[str]]:
         """The reward functions' values for this rank's completions (TRL's arguments: the prompts as given,
@@ -328,11 +330,8 @@ class GRPOObjective:
         idx = [i for shard in eval_shards(len(dataset), world, rank, batch_size) for i in shard]
         rows = [dataset[i] for i in idx]
         keys = generation.sample_keys(self.cfg.seed, EVAL_ROUND, idx, [0] * len(idx), device)
-        done = []
-        with generation.gathered(model):  # every rank enters, also one without prompts
-            for part in rollout.micro_batches(len(rows), batch_size):
-                ids = [rows[i]["prompt_ids"] for i in part]
-                done += generation.generate(model, ids, keys[part.start : part.stop], self.sampling)
+        # every rank calls it, also one without prompts; the weights after the steps done so far
+        done = self.generator.complete(model, [r["prompt_ids"] for r in rows], keys, self._step, batch_size)
         totals, per_func = self._score(rows, done)[:2] if rows else ([], {n: [] for n in self.rewards.names})
         metrics, (lengths, count) = self._reward_metrics(totals, per_func, [sum(len(c.ids) for c in done), len(done)])
         metrics["completions/mean_length"] = lengths / max(count, 1.0)
@@ -361,8 +360,7 @@ class GRPOObjective:
             f"rewards: {weights}; advantages scaled by the {cfg.scale_rewards} std"
             + ("; truncated completions masked" if cfg.mask_truncated_completions else ""),
             f"sampling: temperature {cfg.temperature:g}, top_p {cfg.top_p:g}, top_k {cfg.top_k}, at most "
-            f"{cfg.max_completion_length} tokens, keyed by (seed, round, prompt, generation); batched with a KV "
-            "cache from weights gathered once a round",
+            f"{cfg.max_completion_length} tokens, keyed by (seed, round, prompt, generation); {self.generator.line}",
             self.reference_line,
         ]
 

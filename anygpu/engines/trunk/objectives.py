@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 import torch
 
 from anygpu.model import lora
-from anygpu.train import dpo, grpo_objective, reference, rewards, rollout
+from anygpu.train import dpo, generation, grpo_objective, reference, rewards, rollout
 
 # The engine's frozen reference model, built when needed: (the model, what runs its forward).
 BuildReference = Callable[[], tuple[object, Callable]]
@@ -131,7 +131,24 @@ def _grpo(prep, model, model_args, train_args, info, frozen_reference: BuildRefe
         name = train_args.ref_model_name_or_path or model_args.model_name_or_path
         line = f"reference: a frozen copy of {name}, once per round"
     cfg = grpo_objective.Config.of(train_args)
-    return grpo_objective.GRPOObjective(cfg, reward_funcs, prep, info, ref, line, train_args.output_dir)
+    generator = vllm_start(model, train_args) if train_args.use_vllm else generation.PolicyGenerator
+    return grpo_objective.GRPOObjective(cfg, reward_funcs, prep, info, ref, line, train_args.output_dir, generator)
+
+
+def vllm_start(model, train_args) -> Callable:
+    """--use_vllm true: what starts a colocated vLLM engine for the objective's sampling (`vllm_generation`)."""
+    from anygpu.train import vllm_generation
+
+    def start(sampling):
+        return vllm_generation.VllmGenerator.start(
+            model,
+            sampling,
+            train_args.max_prompt_length + train_args.max_completion_length,
+            train_args.vllm_gpu_memory_utilization,
+            vllm_generation.vllm_dtype(train_args.bf16, train_args.fp16),
+        )
+
+    return start
 
 
 def makes_batches(objective) -> bool:
@@ -145,6 +162,12 @@ def checkpoint_files(objective, steps_done: int) -> dict[str, dict]:
         return {}
     state = objective.checkpoint_state(steps_done)
     return {grpo_objective.ROUND_FILE: state} if state is not None else {}
+
+
+def close(objective) -> None:
+    """The objective's own resources released at the run's end (grpo: a vLLM engine's process groups)."""
+    if makes_batches(objective):
+        objective.generator.close()
 
 
 def resumed(objective, checkpoint) -> None:

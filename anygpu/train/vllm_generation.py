@@ -1,0 +1,239 @@
+"""--use_vllm true: GRPO's completions sampled by vLLM, colocated (TRL's `vllm_mode="colocate"`).
+
+Each rank runs its own vLLM engine beside the policy (`distributed_executor_backend="external_launcher"`, tensor
+parallel size 1), started once with random weights (`load_format="dummy"`: nothing is read from disk, so a model
+trained from scratch works as well as a Hub one) and no tokenizer (token ids in, token ids out). Before each round the
+policy's current weights are pushed into it under the checkpoint's names, one tensor at a time (an FSDP2 shard is
+all-gathered for that tensor alone, not the whole model at once), a LoRA adapter merged into its base weight on the way.
+
+Sampling stays keyed: each completion is its own request whose vLLM seed is the completion's key
+(`generation.sample_keys`: seed, round, prompt, generation index), and vLLM draws a seeded request's tokens from a
+generator of its own, so which rank samples a completion, beside which others, does not change its tokens (floating
+point aside, as for the policy's own generation). The tokens differ from `--use_vllm false`'s: another sampler draws them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from anygpu.errors import UsageError
+from anygpu.runtime.blocks import hf_model
+from anygpu.train.generation import Completion, Sampling
+
+# In-process engine: external_launcher runs the engine inside the rank's own process (no engine subprocess).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# infixes that are not in a checkpoint's names: activation checkpointing's, compile's, a LoRA module to save's
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "modules_to_save.default.")
+SEED_BITS = (1 << 63) - 1  # vLLM seeds a torch.Generator: a non-negative int64
+
+
+def vllm_dtype(bf16: bool, fp16: bool) -> str:
+    """The engine's dtype: the policy's compute dtype."""
+    return "bfloat16" if bf16 else "float16" if fp16 else "float32"
+
+
+class VllmGenerator:
+    """One colocated vLLM engine per rank; `complete` is GRPOObjective's generator interface."""
+
+    line = "sampled by vLLM (one engine a GPU, colocated), the policy's weights pushed once a round"  # the banner's
+
+    def __init__(self, llm, sampling: Sampling) -> None:
+        self.llm, self.sampling = llm, sampling
+        self.pushed: int | None = None  # the optimizer step whose weights the engine holds
+
+    @classmethod
+    def start(
+        cls, model: nn.Module, sampling: Sampling, max_model_len: int, memory: float, dtype: str
+    ) -> VllmGenerator:
+        """vLLM's engine for `model`'s architecture on this rank (collective: every rank starts one)."""
+        from vllm import LLM
+
+        config = hf_model(model).config
+        architecture = architecture_of(hf_model(model))
+        check_architecture(architecture)
+        distributed = torch.distributed.is_initialized()
+        if distributed:
+            launcher_env()
+        with tempfile.TemporaryDirectory(prefix="anygpu-vllm-") as folder:
+            saved = config.__class__.from_dict(config.to_dict())
+            saved.architectures = [architecture]
+            saved.save_pretrained(folder)  # the shapes alone: weights come from the policy, tokens as ids
+            llm = LLM(
+                model=folder,
+                skip_tokenizer_init=True,
+                load_format="dummy",
+                dtype=dtype,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=memory,
+                tensor_parallel_size=1,
+                distributed_executor_backend="external_launcher" if distributed else None,
+                seed=0,  # every draw is seeded by its request (the completion's key)
+                generation_config="vllm",  # no sampling defaults from a generation_config.json
+                max_num_batched_tokens=max(4096, max_model_len),
+                # vLLM's CPU runner rewinds a seeded request's generator after a partial prefill, which a CPU
+                # generator cannot do ("CPU Generator does not use offset"): there, prompts are prefilled whole
+                enable_chunked_prefill=torch.cuda.is_available(),
+            )
+        keep_the_process_group(llm)
+        return cls(llm, sampling)
+
+    def complete(
+        self, model: nn.Module, prompts: list[list[int]], keys: torch.Tensor, version: int, batch_size: int = 0
+    ) -> list[Completion]:
+        """One completion per prompt, from the weights after optimizer step `version` (pushed first where the
+        engine holds older ones); vLLM schedules its own batches (`batch_size` unused). Collective when it pushes:
+        every rank calls it, with prompts or without."""
+        if self.pushed != version:
+            self.push(model)
+            self.pushed = version
+        if not prompts:
+            return []
+        from vllm import SamplingParams
+
+        s = self.sampling
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                max_tokens=s.max_new_tokens,
+                stop_token_ids=list(s.eos_token_ids),
+                seed=int(key) & SEED_BITS,
+                detokenize=False,
+            )  # fmt: skip
+            for key in keys.tolist()
+        ]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [completion(list(o.outputs[0].token_ids), s) for o in outs]
+
+    @torch.no_grad()
+    def push(self, model: nn.Module) -> None:
+        """The policy's current weights into the engine, in place, layer by layer (vLLM's reload: its kernels'
+        own layouts redone after). Collective on a sharded model."""
+        runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
+        try:
+            runner.reload_weights(weights_iterator=policy_weights(model), is_checkpoint_format=True)
+        except (KeyError, ValueError, AssertionError) as e:
+            raise UsageError(
+                f"--use_vllm true: vLLM's {type(runner.get_model()).__name__} did not take the policy's weights "
+                f"({type(e).__name__}: {e}); leave --use_vllm out to generate with the policy itself."
+            ) from e
+        redo_tied(runner.get_model())
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """vLLM's process groups ended (before the run's own: they are its subgroups)."""
+        from vllm.distributed import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if parallel_state._WORLD is not None:
+            parallel_state._WORLD.destroy()
+            parallel_state._WORLD = None
+
+
+def redo_tied(engine_model: nn.Module) -> None:
+    """vLLM's reload redoes each layer's own processing once per tensor (on a CPU: a packed copy of each linear
+    weight), so a head tied to the embedding would keep the copy packed from its first weights (vLLM's
+    reload notes this limit): each module sharing its weight has its processing redone."""
+    sharing: dict[int, list[nn.Module]] = {}
+    for module in engine_model.modules():
+        weight, method = getattr(module, "weight", None), getattr(module, "quant_method", None)
+        if isinstance(weight, torch.Tensor) and hasattr(method, "process_weights_after_loading"):
+            sharing.setdefault(id(weight), []).append(module)
+    for modules in sharing.values():
+        for module in modules if len(modules) > 1 else ():
+            module.quant_method.process_weights_after_loading(module)
+
+
+def launcher_env() -> None:
+    """What vLLM's external launcher reads of a torchrun rank, set where the run's process group came another way
+    (one process with a group of its own)."""
+    local = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+    os.environ.setdefault("LOCAL_RANK", str(local))
+    os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
+
+
+def completion(ids: list[int], sampling: Sampling) -> Completion:
+    """vLLM's output as the policy's generation gives it: the EOS it stopped on kept, truncated when it did not."""
+    if ids and ids[-1] in sampling.eos_token_ids:
+        return Completion(ids, truncated=False)
+    return Completion(ids, truncated=len(ids) >= sampling.max_new_tokens)
+
+
+def keep_the_process_group(llm) -> None:
+    """vLLM tears down on garbage collection (`EngineCore.shutdown`), and that teardown ends the default process
+    group, the run's own, which the engine ends itself after its last collective: disarmed, `close` ends vLLM's groups."""
+    finalizer = getattr(llm.llm_engine.engine_core, "_finalizer", None)
+    if finalizer is not None:
+        finalizer.detach()
+
+
+def architecture_of(model: nn.Module) -> str:
+    """The transformers class a model is (FSDP2 makes each sharded module an instance of a subclass of its own)."""
+    return next(c for c in type(model).__mro__ if c.__module__.startswith("transformers.")).__name__
+
+
+def check_architecture(architecture: str) -> None:
+    """Refuse a model class vLLM has no implementation of, before its engine starts."""
+    from vllm import ModelRegistry
+
+    if architecture not in ModelRegistry.get_supported_archs():
+        raise UsageError(
+            f"--use_vllm true: vLLM has no implementation of {architecture}; leave --use_vllm out to generate with "
+            "the policy itself (batched, with a KV cache)."
+        )
+
+
+def policy_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, full tensor) for each of the policy's weights, one at a time; a LoRA layer's base weight
+    merged with its adapter (W + scale · B A). Collective on a sharded model: every rank walks the same order."""
+    from peft.tuners.lora import LoraLayer
+
+    hf = hf_model(model)
+    adapted = {name: m for name, m in hf.named_modules() if isinstance(m, LoraLayer)}
+    seen: set[int] = set()  # a tied head is the embedding's tensor: pushed once
+    for name, module in hf.named_modules():
+        if any(name.startswith(f"{a}.") for a in adapted) or "original_module" in name.split("."):
+            continue  # a LoRA layer's own parts (merged below); a module to save's frozen copy
+        if name in adapted:
+            yield from _merged(name, module)
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield clean(f"{name}.{pname}" if name else pname), full(param)
+
+
+def _merged(name: str, layer) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA layer as one linear layer: its base weight plus each active adapter's B A, scaled."""
+    base = layer.get_base_layer()
+    weight = full(base.weight)
+    for adapter in layer.active_adapters:
+        if adapter not in layer.lora_A:
+            continue
+        delta = full(layer.lora_B[adapter].weight).float() @ full(layer.lora_A[adapter].weight).float()
+        delta = delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+        weight = (weight.float() + delta * layer.scaling[adapter]).to(weight.dtype)
+    yield clean(f"{name}.weight"), weight
+    if getattr(base, "bias", None) is not None:
+        yield clean(f"{name}.bias"), full(base.bias)
+
+
+def full(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter: an FSDP2 shard all-gathered (a collective), a plain one as it is."""
+    data = param.detach()
+    return data.full_tensor() if hasattr(data, "full_tensor") else data
+
+
+def clean(name: str) -> str:
+    """A parameter's checkpoint name: wrappers' infixes removed."""
+    for wrapper in WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
