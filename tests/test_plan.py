@@ -575,10 +575,45 @@ def test_grpo_when_the_cache_does_not_fit_the_plan_names_a_batch_and_a_length_th
     assert over.recommended is None  # the largest that fits: one completion more per GPU does not
 
 
+def test_grpo_with_vllm_counts_the_engines_share_throughout_and_no_gathered_copy():
+    """--use_vllm: each GPU's engine holds --vllm_gpu_memory_utilization of it through training too (in the total,
+    beside the training step), and the policy gathers nothing; 8B fits 8 × H100 at TRL's 0.3, not at 0.1 (the bf16
+    weights, 15 GiB, do not fit 8 GiB: the plan names the share that would); 70B does not fit any share (its 131 GiB of
+    bf16 weights exceed a GPU)."""
+    import re
+
+    vllm, _ = grpo_plan("--global_batch_size", "256", "--use_vllm", "true")
+    own, _ = grpo_plan("--global_batch_size", "256")
+    share = int(0.3 * vllm.machine.gpu_memory_bytes)
+    for row, base in zip(vllm.rows, own.rows):
+        assert row.per_gpu_bytes["vllm"] == share and row.generation_bytes == {} and row.generation_peak == 0
+        assert row.total == base.training_peak + share
+    assert vllm.recommended is not None and vllm.recommended.total <= 0.9 * vllm.machine.gpu_memory_bytes
+    text = run_plan(*GRPO_8B, "--global_batch_size", "256", "--use_vllm", "true").stdout
+    assert "by its vLLM engine, which holds 0.3 of the GPU (23.88 GiB) throughout: the model in bf16 (14.96" in text
+    assert "the vLLM engine's share 23.88 (held throughout; no gathered copy)" in text, text
+    small, _ = grpo_plan("--global_batch_size", "256", "--use_vllm", "true", "--vllm_gpu_memory_utilization", "0.1")
+    assert small.recommended is None
+    needed = float(re.search(r"--vllm_gpu_memory_utilization (\d\.\d+) or more", "\n".join(small.notes)).group(1))
+    assert 0.1 < needed < 0.3
+    enough, _ = grpo_plan(
+        "--global_batch_size", "256", "--use_vllm", "true", "--vllm_gpu_memory_utilization", str(needed)
+    )
+    assert enough.recommended is not None
+    args = [a if a != "llama-8b" else "llama-70b" for a in GRPO_8B]
+    big = run_plan(*args, "--global_batch_size", "256", "--use_vllm", "true")
+    assert "nothing fits" in big.stdout and "the model's bf16 weights (131.42 GiB) exceed" in big.stdout, big.stdout
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
         (["--objective", "grpo", "--num_generations", "1"], "--num_generations 1 must be at least 2"),
+        (["--use_vllm", "true"], "--use_vllm true is --objective grpo's"),
+        (
+            ["--objective", "grpo", "--use_vllm", "true", "--vllm_gpu_memory_utilization", "1"],
+            "--vllm_gpu_memory_utilization 1.0 must be in (0, 1)",
+        ),
         (["--objective", "grpo", "--max_completion_length", "0"], "--max_completion_length 0 must be at least 1"),
         (["--objective", "grpo", "--global_batch_size", "12"], "--global_batch_size 12 completions is not whole"),
         (["--objective", "grpo", "--beta", "-1"], "--beta -1.0 cannot be negative"),

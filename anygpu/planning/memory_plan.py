@@ -39,7 +39,9 @@ this rank's G/W completions generated in one batch (`kv_cache_bytes`), and the p
 tensors (`generation_working_bytes`): a row's peak is the larger of its training step and its generation. Its
 training rows are prompt + completion tokens long and make the logits of the completion's positions only (no lean
 loss: `grpo_logit_bytes`); β > 0 adds a frozen reference sharded like the policy (none with LoRA: its base is the
-reference).
+reference). With --use_vllm a colocated vLLM engine generates instead: it holds its share of the GPU
+(`vllm_bytes`: its own weights and KV cache) through training too, and a row fits only where that share holds the
+whole model in the compute dtype (`vllm_weights_fit`); the policy gathers nothing.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class Generation:
     completion_length: int
     num_generations: int = 8
     beta: float = 0.0  # > 0: a reference (`Shapes.reference`, none with LoRA)
+    vllm_share: float = 0.0  # --use_vllm: the share of each GPU its vLLM engine holds throughout (0: the policy's own)
 
     def rows_per_rank(self, machine: Machine) -> int:
         """The completions one rank generates in one batch (G/W: every GPU is a data-parallel rank under grpo)."""
@@ -409,7 +412,7 @@ def generation_working_bytes(shapes: Shapes, rows: int, prompt_length: int, prec
 def generation_bytes(shapes: Shapes, machine: Machine, strategy: str, precision: str, world: int) -> dict[str, int]:
     """--objective grpo: what a round's generation holds on a rank beside its sharded state ({} without)."""
     gen = shapes.generation
-    if gen is None:
+    if gen is None or gen.vllm_share:  # vLLM's engine: its share, held throughout (`vllm_bytes`), no gathered copy
         return {}
     rows = gen.rows_per_rank(machine)
     return {
@@ -417,6 +420,21 @@ def generation_bytes(shapes: Shapes, machine: Machine, strategy: str, precision:
         "kv_cache": kv_cache_bytes(shapes, rows, gen.row_length, precision),
         "working": generation_working_bytes(shapes, rows, gen.prompt_length, precision),
     }
+
+
+def vllm_bytes(shapes: Shapes, machine: Machine) -> int:
+    """--use_vllm: what each GPU's colocated vLLM engine holds for the whole run (its weights and KV cache)."""
+    gen = shapes.generation
+    return int(gen.vllm_share * machine.gpu_memory_bytes) if gen is not None and gen.vllm_share else 0
+
+
+def vllm_weights_fit(shapes: Shapes, machine: Machine, precision: str) -> bool:
+    """--use_vllm: whether the engine's share holds the whole model in the compute dtype and one completion's cache."""
+    gen = shapes.generation
+    if gen is None or not gen.vllm_share:
+        return True
+    weights = gathered_model_bytes(shapes, "fsdp2", precision, 2)
+    return weights + kv_cache_bytes(shapes, 1, gen.row_length, precision) <= vllm_bytes(shapes, machine)
 
 
 def transient_bytes(shapes: Shapes, strategy: str, precision: str, world: int, lean_loss: bool = True) -> int:
@@ -613,6 +631,8 @@ def row_for(
         "transient": transient_bytes(shapes, strategy, precision, shards, lean_loss),
         "reserved": RESERVED_BYTES if machine.gpu_memory_bytes else 0,
     }
+    if vllm_bytes(shapes, machine):
+        per_gpu["vllm"] = vllm_bytes(shapes, machine)
     if shapes.dense_mask:
         per_gpu["attention_mask"] = attention_mask_bytes(
             shapes, micro_batch * shapes.sequences_per_item, block_size, precision, cp
@@ -637,6 +657,7 @@ def row_for(
         generation_bytes=generating,
     )  # fmt: skip
     row.fits = bool(machine.gpu_memory_bytes) and row.total <= budget and fits_host(host, machine)
+    row.fits = row.fits and vllm_weights_fit(shapes, machine, precision)
     return row
 
 

@@ -137,6 +137,19 @@ def _objective_arguments(p: argparse.ArgumentParser) -> None:
         "effect on memory (see --precompute_ref_log_probs).",
     )
     p.add_argument(
+        "--use_vllm",
+        choices=("true", "false"),
+        default="false",
+        help="--objective grpo: a colocated vLLM engine per GPU generates, holding --vllm_gpu_memory_utilization of "
+        "the GPU throughout (its weights and KV cache) instead of the round's gathered model.",
+    )
+    p.add_argument(
+        "--vllm_gpu_memory_utilization",
+        type=float,
+        default=0.3,
+        help="--use_vllm true: the share of each GPU's memory its vLLM engine takes (default 0.3, TRL's).",
+    )
+    p.add_argument(
         "--precompute_ref_log_probs",
         choices=("true", "false"),
         default="true",
@@ -285,6 +298,9 @@ def check_objective(args: argparse.Namespace) -> str | None:
     """--objective grpo's flags and refusals (the engines' own: `anygpu.config.objective.check_grpo_run`)."""
     flags = ("num_generations", "max_prompt_length", "max_completion_length")
     grpo_only = [f"--{k}" for k in flags if getattr(args, k) is not None]
+    if args.use_vllm == "true" and not 0 < args.vllm_gpu_memory_utilization < 1:
+        return f"--vllm_gpu_memory_utilization {args.vllm_gpu_memory_utilization} must be in (0, 1), e.g. 0.3"
+    grpo_only += ["--use_vllm true"] * (args.use_vllm == "true")
     if args.objective != "grpo":
         if grpo_only:
             return f"{grpo_only[0]} is --objective grpo's: add --objective grpo, or leave it out"
@@ -493,9 +509,11 @@ def for_the_run(args: argparse.Namespace, shapes: Shapes, is_lora: bool = False)
         reference = args.precompute_ref_log_probs == "false" and not is_lora
         shapes = dataclasses.replace(shapes, sequences_per_item=2, reference=reference)
     if args.objective == "grpo":
+        share = args.vllm_gpu_memory_utilization if args.use_vllm == "true" else 0.0
         generation = memory_plan.Generation(
-            args.global_batch_size, args.max_prompt_length, args.max_completion_length, args.num_generations, args.beta
-        )
+            args.global_batch_size, args.max_prompt_length, args.max_completion_length, args.num_generations,
+            args.beta, share,
+        )  # fmt: skip
         shapes = dataclasses.replace(shapes, generation=generation, reference=args.beta > 0 and not is_lora)
     dense_mask = args.packing == "true" and args.attn_implementation in attention.DENSE_MASK
     return dataclasses.replace(shapes, dense_mask=dense_mask, optim=state_kind(args.optim, args.optim_args), ep=args.ep)
@@ -591,7 +609,7 @@ def table(result: PlanResult, title: str) -> list[str]:
     ]
     for r in result.rows:
         b = r.per_gpu_bytes
-        gen = f"{gib(r.generation_peak):>8} " if grpo else ""
+        gen = f"{gib(r.generation_peak or b.get('vllm', 0)):>8} " if grpo else ""  # vLLM: its engine's share
         lines.append(
             f"{r.strategy:<14} {r.precision:<5} {ckpt_word(r.activation_checkpointing, 'yes', 'no'):<4} "
             f"{gib(b['parameters'] + b.get('reference', 0)):>8} {gib(b['gradients']):>8} {gib(b['optimizer']):>8} "
@@ -718,7 +736,7 @@ def recommendation(result: PlanResult) -> list[str]:
             f"(peak ≈ {gib(row.total)} GiB per GPU; docs/long-context.md)"
         )
     if result.shapes.generation is not None:
-        lines.append(grpo_peak_line(result, rec))
+        lines.append(grpo_peak_line(result, rec) if rec.generation_bytes else vllm_peak_line(rec))
     lines += optim_lines(result)
     if result.step_seconds is not None:
         lines.append(_step_time_line(result))
@@ -787,12 +805,23 @@ def grpo_lines(result: PlanResult) -> list[str]:
     else:
         ref = f"--beta {gen.beta:g}: a frozen reference in the compute dtype, sharded like the policy (in params)"
     per = memory_plan.kv_cache_bytes(shapes, 1, gen.row_length, "bf16")
-    gathered = gib(memory_plan.gathered_model_bytes(shapes, "fsdp2", "bf16", 2))
-    gathered += " GiB: the 4-bit base in NF4, the rest in bf16" if shapes.four_bit else " GiB in bf16"
+    weights = memory_plan.gathered_model_bytes(shapes, "fsdp2", "bf16", 2)
+    gathered = gib(weights) + (" GiB: the 4-bit base in NF4, the rest in bf16" if shapes.four_bit else " GiB in bf16")
+    how = (
+        f"with the whole model gathered in the compute dtype ({gathered}, on every GPU at once) and a KV cache of "
+        f"{per / 2**20:.0f} MiB a completion"
+    )
+    if gen.vllm_share:
+        share = memory_plan.vllm_bytes(shapes, machine)
+        cache = max(0, share - weights)
+        how = (
+            f"by its vLLM engine, which holds {gen.vllm_share:g} of the GPU ({gib(share)} GiB) throughout: the model "
+            f"in bf16 ({gib(weights)} GiB) and {gib(cache)} GiB of KV cache, {cache // per} completions of "
+            f"{per / 2**20:.0f} MiB at once"
+        )
     return [
         f"objective grpo: the global batch counts completions ({gen.global_batch_size // gen.num_generations} prompts "
-        f"× {gen.num_generations}); each GPU generates its {rows} in one batch, with the whole model gathered in the "
-        f"compute dtype ({gathered}, on every GPU at once) and a KV cache of {per / 2**20:.0f} MiB a completion "
+        f"× {gen.num_generations}); each GPU generates its {rows} {how} "
         f"({gen.prompt_length} + {gen.completion_length} tokens, bf16); micro-batches of completions train on rows of "
         f"{gen.row_length} tokens; {ref}; strategies: fsdp2 and hsdp, the FSDP2 engine's alone "
         "(run_fsdp_standalone.py; no offload, --cp or --ep under grpo)"
@@ -811,6 +840,15 @@ def grpo_peak_line(result: PlanResult, row: Row) -> str:
     )
 
 
+def vllm_peak_line(row: Row) -> str:
+    """--use_vllm: one peak, the training step's with the engine's share beside it."""
+    share = row.per_gpu_bytes["vllm"]
+    return (
+        f"  peak ≈ {gib(row.total)} GiB per GPU: the training step {gib(row.total - share)} + the vLLM engine's share "
+        f"{gib(share)} (held throughout; no gathered copy)"
+    )
+
+
 def grpo_advice(result: PlanResult, lora: PlanResult) -> list[str]:
     """--objective grpo and nothing fits: which of its two peaks does not, and what to lower (the completions a
     GPU generates at once, their length, the sharded state, the trained parameters)."""
@@ -818,6 +856,8 @@ def grpo_advice(result: PlanResult, lora: PlanResult) -> list[str]:
     gen = shapes.generation
     if gen is None or result.recommended is not None or not machine.gpu_memory_bytes:
         return []
+    if gen.vllm_share:
+        return vllm_advice(result)
     is_lora = shapes.num_trainable < shapes.num_params
     # the least a step can hold: FSDP2 over every GPU, bf16, full checkpointing, one completion a micro-batch
     row = memory_plan.row_for(shapes, machine, "fsdp2", "bf16", True, is_lora, 1, result.block_size)
@@ -835,6 +875,30 @@ def grpo_advice(result: PlanResult, lora: PlanResult) -> list[str]:
     if not is_lora:
         lines.append(_grpo_lora_line(lora, fixed > budget))
     return lines
+
+
+def vllm_advice(result: PlanResult) -> list[str]:
+    """--use_vllm and nothing fits: the engine's share too small for the model, or too large beside training."""
+    shapes, machine = result.shapes, result.machine
+    gen, gpu = shapes.generation, machine.gpu_memory_bytes
+    weights = memory_plan.gathered_model_bytes(shapes, "fsdp2", "bf16", 2)
+    need = weights + memory_plan.kv_cache_bytes(shapes, 1, gen.row_length, "bf16")
+    if need > gpu * memory_plan.SAFETY:
+        return [
+            f"grpo --use_vllm: the model's bf16 weights ({gib(weights)} GiB) exceed what one GPU's engine can hold; "
+            "leave --use_vllm out (the policy's own generation over a 4-bit base gathers it in NF4)"
+        ]
+    if need > memory_plan.vllm_bytes(shapes, machine):
+        return [
+            f"grpo --use_vllm: the engine's share ({gib(memory_plan.vllm_bytes(shapes, machine))} GiB) cannot hold the "
+            f"model's bf16 weights and a completion's cache ({gib(need)} GiB): --vllm_gpu_memory_utilization "
+            f"{math.ceil(need / gpu * 100) / 100:.2f} or more"
+        ]
+    return [
+        f"grpo --use_vllm: the training step does not fit beside the engine's share "
+        f"({gib(memory_plan.vllm_bytes(shapes, machine))} GiB): a smaller --vllm_gpu_memory_utilization (at least "
+        f"{math.ceil(need / gpu * 100) / 100:.2f}), LoRA, or more GPUs"
+    ]
 
 
 def _grpo_state_line(row, fixed: int, budget: int, n: int) -> str:
