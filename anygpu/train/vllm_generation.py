@@ -14,6 +14,7 @@ point aside, as for the policy's own generation). The tokens differ from `--use_
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from typing import Iterator
@@ -27,6 +28,8 @@ from anygpu.train.generation import Completion, Sampling
 
 # In-process engine: external_launcher runs the engine inside the rank's own process (no engine subprocess).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM's start-up INFO lines (~50 a rank) would bury the run's own; its warnings and errors stay
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # infixes that are not in a checkpoint's names: activation checkpointing's, compile's, a LoRA module to save's
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "modules_to_save.default.")
 SEED_BITS = (1 << 63) - 1  # vLLM seeds a torch.Generator: a non-negative int64
@@ -53,6 +56,7 @@ class VllmGenerator:
         """vLLM's engine for `model`'s architecture on this rank (collective: every rank starts one)."""
         from vllm import LLM
 
+        quiet_tokenizer_warmup()
         config = hf_model(model).config
         architecture = architecture_of(hf_model(model))
         check_architecture(architecture)
@@ -149,6 +153,19 @@ def redo_tied(engine_model: nn.Module) -> None:
     for modules in sharing.values():
         for module in modules if len(modules) > 1 else ():
             module.quant_method.process_weights_after_loading(module)
+
+
+def quiet_tokenizer_warmup() -> None:
+    """vLLM's chat-template warm-up asks for the tokenizer this engine is started without and logs the failure with
+    its traceback: dropped (a filter on that logger: vLLM's own logging set-up resets its level at engine start)."""
+    logger = logging.getLogger("vllm.renderers.base")
+    if not any(isinstance(f, _NoTokenizerWarmup) for f in logger.filters):
+        logger.addFilter(_NoTokenizerWarmup())
+
+
+class _NoTokenizerWarmup(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Chat template warmup failed")
 
 
 def launcher_env() -> None:
