@@ -417,7 +417,7 @@ LONGEST_FILES = (  # by their measured time on the 2-core machine, 3 workers, 20
     "test_launch.py",
     "test_faults.py",
     "test_crash_exits.py",
-    "test_grpo_vllm.py",  # measured alone on 2 cores (2026-11-28): 163 s, one worker
+    "test_grpo_vllm.py",  # measured alone on 2 cores (2026-11-28): 209 s, one worker
     "test_model_families.py",
     "test_wheel.py",
     "test_fsdp_engine.py",

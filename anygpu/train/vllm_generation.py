@@ -45,8 +45,8 @@ class VllmGenerator:
 
     line = "sampled by vLLM (one engine a GPU, colocated), the policy's weights pushed once a round"  # the banner's
 
-    def __init__(self, llm, sampling: Sampling) -> None:
-        self.llm, self.sampling = llm, sampling
+    def __init__(self, llm, sampling: Sampling, dtype: torch.dtype) -> None:
+        self.llm, self.sampling, self.dtype = llm, sampling, dtype
         self.pushed: int | None = None  # the optimizer step whose weights the engine holds
 
     @classmethod
@@ -54,7 +54,7 @@ class VllmGenerator:
         cls, model: nn.Module, sampling: Sampling, max_model_len: int, memory: float, dtype: str
     ) -> VllmGenerator:
         """vLLM's engine for `model`'s architecture on this rank (collective: every rank starts one)."""
-        from vllm import LLM
+        from vllm import LLM, SamplingParams
 
         quiet_tokenizer_warmup()
         config = hf_model(model).config
@@ -67,24 +67,21 @@ class VllmGenerator:
             saved = config.__class__.from_dict(config.to_dict())
             saved.architectures = [architecture]
             saved.save_pretrained(folder)  # the shapes alone: weights come from the policy, tokens as ids
-            llm = LLM(
-                model=folder,
-                skip_tokenizer_init=True,
-                load_format="dummy",
-                dtype=dtype,
-                max_model_len=max_model_len,
-                gpu_memory_utilization=memory,
-                tensor_parallel_size=1,
-                distributed_executor_backend="external_launcher" if distributed else None,
-                seed=0,  # every draw is seeded by its request (the completion's key)
-                generation_config="vllm",  # no sampling defaults from a generation_config.json
-                max_num_batched_tokens=max(4096, max_model_len),
-                # vLLM's CPU runner rewinds a seeded request's generator after a partial prefill, which a CPU
-                # generator cannot do ("CPU Generator does not use offset"): there, prompts are prefilled whole
-                enable_chunked_prefill=torch.cuda.is_available(),
-            )
-        keep_the_process_group(llm)
-        return cls(llm, sampling)
+            llm = None
+            try:
+                llm = LLM(**engine_args(folder, dtype, max_model_len, memory, distributed))
+                keep_the_process_group(llm)
+                # one token drawn now: what vLLM cannot run (a kernel for these shapes) fails before training
+                llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), use_tqdm=False)
+            except (RuntimeError, ValueError, NotImplementedError) as e:  # vLLM's word for what it cannot run
+                if llm is not None:
+                    end_groups()
+                said = (str(e).strip().splitlines() or [repr(e)])[-1]
+                raise UsageError(
+                    f"--use_vllm true: vLLM could not start an engine for {architecture} ({type(e).__name__}: "
+                    f"{said}); leave --use_vllm out to generate with the policy itself."
+                ) from e
+        return cls(llm, sampling, getattr(torch, dtype))
 
     def complete(
         self, model: nn.Module, prompts: list[list[int]], keys: torch.Tensor, version: int, batch_size: int = 0
@@ -122,7 +119,7 @@ class VllmGenerator:
         own layouts redone after). Collective on a sharded model."""
         runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
         try:
-            runner.reload_weights(weights_iterator=policy_weights(model), is_checkpoint_format=True)
+            runner.reload_weights(weights_iterator=policy_weights(model, self.dtype), is_checkpoint_format=True)
         except (KeyError, ValueError, AssertionError) as e:
             raise UsageError(
                 f"--use_vllm true: vLLM's {type(runner.get_model()).__name__} did not take the policy's weights "
@@ -132,13 +129,17 @@ class VllmGenerator:
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        """vLLM's process groups ended (before the run's own: they are its subgroups)."""
-        from vllm.distributed import parallel_state
+        end_groups()
 
-        parallel_state.destroy_model_parallel()
-        if parallel_state._WORLD is not None:
-            parallel_state._WORLD.destroy()
-            parallel_state._WORLD = None
+
+def end_groups() -> None:
+    """vLLM's process groups ended (before the run's own: they are its subgroups)."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if parallel_state._WORLD is not None:
+        parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
 
 
 def redo_tied(engine_model: nn.Module) -> None:
@@ -177,6 +178,26 @@ def launcher_env() -> None:
     os.environ.setdefault("WORLD_SIZE", str(torch.distributed.get_world_size()))
 
 
+def engine_args(folder: str, dtype: str, max_model_len: int, memory: float, distributed: bool) -> dict:
+    """vLLM's `LLM` arguments for a colocated engine that takes its weights from the policy."""
+    return dict(
+        model=folder,
+        skip_tokenizer_init=True,
+        load_format="dummy",
+        dtype=dtype,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=memory,
+        tensor_parallel_size=1,
+        distributed_executor_backend="external_launcher" if distributed else None,
+        seed=0,  # every draw is seeded by its request (the completion's key)
+        generation_config="vllm",  # no sampling defaults from a generation_config.json
+        max_num_batched_tokens=max(4096, max_model_len),
+        # vLLM's CPU runner rewinds a seeded request's generator after a partial prefill, which a CPU
+        # generator cannot do ("CPU Generator does not use offset"): there, prompts are prefilled whole
+        enable_chunked_prefill=torch.cuda.is_available(),
+    )
+
+
 def completion(ids: list[int], sampling: Sampling) -> Completion:
     """vLLM's output as the policy's generation gives it: the EOS it stopped on kept, truncated when it did not."""
     if ids and ids[-1] in sampling.eos_token_ids:
@@ -208,9 +229,11 @@ def check_architecture(architecture: str) -> None:
         )
 
 
-def policy_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, full tensor) for each of the policy's weights, one at a time; a LoRA layer's base weight
-    merged with its adapter (W + scale · B A). Collective on a sharded model: every rank walks the same order."""
+def policy_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, full tensor) for each of the policy's weights, one at a time, in `dtype` (the engine's: a
+    shard is cast before its all-gather, half the bytes of fp32 master weights in bf16); a LoRA layer's base weight
+    merged with its adapter (W + scale · B A, in fp32). Collective on a sharded model: every rank walks the same
+    order."""
     from peft.tuners.lora import LoraLayer
 
     hf = hf_model(model)
@@ -220,32 +243,35 @@ def policy_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if any(name.startswith(f"{a}.") for a in adapted) or "original_module" in name.split("."):
             continue  # a LoRA layer's own parts (merged below); a module to save's frozen copy
         if name in adapted:
-            yield from _merged(name, module)
+            yield from _merged(name, module, dtype)
             continue
         for pname, param in module.named_parameters(recurse=False):
             if id(param) not in seen:
                 seen.add(id(param))
-                yield clean(f"{name}.{pname}" if name else pname), full(param)
+                yield clean(f"{name}.{pname}" if name else pname), full(param, dtype)
 
 
-def _merged(name: str, layer) -> Iterator[tuple[str, torch.Tensor]]:
+def _merged(name: str, layer, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     """A LoRA layer as one linear layer: its base weight plus each active adapter's B A, scaled."""
     base = layer.get_base_layer()
-    weight = full(base.weight)
+    weight = full(base.weight).float()
     for adapter in layer.active_adapters:
         if adapter not in layer.lora_A:
             continue
         delta = full(layer.lora_B[adapter].weight).float() @ full(layer.lora_A[adapter].weight).float()
         delta = delta.T if getattr(layer, "fan_in_fan_out", False) else delta
-        weight = (weight.float() + delta * layer.scaling[adapter]).to(weight.dtype)
-    yield clean(f"{name}.weight"), weight
+        weight = weight + delta * layer.scaling[adapter]
+    yield clean(f"{name}.weight"), weight.to(dtype or base.weight.dtype)
     if getattr(base, "bias", None) is not None:
-        yield clean(f"{name}.bias"), full(base.bias)
+        yield clean(f"{name}.bias"), full(base.bias, dtype)
 
 
-def full(param: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a parameter: an FSDP2 shard all-gathered (a collective), a plain one as it is."""
+def full(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole tensor of a parameter, in `dtype` where given: an FSDP2 shard cast, then all-gathered (a
+    collective), a plain one as it is."""
     data = param.detach()
+    if dtype is not None and data.is_floating_point():
+        data = data.to(dtype)
     return data.full_tensor() if hasattr(data, "full_tensor") else data
 
 

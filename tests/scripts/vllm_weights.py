@@ -1,7 +1,7 @@
 """--use_vllm's weight push and keyed sampling (tests/test_grpo_vllm.py), one process or 2 gloo ranks under FSDP2.
 
-`vllm_weights.py FAMILY [lora]`: a small random model of FAMILY (fp32), its LoRA adapter given non-zero B where
-asked; under torchrun each decoder layer and the root are sharded. A colocated vLLM engine takes the policy's
+`vllm_weights.py FAMILY [lora] [bf16]`: a small random model of FAMILY (fp32), its LoRA adapter given non-zero B where
+asked; under torchrun each decoder layer and the root are sharded; bf16: the engine runs in bf16. A colocated vLLM engine takes the policy's
 weights (`VllmGenerator.push`), samples a completion for each keyed prompt, and reports its log-probs of the tokens
 it drew; the policy's own log-probs of the same tokens come from an unsharded copy. Then one SGD step changes the
 weights (on every rank, on the same rows), and the next round must sample from the new ones. Rank 0 prints
@@ -114,7 +114,7 @@ def sgd_step(model: torch.nn.Module) -> None:
 
 
 def main() -> None:
-    family, lora = sys.argv[1], "lora" in sys.argv[2:]
+    family, lora, bf16 = sys.argv[1], "lora" in sys.argv[2:], "bf16" in sys.argv[2:]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -123,7 +123,8 @@ def main() -> None:
     plain = copy.deepcopy(model)
     if world > 1:
         shard(model)
-    gen = VllmGenerator.start(model, SAMPLING, max_model_len=64, memory=0.3, dtype="float32")
+    dtype = "bfloat16" if bf16 else "float32"  # bf16: the engine's weights cast from the fp32 policy's shards
+    gen = VllmGenerator.start(model, SAMPLING, max_model_len=64, memory=0.3, dtype=dtype)
     rounds = [one_round(gen, model, plain, 1, rank, world)]
     sgd_step(model)
     sgd_step(plain)
