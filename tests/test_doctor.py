@@ -40,6 +40,9 @@ def test_cpu_machine_passes_and_says_no_gpu(capsys, tmp_path, monkeypatch):
     assert rc == 0 and report["ok"] and report["gpus"] == [] and report["vendor"] is None
     assert {c["name"] for c in report["checks"]} == {"bf16 matmul", "TF32 matmul", "peer access", "output folder"}
     assert report["versions"]["torch"] and report["versions"]["accelerate"]
+    import importlib.util
+
+    assert bool(report["versions"]["vllm"]) == (importlib.util.find_spec("vllm") is not None)  # --use_vllm's
     assert report["launchers"]["fsdp"]["command"].endswith(" -m anygpu.engines.run_fsdp")
 
 

