@@ -139,8 +139,9 @@ class GRPOArguments:
         default=False,
         metadata={
             "resume": FREE,
-            "help": "--objective grpo: generate with vLLM (where installed) instead of the policy's own batched "
-            "generation with a KV cache.",
+            "help": "--objective grpo: sample with vLLM (where installed), one colocated engine per GPU that the "
+            "policy's weights are pushed into each round, instead of the policy's own batched generation with a KV "
+            "cache; completions still keyed, the same on any number of GPUs (docs/grpo.md).",
         },
     )
     vllm_gpu_memory_utilization: float = field(
@@ -148,7 +149,7 @@ class GRPOArguments:
         metadata={
             "resume": FREE,
             "help": "--use_vllm true: the share of each GPU's memory its vLLM engine takes, for the weights it "
-            "samples from and its KV cache (TRL's colocate default).",
+            "samples from and its KV cache, held through training too (default 0.3, TRL's colocate default).",
         },
     )
     num_completions_to_print: int = field(

@@ -2,8 +2,9 @@
 --num_iterations steps, sampled, scored and given advantages, then each micro-batch's share of the loss.
 
 A round (`_roll_out`): the round's P prompts (the prompt order's global batch `round`), k completions each; this
-rank samples its share (`rollout.rank_share`) from the policy's weights gathered once (`generation.gathered`),
-each completion keyed by (seed, round, prompt row, generation index): the same tokens on any world size,
+rank samples its share (`rollout.rank_share`) with its generator: the policy's weights gathered once
+(`generation.PolicyGenerator`), or a colocated vLLM engine they are pushed into (`vllm_generation`), each
+completion keyed by (seed, round, prompt row, generation index): the same tokens on any world size,
 micro-batch or resume. Rewards are scored where the completions are, gathered, and every rank computes the same
 global advantages (`grpo.group_advantages`) and takes its share. The old policy's log-probs (--num_iterations > 1)
 and the reference's (--beta > 0) are computed then, once per round. Each step's loss is `grpo.grpo_loss` over the
