@@ -179,6 +179,8 @@ GRPO = ["--objective", "grpo", "--reward_funcs", "accuracy", "--num_generations"
         (["--scale_rewards", "rank"], "--scale_rewards 'rank' is not one of group, batch, none"),
         (["--importance_sampling_level", "step"], "--importance_sampling_level 'step' is not one of token, sequence"),
         (["--use_vllm", "true", "--vllm_gpu_memory_utilization", "1.5"], "--vllm_gpu_memory_utilization 1.5 must be in (0, 1)"),
+        (["--use_vllm", "true", "--vllm_importance_sampling_mode", "token"], "--vllm_importance_sampling_mode 'token' is not one of token_truncate"),
+        (["--use_vllm", "true", "--vllm_importance_sampling_clip_min", "4"], "--vllm_importance_sampling_clip_min 4.0 and --vllm_importance_sampling_clip_max 3.0: the bounds"),
         (["--cp", "2"], "--cp 2 with --objective grpo"),
         (["--ep", "2"], "--ep 2 with --objective grpo"),
         (["--fp8", "rowwise"], "--fp8 rowwise with --objective grpo"),

@@ -269,3 +269,50 @@ def test_refusals_name_the_argument_and_value(call, said):
         call()
     if "not one of" in str(refused.value):
         assert "valid choices" in str(refused.value)
+
+
+def test_vllm_is_ratio_modes_by_hand():
+    """--use_vllm's correction, TRL's four modes, on log-prob gaps whose ratios are known: per token exp(old −
+    sampling), per completion the exp of their sum; truncate clamps to the bounds, mask zeroes what is outside; a
+    padded token counts nothing, a NaN (no log-prob from vLLM) as ratio 1."""
+    old = torch.zeros(2, 3)
+    sampling = -torch.tensor([[math.log(2.0), math.log(5.0), 9.0], [math.log(0.5), float("nan"), 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    tok = grpo.vllm_is_ratio(old, sampling, mask, "token_truncate", None, 3.0)
+    torch.testing.assert_close(tok, torch.tensor([[2.0, 3.0, 1.0], [0.5, 1.0, 1.0]]))
+    torch.testing.assert_close(grpo.vllm_is_ratio(old, sampling, mask, "token_mask", 0.6, 3.0),
+                               torch.tensor([[2.0, 0.0, 1.0], [0.0, 1.0, 1.0]]))  # fmt: skip
+    seq = grpo.vllm_is_ratio(old, sampling, mask, "sequence_truncate", None, 3.0)
+    torch.testing.assert_close(seq, torch.tensor([[3.0], [0.5]]))  # exp(ln 10) clamped; exp(ln 0.5)
+    torch.testing.assert_close(grpo.vllm_is_ratio(old, sampling, mask, "sequence_mask", None, 3.0),
+                               torch.tensor([[0.0], [0.5]]))  # fmt: skip
+    from anygpu.config import grpo_args
+
+    assert grpo_args.IS_MODES == grpo.IS_MODES  # the flag's choices are the loss's modes
+
+
+@pytest.mark.parametrize("mode", grpo.IS_MODES)
+def test_the_vllm_correction_weighs_the_loss_as_trls(folder, mode):
+    """TRL multiplies the clipped term (not the KL) by its `importance_sampling_ratio`: the same loss, gradients
+    and metrics with the ratio our `vllm_is_ratio` gives for vLLM log-probs a little off the old policy's."""
+    trainer = trl_trainer(folder, loss_type="dapo", beta=0.04, epsilon=EPSILON, epsilon_high=EPSILON_HIGH)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    model, inputs = trainer.model, batch_inputs(0.04)
+    logps, entropies = our_logps(model, inputs)
+    old, ref = logps.detach() + inputs["old_shift"], logps.detach() + inputs["ref_shift"]
+    sampling = old + 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))
+    ratio = grpo.vllm_is_ratio(old, sampling, inputs["completion_mask"], mode, 0.5, 2.0)
+    assert 0 < ratio.mean() and (ratio != 1).any()
+    counts = grpo.batch_counts(inputs["completion_mask"])
+    args = (inputs["advantages"], inputs["completion_mask"], counts, "dapo", 0.04, EPSILON, EPSILON_HIGH, "token", L)
+    loss, _ = grpo.grpo_loss(logps, old, ref, *args, entropies, is_ratio=ratio)
+    loss.backward()
+    ours = grads(model)
+    trl_inputs = {k: v for k, v in inputs.items() if not k.endswith("_shift")}
+    trl_inputs.update(old_per_token_logps=old, ref_per_token_logps=ref, importance_sampling_ratio=ratio)
+    trl_loss = trainer._compute_loss(model, trl_inputs)
+    trl_loss.backward()
+    torch.testing.assert_close(loss, trl_loss, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours, grads(model), atol=1e-5, rtol=1e-4)
+    plain, _ = grpo.grpo_loss(logps.detach(), old, ref, *args, entropies)
+    assert not torch.isclose(loss.detach(), plain)  # the weights change the loss

@@ -91,6 +91,11 @@ def test_a_vllm_run_is_the_same_on_any_world_size_and_resumed(verified):
     assert len(lines) == 3 * 16 and len({x["completion"] for x in lines}) > 16  # every completion, sampled apart
     log = (verified["dir"] / "fsdp-w1.log").read_text()
     assert "sampled by vLLM" in log  # the banner says which generator ran
+    # TRL's correction ran on vLLM's own log-probs, which equal the policy's here (fp32): every ratio 1
+    logged = [json.loads(x) for x in (verified["dir"] / "fsdp-w1/metrics.jsonl").read_text().splitlines()]
+    ratios = [x[k] for x in logged for k in x if k.startswith("sampling/importance_sampling_ratio/")]
+    gaps = [x["sampling/sampling_logp_difference/max"] for x in logged if "sampling/sampling_logp_difference/max" in x]
+    assert ratios and gaps and all(abs(r - 1) < 1e-4 for r in ratios) and max(gaps) < 1e-4, (ratios, gaps)
 
 
 def test_vllm_refuses_a_model_class_it_does_not_implement():

@@ -15,6 +15,7 @@ from anygpu.errors import UsageError
 FREE, SAME = "free", "same"  # the "resume" markings of anygpu.config.args
 
 GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")  # anygpu.train.grpo.LOSS_TYPES (no torch import here)
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # anygpu.train.grpo.IS_MODES
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -152,6 +153,31 @@ class GRPOArguments:
             "samples from and its KV cache, held through training too (default 0.3, TRL's colocate default).",
         },
     )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "resume": SAME,
+            "help": "--use_vllm true: weigh each completion's loss by exp(policy − vLLM log-prob) of its tokens, "
+            "correcting for vLLM's sampler rounding differently from the policy (TRL's, and its default).",
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={
+            "resume": SAME,
+            "help": "--use_vllm true: the correction per token or per completion (token_*, sequence_*), its ratio "
+            "clamped to the bounds (*_truncate) or zeroed outside them (*_mask): token_truncate, token_mask, "
+            "sequence_truncate, sequence_mask (TRL's default).",
+        },
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None,
+        metadata={"resume": SAME, "help": "--use_vllm true: the correction's lower bound (default none)."},
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0,
+        metadata={"resume": SAME, "help": "--use_vllm true: the correction's upper bound (default 3.0, TRL's)."},
+    )
     num_completions_to_print: int = field(
         default=4,
         metadata={
@@ -222,6 +248,13 @@ def check_vllm(args) -> None:
         raise UsageError(
             "--use_vllm true: vLLM is not installed here (pip install vllm, on a GPU machine); leave --use_vllm "
             "out to generate with the policy itself (batched, with a KV cache)."
+        )
+    _choice("vllm_importance_sampling_mode", args.vllm_importance_sampling_mode, IS_MODES)
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and not 0 <= low < high:
+        raise UsageError(
+            f"--vllm_importance_sampling_clip_min {low} and --vllm_importance_sampling_clip_max {high}: the bounds "
+            "must satisfy 0 <= min < max, e.g. none and 3.0 (TRL's)."
         )
     if not 0 < args.vllm_gpu_memory_utilization < 1:
         raise UsageError(

@@ -127,6 +127,7 @@ class Completion:
 
     ids: list[int]
     truncated: bool
+    logps: list[float] | None = None  # the sampler's log-probs of `ids` (vLLM's, after its temperature and filters)
 
 
 def generate(model: nn.Module, prompts: list[list[int]], keys: torch.Tensor, sampling: Sampling) -> list[Completion]:

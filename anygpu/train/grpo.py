@@ -40,6 +40,8 @@ correction and the entropy mask and bonus are not here.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from anygpu.errors import UsageError
@@ -132,12 +134,14 @@ def grpo_loss(
     max_completion_length: int = 512,  # TRL's default
     entropies: torch.Tensor | None = None,
     use_bias_correction_kl: bool = True,
+    is_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(this micro-batch's share of the step's loss, its `metric_sums`). Per completion token, (B, T): the policy's
     log-probs, the old policy's (None: the policy's, detached), the reference's (needed for beta > 0), the completion
     mask; (B,) the advantages; `counts` the global [completions, completion tokens] (`batch_counts`, all-reduced).
     `epsilon_high` None is `epsilon` (TRL's). `use_bias_correction_kl` (TRL's, and its default): the KL term times the
-    ratio r (with its gradient), the unbiased reverse-KL gradient of DeepSeek-V3.2."""
+    ratio r (with its gradient), the unbiased reverse-KL gradient of DeepSeek-V3.2. `is_ratio`: --use_vllm's
+    importance-sampling weights ((B, T) or (B, 1), `vllm_is_ratio`), on the clipped term, not the KL (TRL's)."""
     check_loss_args(loss_type, importance_sampling_level, beta, max_completion_length)
     if beta > 0 and ref_logps is None:
         raise UsageError(f"beta {beta}: the KL term needs the reference's log-probs; pass ref_logps, or beta 0")
@@ -151,6 +155,8 @@ def grpo_loss(
     eps_high = epsilon if epsilon_high is None else epsilon_high
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
+    if is_ratio is not None:
+        per_token = per_token * is_ratio.to(per_token.dtype)
     kl = None
     if beta > 0:
         d = ref_logps - policy_logps
@@ -168,6 +174,32 @@ def grpo_loss(
         loss = per_token.sum() / counts[1].clamp(min=1.0)
     sums = metric_sums(ratio, adv, mask, kl, entropies, epsilon, eps_high)
     return loss, sums
+
+
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's vllm_importance_sampling_mode
+
+
+@torch.no_grad()
+def vllm_is_ratio(
+    old_logps: torch.Tensor,
+    sampling_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> torch.Tensor:
+    """TRL's correction for vLLM's sampler not being the policy: exp(old − sampling log-prob) per token (B, T), or per
+    completion from the sum over its tokens (B, 1); `*_truncate` clamps it to [clip_min, clip_max], `*_mask` sets
+    what falls outside to 0. A token vLLM gave no log-prob for (NaN) counts as ratio 1."""
+    diff = torch.nan_to_num((old_logps - sampling_logps) * completion_mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 @torch.no_grad()

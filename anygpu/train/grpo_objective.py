@@ -58,6 +58,8 @@ class Config:
     top_k: int
     seed: int
     num_completions_to_print: int
+    # --use_vllm's importance-sampling correction (None: off, or the policy samples): mode, clip min, clip max
+    vllm_is: tuple[str, float | None, float | None] | None = None
 
     @classmethod
     def of(cls, args) -> Config:
@@ -66,6 +68,9 @@ class Config:
             args.num_iterations, args.scale_rewards, args.mask_truncated_completions,
             args.importance_sampling_level, args.max_completion_length, args.temperature, args.top_p, args.top_k,
             args.seed, args.num_completions_to_print,
+            (args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
+             args.vllm_importance_sampling_clip_max)
+            if args.use_vllm and args.vllm_importance_sampling_correction else None,
         )  # fmt: skip
 
 
@@ -78,6 +83,7 @@ class Drawn:
     advantage: float
     old_logps: list[float] | None = None  # --num_iterations > 1: the policy's at generation time
     ref_logps: list[float] | None = None  # --beta > 0: the reference's
+    sampling_logps: list[float] | None = None  # --use_vllm: vLLM's log-probs of the drawn tokens
 
 
 @dataclass
@@ -142,6 +148,7 @@ class GRPOObjective:
                 logps, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"],
                 batch["completion_mask"], self.round.counts, cfg.loss_type, cfg.beta, cfg.epsilon,
                 cfg.epsilon_high, cfg.importance_sampling_level, cfg.max_completion_length, entropies,
+                is_ratio=batch.get("is_ratio"),
             )  # fmt: skip
             (loss * info.world_size).backward()  # FSDP averages the ranks' gradients
             loss_sum += loss.detach()
@@ -194,7 +201,34 @@ class GRPOObjective:
         tokens = torch.stack([lengths.sum(), lengths.new_tensor(sum(b["input_ids"].numel() for b in batches)),
                               (lengths**2).sum()])  # fmt: skip
         both = distributed.all_reduce_sum(torch.cat([counts.to(info.device), tokens]))
+        if cfg.vllm_is is not None:  # a collective: every rank, with completions or without
+            metrics = {**metrics, **self._is_metrics(batches)}
         return Round(index, batches, both[:2], tuple(int(v) for v in both[2:].tolist()), metrics, samples, drawn)
+
+    def _is_metrics(self, batches: list[dict]) -> dict[str, float]:
+        """TRL's `sampling/...` metrics of --use_vllm's correction over the global batch: the ratios (per token, or
+        per completion in the sequence modes) and |policy − vLLM| log-prob per token."""
+        ratios, gaps = [], []
+        for b in batches:
+            mask = b["completion_mask"].bool()
+            r = b["is_ratio"]
+            ratios.append(r.flatten() if r.shape[-1] == 1 else r[mask])
+            gaps.append((b["old_logps"] - b["sampling_logps"])[mask].abs())
+        r = torch.cat(ratios).double().cpu() if ratios else torch.zeros(0, dtype=torch.float64)
+        g = torch.cat(gaps).double().cpu() if gaps else torch.zeros(0, dtype=torch.float64)
+        g = g[~torch.isnan(g)]
+        parts = distributed.all_gather_object(
+            (r.sum().item(), r.numel(), r.min().item() if r.numel() else math.inf, r.max().item() if r.numel() else -math.inf,
+             g.sum().item(), g.numel(), g.max().item() if g.numel() else 0.0)
+        )  # fmt: skip
+        n_r, n_g = sum(p[1] for p in parts), sum(p[5] for p in parts)
+        return {
+            "sampling/importance_sampling_ratio/min": min(p[2] for p in parts) if n_r else 1.0,
+            "sampling/importance_sampling_ratio/mean": sum(p[0] for p in parts) / n_r if n_r else 1.0,
+            "sampling/importance_sampling_ratio/max": max(p[3] for p in parts) if n_r else 1.0,
+            "sampling/sampling_logp_difference/mean": sum(p[4] for p in parts) / n_g if n_g else 0.0,
+            "sampling/sampling_logp_difference/max": max(p[6] for p in parts) if n_g else 0.0,
+        }
 
     def _draw(self, model, index: int, share: rollout.Share, rows: list[dict]) -> tuple[list, dict, list]:
         """Sample and score this rank's completions; the global batch's advantages, metrics and first samples."""
@@ -217,7 +251,7 @@ class GRPOObjective:
         advantages = grpo.group_advantages(torch.tensor(every, dtype=torch.float64), cfg.num_generations,
                                            cfg.scale_rewards).tolist()  # fmt: skip
         mine = advantages[share.first : share.first + len(done)]
-        drawn = [Drawn(list(c.ids), c.truncated, a) for c, a in zip(done, mine)]
+        drawn = [Drawn(list(c.ids), c.truncated, a, sampling_logps=c.logps) for c, a in zip(done, mine)]
         samples = [  # the global batch's first completions, with their advantages
             {**sample, "advantage": advantages[rank * len(done) + j]}
             for rank, part in enumerate(gathered)
@@ -282,12 +316,23 @@ class GRPOObjective:
             out.append((batch, mine))
         with torch.no_grad():
             for batch, mine in out:  # the same forwards on every rank (a sharded model gathers per layer)
-                if cfg.num_iterations > 1:
+                if cfg.num_iterations > 1 or cfg.vllm_is is not None:  # TRL: the correction's reference point
                     batch["old_logps"] = self._per_token(mine, "old_logps", batch, lambda b: rollout.token_log_probs(
                         model, model, b, cfg.temperature)[0])  # fmt: skip
                 if self.reference is not None:
                     batch["ref_logps"] = self._per_token(mine, "ref_logps", batch, self.reference)
+                if cfg.vllm_is is not None:
+                    batch["is_ratio"] = self._is_ratio(mine, batch)
         return [batch for batch, _ in out]
+
+    def _is_ratio(self, mine: list[Drawn], batch: dict) -> torch.Tensor:
+        """--use_vllm: the micro-batch's importance-sampling weights (`grpo.vllm_is_ratio`, TRL's)."""
+        width = batch["completion_ids"].shape[1]
+        rows = [d.sampling_logps + [0.0] * (width - len(d.ids)) for d in mine]
+        batch["sampling_logps"] = torch.tensor(rows, dtype=torch.float32, device=batch["old_logps"].device)
+        return grpo.vllm_is_ratio(
+            batch["old_logps"], batch["sampling_logps"], batch["completion_mask"], *self.cfg.vllm_is
+        )
 
     @staticmethod
     def _per_token(mine: list[Drawn], name: str, batch: dict, compute: Callable) -> torch.Tensor:
@@ -361,7 +406,13 @@ class GRPOObjective:
             f"rewards: {weights}; advantages scaled by the {cfg.scale_rewards} std"
             + ("; truncated completions masked" if cfg.mask_truncated_completions else ""),
             f"sampling: temperature {cfg.temperature:g}, top_p {cfg.top_p:g}, top_k {cfg.top_k}, at most "
-            f"{cfg.max_completion_length} tokens, keyed by (seed, round, prompt, generation); {self.generator.line}",
+            f"{cfg.max_completion_length} tokens, keyed by (seed, round, prompt, generation); {self.generator.line}"
+            + (
+                f"; its draws weighted by TRL's importance-sampling correction ({cfg.vllm_is[0]}, bounds "
+                f"{cfg.vllm_is[1]}..{cfg.vllm_is[2]})"
+                if cfg.vllm_is
+                else ""
+            ),  # fmt: skip
             self.reference_line,
         ]
 

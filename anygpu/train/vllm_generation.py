@@ -15,6 +15,7 @@ point aside, as for the policy's own generation). The tokens differ from `--use_
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 from typing import Iterator
@@ -107,11 +108,12 @@ class VllmGenerator:
                 stop_token_ids=list(s.eos_token_ids),
                 seed=int(key) & SEED_BITS,
                 detokenize=False,
+                logprobs=0,  # the drawn token's own, for --vllm_importance_sampling_correction
             )
             for key in keys.tolist()
         ]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [completion(list(o.outputs[0].token_ids), s) for o in outs]
+        return [completion(o.outputs[0], s) for o in outs]
 
     @torch.no_grad()
     def push(self, model: nn.Module) -> None:
@@ -190,6 +192,7 @@ def engine_args(folder: str, dtype: str, max_model_len: int, memory: float, dist
         tensor_parallel_size=1,
         distributed_executor_backend="external_launcher" if distributed else None,
         seed=0,  # every draw is seeded by its request (the completion's key)
+        logprobs_mode="processed_logprobs",  # after the temperature and top-k/top-p, as the policy's (TRL's)
         generation_config="vllm",  # no sampling defaults from a generation_config.json
         max_num_batched_tokens=max(4096, max_model_len),
         # vLLM's CPU runner rewinds a seeded request's generator after a partial prefill, which a CPU
@@ -198,11 +201,14 @@ def engine_args(folder: str, dtype: str, max_model_len: int, memory: float, dist
     )
 
 
-def completion(ids: list[int], sampling: Sampling) -> Completion:
-    """vLLM's output as the policy's generation gives it: the EOS it stopped on kept, truncated when it did not."""
-    if ids and ids[-1] in sampling.eos_token_ids:
-        return Completion(ids, truncated=False)
-    return Completion(ids, truncated=len(ids) >= sampling.max_new_tokens)
+def completion(out, sampling: Sampling) -> Completion:
+    """vLLM's output as the policy's generation gives it (the EOS it stopped on kept, truncated when it did not),
+    with vLLM's log-prob of each drawn token (NaN where it gave none)."""
+    ids = list(out.token_ids)
+    logps = [lp[t].logprob if lp and t in lp else math.nan for lp, t in zip(out.logprobs or [], ids)]
+    logps = logps if len(logps) == len(ids) else [math.nan] * len(ids)
+    ended = bool(ids) and ids[-1] in sampling.eos_token_ids
+    return Completion(ids, truncated=not ended and len(ids) >= sampling.max_new_tokens, logps=logps)
 
 
 def keep_the_process_group(llm) -> None:

@@ -67,10 +67,10 @@ def shard(model: torch.nn.Module) -> None:
 
 
 def policy_logps(plain: torch.nn.Module, prompt: list[int], ids: list[int]) -> torch.Tensor:
-    """The unsharded policy's log-probs of `ids` after `prompt` (vLLM's raw log-probs: before the temperature)."""
+    """The unsharded policy's log-probs of `ids` after `prompt`, of logits / temperature (vLLM's processed ones)."""
     with torch.no_grad():
         logits = plain(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
-    logps = torch.log_softmax(logits, -1)
+    logps = torch.log_softmax(logits / SAMPLING.temperature, -1)
     return logps.gather(-1, torch.tensor(ids)[:, None])[:, 0]
 
 
@@ -96,6 +96,7 @@ def one_round(gen: VllmGenerator, model, plain, version: int, rank: int, world: 
         repeat &= c.truncated == (len(c.ids) == SAMPLING.max_new_tokens and c.ids[-1] not in STOPS)
         repeat &= c.truncated or c.ids[-1] in STOPS
         theirs = torch.tensor([lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)])
+        repeat &= torch.equal(theirs, torch.tensor(c.logps))  # the completion carries vLLM's own log-probs
         gap = max(gap, (theirs - policy_logps(plain, PROMPTS[i], c.ids)).abs().max().item())
     return {"completions": {str(i): c.ids for i, c in zip(mine, done)}, "gap": gap, "repeat": repeat,
             "truncated": {str(i): c.truncated for i, c in zip(mine, done)}}  # fmt: skip
