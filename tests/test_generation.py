@@ -359,3 +359,38 @@ def test_fsdp_ranks_generate_apart_inside_gathered():
         assert r["loss_matches"] and r["grads_sharded"], r
     forwards = [[rd["forwards"] for rd in r["gathered_rounds"]] for r in ranks]
     assert forwards[0][0] != forwards[1][0] and forwards[1][1] == 0, forwards  # the ranks stepped apart
+
+
+def test_vllm_push_gives_the_checkpoints_names_and_shapes(tmp_path):
+    """--use_vllm pushes the policy in the layout vLLM's loaders read, a checkpoint's: for a MoE family whose experts
+    transformers fuses in memory (Qwen3-MoE), the same tensor names and shapes `save_pretrained` writes, values equal;
+    a LoRA layer's base weight merged under its own name."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from anygpu.train.vllm_generation import policy_weights
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    pushed = dict(policy_weights(model))
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in saved  # the checkpoint splits what memory fuses
+    assert sorted(pushed) == sorted(saved)
+    for name, tensor in saved.items():
+        torch.testing.assert_close(pushed[name], tensor, atol=0, rtol=0, msg=name)
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.1)
+    merged = dict(policy_weights(lora))
+    assert sorted(merged) == sorted(saved)
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert not torch.equal(merged[q], saved[q]) and torch.equal(merged["lm_head.weight"], saved["lm_head.weight"])

@@ -85,6 +85,13 @@ def cast_(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch
     return state
 
 
+def layer_of(name: str) -> str:
+    """The numbered layer a tensor's name is in (`model.layers.3.`), or "" (embeddings, final norm, head): a weight
+    conversion never spans two."""
+    match = re.match(r"(.*?\.\d+\.)", name)
+    return match.group(1) if match else ""
+
+
 def hub_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` in the names and layout `save_pretrained` writes (transformers' reverse conversion), one decoder
     layer at a time so that only one layer's tensors exist twice (a conversion never spans layers)."""
@@ -92,8 +99,7 @@ def hub_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, to
 
     groups: dict[str, list[str]] = {}
     for name in state:
-        match = re.match(r"(.*?\.\d+\.)", name)
-        groups.setdefault(match.group(1) if match else "", []).append(name)
+        groups.setdefault(layer_of(name), []).append(name)
     out: dict[str, torch.Tensor] = {}
     with hub_weights.transformers_classes(model):  # FSDP2's classes would read as custom code: no conversions
         for names in groups.values():

@@ -236,10 +236,24 @@ def check_architecture(architecture: str) -> None:
 
 
 def policy_weights(model: nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, full tensor) for each of the policy's weights, one at a time, in `dtype` (the engine's: a
-    shard is cast before its all-gather, half the bytes of fp32 master weights in bf16); a LoRA layer's base weight
-    merged with its adapter (W + scale · B A, in fp32). Collective on a sharded model: every rank walks the same
-    order."""
+    """(checkpoint name, full tensor) for each of the policy's weights in the checkpoint's layout, which vLLM's loaders
+    read (transformers' reverse conversion, as the export's `hub_layout`: a MoE's fused experts split again), one
+    decoder layer at a time. Collective on a sharded model: every rank walks the same order."""
+    from anygpu.checkpoint.export import hub_layout, layer_of
+
+    hf, group, layer = hf_model(model), {}, None
+    for name, tensor in _weights(model, dtype):
+        if group and layer_of(name) != layer:
+            yield from hub_layout(hf, group).items()
+            group = {}
+        group[name], layer = tensor, layer_of(name)
+    yield from hub_layout(hf, group).items()
+
+
+def _weights(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under their names in the model, one at a time, in `dtype` (the engine's: a shard is cast
+    before its all-gather, half the bytes of fp32 master weights in bf16); a LoRA layer's base weight merged with its
+    adapter (W + scale · B A, in fp32)."""
     from peft.tuners.lora import LoraLayer
 
     hf = hf_model(model)
