@@ -334,8 +334,7 @@ def packed_rows_kernel(model_args: ModelArguments, train_args, config, info: Dis
         if info.is_main:
             logger.info("packed rows on an NVIDIA GPU: attention through torch's varlen kernel (varlen_attention)")
         return
-    on_nvidia = getattr(info.device, "type", "cpu") == "cuda" and hardware.vendor() == "nvidia"
-    if info.is_main and on_nvidia and model_args.attn_implementation in attention.DENSE_MASK:
+    if info.is_main and hardware.on_nvidia_gpu(info.device) and model_args.attn_implementation in attention.DENSE_MASK:
         logger.warning(
             "packed rows under --attn_implementation %s build a dense T × T mask per forward: "
             "--attn_implementation varlen_attention takes the samples' boundaries instead (the same losses; 1.8× "

@@ -36,7 +36,7 @@ def chosen_by_default(model_args, train_args, config, device) -> bool:
 
     if getattr(model_args, "attention_chosen", True) or model_args.attn_implementation != "sdpa":
         return False
-    if getattr(device, "type", "cpu") != "cuda" or hardware.vendor() != "nvidia":
+    if not hardware.on_nvidia_gpu(device):
         return False
     if not (train_args.bf16 or getattr(train_args, "fp16", False)):
         return False

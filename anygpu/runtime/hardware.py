@@ -65,6 +65,11 @@ def vendor() -> str:
     return "amd" if getattr(torch.version, "hip", None) else "nvidia"
 
 
+def on_nvidia_gpu(device) -> bool:
+    """Whether `device` is a CUDA device of an NVIDIA build (a ROCm build names its GPUs cuda too)."""
+    return getattr(device, "type", "cpu") == "cuda" and vendor() == "nvidia"
+
+
 def devices() -> list[DeviceInfo]:
     if vendor() == "cpu":
         return []

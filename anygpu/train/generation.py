@@ -30,6 +30,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessor, Log
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from anygpu.runtime.parallel import is_sharded
+from anygpu.train.rollout import micro_batches
 
 _MASK = (1 << 64) - 1
 _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's constants
@@ -186,11 +187,10 @@ class PolicyGenerator:
     ) -> list[Completion]:
         """One completion per prompt (keys[i] for prompts[i]); `version` unused: the policy is its own weights.
         A collective: every rank calls it, also one without prompts."""
-        step = batch_size or max(len(prompts), 1)
         done: list[Completion] = []
         with gathered(model):
-            for start in range(0, len(prompts), step):
-                done += generate(model, prompts[start : start + step], keys[start : start + step], self.sampling)
+            for part in micro_batches(len(prompts), batch_size or max(len(prompts), 1)):
+                done += generate(model, prompts[part.start : part.stop], keys[part.start : part.stop], self.sampling)
         return done
 
     def close(self) -> None:
