@@ -364,7 +364,8 @@ def test_fsdp_ranks_generate_apart_inside_gathered():
 def test_vllm_push_gives_the_checkpoints_names_and_shapes(tmp_path):
     """--use_vllm pushes the policy in the layout vLLM's loaders read, a checkpoint's: for a MoE family whose experts
     transformers fuses in memory (Qwen3-MoE), the same tensor names and shapes `save_pretrained` writes, values equal;
-    a LoRA layer's base weight merged under its own name."""
+    with LoRA, what peft's `merge_and_unload` saves (adapters on the attention, the experts' 3-D weights, the router,
+    an embedding)."""
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -385,12 +386,23 @@ def test_vllm_push_gives_the_checkpoints_names_and_shapes(tmp_path):
     assert sorted(pushed) == sorted(saved)
     for name, tensor in saved.items():
         torch.testing.assert_close(pushed[name], tensor, atol=0, rtol=0, msg=name)
-    lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
-    with torch.no_grad():
-        for name, p in lora.named_parameters():
-            if "lora_B" in name:
-                p.fill_(0.1)
-    merged = dict(policy_weights(lora))
-    assert sorted(merged) == sorted(saved)
-    q = "model.layers.1.self_attn.q_proj.weight"
-    assert not torch.equal(merged[q], saved[q]) and torch.equal(merged["lm_head.weight"], saved["lm_head.weight"])
+    # LoRA merged as peft merges it: all-linear (on a MoE: the experts' 3-D weights and the router too, peft's nested
+    # ParamWrappers), and an embedding
+    for targets in ("all-linear", ["embed_tokens", "q_proj"]):
+        lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=2, target_modules=targets))
+        with torch.no_grad():
+            for name, p in lora.named_parameters():
+                if "lora_B" in name or "lora_embedding_" in name:  # peft starts an embedding's A at 0, not its B
+                    p.copy_(0.1 * torch.randn_like(p))
+        merged = dict(policy_weights(lora))
+        copy.deepcopy(lora).merge_and_unload().save_pretrained(tmp_path / "merged")
+        reference = load_file(tmp_path / "merged/model.safetensors")
+        assert sorted(merged) == sorted(reference) == sorted(saved)
+        changed = [n for n in saved if not torch.equal(merged[n], saved[n])]
+        assert (
+            any(".experts." in n for n in changed)
+            if targets == "all-linear"
+            else "model.embed_tokens.weight" in changed
+        )
+        for name, tensor in reference.items():
+            torch.testing.assert_close(merged[name], tensor, atol=1e-6, rtol=1e-5, msg=name)

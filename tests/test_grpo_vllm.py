@@ -2,8 +2,8 @@
 
 Real vLLM (its CPU build, which scripts/setup.sh --test installs where the torch is 2.13.0+cpu) in real processes:
 the weights vLLM samples from are the policy's (its log-probs of what it draws equal the policy's own, after a push
-and after a training step: families with GQA, biases, q/k norms, a tied head, LoRA merged, FSDP2 on 2 ranks, an
-engine in bf16), the keyed draws repeat, and `anygpu verify` finds a GRPO run the same on 1 and 2 ranks and resumed
+and after a training step: families with GQA, biases, q/k norms, a tied head, routed experts, one vLLM runs through
+its Transformers backend, LoRA merged (on a MoE's experts too), FSDP2 on 2 ranks, an engine in bf16), the keyed draws repeat, and `anygpu verify` finds a GRPO run the same on 1 and 2 ranks and resumed
 on another world size, completions included; what vLLM cannot run ends the run in one line before training. Skipped
 where vLLM is not installed (a GPU machine without it)."""
 
@@ -24,8 +24,10 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (scripts/setup.sh --test installs its CPU build where it can)"),
 ]  # fmt: skip
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}  # GiB of KV cache a CPU engine reserves
-# GQA and an untied head; q/k norms with head_dim 32; q/k/v biases and a tied head with a LoRA adapter, on 2 ranks
-WEIGHT_RUNS = {"llama": (["llama"], 1), "qwen3": (["qwen3"], 1), "qwen2-lora-2-ranks": (["qwen2", "lora"], 2),
+# vLLM's Transformers backend (OLMo2: GQA, untied); routed experts with LoRA on them, q/k norms, head_dim 32 (Qwen3-MoE);
+# q/k/v biases and a tied head with a LoRA adapter, on 2 ranks
+WEIGHT_RUNS = {"olmo2": (["olmo2"], 1), "qwen3-moe-lora": (["qwen3_moe", "lora"], 1),
+               "qwen2-lora-2-ranks": (["qwen2", "lora"], 2),
                # the engine in bf16: each fp32 shard cast before its all-gather, LoRA merged in fp32 then cast
                "llama-lora-bf16-2-ranks": (["llama", "lora", "bf16"], 2)}  # fmt: skip
 # the largest gap in log-prob of a drawn token: fp32's rounding, or bf16's (weights wrong by a push are nats away)

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import tempfile
+from contextlib import contextmanager
 from typing import Iterator
 
 import torch
@@ -70,7 +71,8 @@ class VllmGenerator:
             saved.save_pretrained(folder)  # the shapes alone: weights come from the policy, tokens as ids
             llm = None
             try:
-                llm = LLM(**engine_args(folder, dtype, max_model_len, memory, distributed))
+                with own_decoder_class(config):
+                    llm = LLM(**engine_args(folder, dtype, max_model_len, memory, distributed))
                 keep_the_process_group(llm)
                 # one token drawn now: what vLLM cannot run (a kernel for these shapes) fails before training
                 llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -120,6 +122,7 @@ class VllmGenerator:
         """The policy's current weights into the engine, in place, layer by layer (vLLM's reload: its kernels'
         own layouts redone after). Collective on a sharded model."""
         runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
+        rebuild_cpu_experts(runner.get_model())
         try:
             runner.reload_weights(weights_iterator=policy_weights(model, self.dtype), is_checkpoint_format=True)
         except (KeyError, ValueError, AssertionError) as e:
@@ -158,6 +161,18 @@ def redo_tied(engine_model: nn.Module) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
+def rebuild_cpu_experts(engine_model: nn.Module) -> None:
+    """vLLM's CPU MoE kernel pads and prepacks the experts' weights when it is built, and a reload keeps the built
+    kernel and skips that step: the new weights would land unpacked in the packed storage (a shape error where the
+    padding differs, wrong log-probs where it does not). On a CPU each MoE layer's kernel is built again on reload."""
+    if torch.cuda.is_available():
+        return  # GPU kernels redo their weight layout on every reload
+    for module in engine_model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+
+
 def quiet_tokenizer_warmup() -> None:
     """vLLM's chat-template warm-up asks for the tokenizer this engine is started without and logs the failure with
     its traceback: dropped (a filter on that logger: vLLM's own logging set-up resets its level at engine start)."""
@@ -169,6 +184,31 @@ def quiet_tokenizer_warmup() -> None:
 class _NoTokenizerWarmup(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Chat template warmup failed")
+
+
+@contextmanager
+def own_decoder_class(config) -> Iterator[None]:
+    """The engine's transformers classes its own while it is built. vLLM runs the families it has no code of its own
+    for (Olmo2, Phi, GPT-NeoX, ... in 0.32) through its Transformers backend, which rewrites the decoder class it
+    builds in place (its compile wrapper added to `__bases__`, `__init__` and `__call__` replaced): the policy, an
+    instance of that same class in this process, would no longer run. The engine builds a subclass instead."""
+    from transformers import AutoModel
+
+    mapping, key = AutoModel._model_mapping, type(config)
+    if key not in mapping:
+        yield
+        return
+    base = mapping[key]
+    own = type(base.__name__, (base,), {"__module__": base.__module__, "__qualname__": base.__qualname__})
+    before = mapping._extra_content.get(key)  # transformers keeps registered classes there, ahead of its own
+    mapping.register(key, own, exist_ok=True)
+    try:
+        yield
+    finally:
+        if before is None:
+            mapping._extra_content.pop(key, None)
+        else:
+            mapping._extra_content[key] = before
 
 
 def launcher_env() -> None:
@@ -272,18 +312,46 @@ def _weights(model: nn.Module, dtype: torch.dtype | None) -> Iterator[tuple[str,
 
 
 def _merged(name: str, layer, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """A LoRA layer as one linear layer: its base weight plus each active adapter's B A, scaled."""
-    base = layer.get_base_layer()
-    weight = full(base.weight).float()
+    """A LoRA layer as one plain layer: its base weight plus each active adapter's B A, scaled (peft's merge, on the
+    whole tensors). A MoE's experts adapted by parameter (peft's `ParamWrapper`, one per adapted 3-D weight, nested)
+    give each adapted weight with its own delta."""
+    from peft.tuners.lora import ParamWrapper
+
+    deltas: dict[str, torch.Tensor] = {}
+    while isinstance(layer, ParamWrapper):
+        for delta in _deltas(layer):
+            deltas[layer.parameter_name] = deltas.get(layer.parameter_name, 0) + delta
+        layer = layer.base_layer  # the next wrapper in, or the experts module
+    if not deltas:  # a linear layer's adapter: the delta is its weight's
+        deltas["weight"] = sum(_deltas(layer), torch.zeros(()))
+        layer = layer.get_base_layer()
+    for pname, param in layer.named_parameters():
+        if pname in deltas:
+            yield clean(f"{name}.{pname}"), (full(param).float() + deltas[pname]).to(dtype or param.dtype)
+        else:
+            yield clean(f"{name}.{pname}"), full(param, dtype)
+
+
+def _deltas(layer) -> Iterator[torch.Tensor]:
+    """Each active adapter's scaled B A for `layer`, in fp32, in its weight's shape."""
+    from peft.tuners.lora import ParamWrapper
+
     for adapter in layer.active_adapters:
+        if adapter in getattr(layer, "lora_embedding_A", {}):  # an embedding's: A rank x vocabulary, B dim x rank
+            a, b = full(layer.lora_embedding_A[adapter]).float(), full(layer.lora_embedding_B[adapter]).float()
+            yield (b @ a).T * layer.scaling[adapter]
+            continue
         if adapter not in layer.lora_A:
             continue
-        delta = full(layer.lora_B[adapter].weight).float() @ full(layer.lora_A[adapter].weight).float()
-        delta = delta.T if getattr(layer, "fan_in_fan_out", False) else delta
-        weight = weight + delta * layer.scaling[adapter]
-    yield clean(f"{name}.weight"), weight.to(dtype or base.weight.dtype)
-    if getattr(base, "bias", None) is not None:
-        yield clean(f"{name}.bias"), full(base.bias, dtype)
+        a, b = full(layer.lora_A[adapter].weight).float(), full(layer.lora_B[adapter].weight).float()
+        experts = getattr(layer, "num_experts", 1) if isinstance(layer, ParamWrapper) else 1
+        if experts > 1:  # peft's ParamWrapper.get_delta_weight: A experts x rank x in, B out x rank x experts
+            a, b = a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts)
+            delta = torch.einsum("ore,eri->eoi" if layer._did_swap_in_out_features else "ore,eri->eio", b, a)
+        else:
+            delta = b @ a
+            delta = delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+        yield delta * layer.scaling[adapter]
 
 
 def full(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """--use_vllm's weight push and keyed sampling (tests/test_grpo_vllm.py), one process or 2 gloo ranks under FSDP2.
 
 `vllm_weights.py FAMILY [lora] [bf16]`: a small random model of FAMILY (fp32), its LoRA adapter given non-zero B where
-asked; under torchrun each decoder layer and the root are sharded; bf16: the engine runs in bf16. A colocated vLLM engine takes the policy's
+asked (q, v, the MLP's projections: a MoE's experts by parameter); under torchrun each decoder layer and the root are sharded; bf16: the engine runs in bf16. A colocated vLLM engine takes the policy's
 weights (`VllmGenerator.push`), samples a completion for each keyed prompt, and reports its log-probs of the tokens
 it drew; the policy's own log-probs of the same tokens come from an unsharded copy. Then one SGD step changes the
 weights (on every rank, on the same rows), and the next round must sample from the new ones. Rank 0 prints
@@ -29,6 +29,13 @@ FAMILIES = {
     # q/k norms, explicit head_dim, GQA
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                   tie_word_embeddings=False),
+    # a family vLLM runs through its Transformers backend (which rewrites transformers' own class in this process);
+    # q/k norms over whole projections, norms after the blocks, GQA
+    "olmo2": dict(model_type="olmo2", num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False),
+    # routed experts (vLLM's fused MoE; an expert width its CPU kernel pads), q/k norms; LoRA on the experts' 3-D
+    # weights (peft's nested ParamWrappers: gate_up_proj and down_proj)
+    "qwen3_moe": dict(model_type="qwen3_moe", num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=48, tie_word_embeddings=False),
 }  # fmt: skip
 # many stop tokens (1 in 9 of the vocabulary): most completions end on one, some are cut at max_new_tokens
 STOPS = tuple(range(2, 38))
@@ -47,7 +54,10 @@ def build(family: str, lora: bool) -> torch.nn.Module:
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+        model = get_peft_model(
+            model,
+            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]),
+        )
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "lora_B" in name:
