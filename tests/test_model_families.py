@@ -288,3 +288,23 @@ def test_the_default_attention_fits_a_family_without_sdpa(tmp_path):
         args = ModelArguments(config_name=str(folder), attn_implementation=asked)
         modeling.resolve_config(args)
         assert args.attn_implementation == expected, (model_type, asked)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_a_family_without_sdpa_starts_from_scratch(tmp_path, model_type):
+    """Gemma 2 (softcapped scores) and gpt-oss (attention sinks) have no sdpa kernel: a model trained from scratch is
+    built and initialised (the family's own initial weights come from a scratch copy) on eager, and runs."""
+    import torch
+    from transformers import AutoConfig
+
+    from anygpu.config.args import ModelArguments
+    from anygpu.model import modeling
+
+    shapes = {"gemma2": dict(head_dim=8), "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8)}
+    AutoConfig.for_model(model_type, **SMALL, **shapes[model_type]).save_pretrained(tmp_path)
+    args = ModelArguments(config_name=str(tmp_path))
+    config = modeling.resolve_config(args)
+    model = modeling.build_full_model(config, args, seed=0)
+    assert model.config._attn_implementation == "eager"
+    logits = model(torch.tensor([[1, 5, 9, 33]])).logits
+    assert logits.shape == (1, 4, 128) and torch.isfinite(logits).all()

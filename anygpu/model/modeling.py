@@ -186,8 +186,10 @@ def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
 
 def init_parameters(model: nn.Module, config: PretrainedConfig, seed: int, trust_remote_code: bool = False) -> None:
     """Fill every parameter (plain or FSDP2-sharded DTensor) with the model family's own seeded initial value."""
-    # A copy: from_config records the attention kernel in the config it is given.
-    scratch = build_meta_model(copy.deepcopy(config), ModelArguments(trust_remote_code=trust_remote_code))
+    # A copy: from_config records the attention kernel in the config it is given. Eager: every family has it
+    # (Gemma 2 and gpt-oss have no sdpa), and the initial values do not depend on the kernel.
+    scratch_args = ModelArguments(attn_implementation="eager", trust_remote_code=trust_remote_code)
+    scratch = build_meta_model(copy.deepcopy(config), scratch_args)
     init_weights.initialize(lora.base_targets(model), scratch, seed, decoder_layer_classes(scratch))
 
 
