@@ -357,6 +357,24 @@ def test_grpo_runs_compare_reward_kl_and_completions(tmp_path):
     assert table([ref, three]).splitlines()[-1].split()[-1] == "DIFFER"
 
 
+def test_a_grpo_run_that_differs_only_after_an_agreeing_first_step_gets_the_rounding_hint(tmp_path):
+    """Weights apart (what Adam makes of cancelling gradients summed in another order), the first step's grad norm and
+    every completion equal: the hint says why and where to read; a first step apart, or a completion, gets none."""
+    from anygpu.tools.verify import compare, grpo_rounding_hint, read_metrics
+
+    ref = grpo_run(tmp_path, "fsdp-w1", [3e-9, -0.25], [0.5, 0.75], completions=samples(SAME))
+    moved = grpo_run(tmp_path, "fsdp-w3", [3e-9, -0.25], [0.5, 0.75], completions=samples(SAME), weight=1.01)
+    for run in (ref, moved):
+        read_metrics(run)
+    assert compare([ref, moved], None, grpo=True).quantity == "weights"
+    (hint,) = grpo_rounding_hint([ref, moved], 1e-5)
+    assert "first step agrees" in hint and "docs/grpo.md#verify" in hint
+    moved.grad_norm[1] = 1.001  # the math itself differs: the first step, before any weight moved, says so
+    assert grpo_rounding_hint([ref, moved], 1e-5) == []
+    moved.grad_norm[1], moved.completions = 1.0, "step 2, completion 3"
+    assert grpo_rounding_hint([ref, moved], 1e-5) == []
+
+
 def test_a_grpo_run_missing_its_reward_curve_is_an_error(tmp_path):
     from anygpu.tools.verify import VerifyError, compare, read_metrics
 

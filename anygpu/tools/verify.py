@@ -588,6 +588,28 @@ def hints(runs: list[Run]) -> list[str]:
     return []
 
 
+def grpo_rounding_hint(runs: list[Run], tolerance: float) -> list[str]:
+    """A GRPO job whose runs agree on their first common step and on every completion, and differ after it: rounding
+    that Adam's first steps amplify (a group's gradients cancel down to rounding errors), not the math."""
+    if any(r.completions != "same" for r in runs[1:]):
+        return []
+    first = []
+    for r in runs[1:]:
+        steps = sorted(set(r.grad_norm) & set(runs[0].grad_norm))
+        if not steps:
+            return []
+        a, b = runs[0].grad_norm[steps[0]], r.grad_norm[steps[0]]
+        first.append(abs(a - b) / max(abs(a), 1e-12))
+    if max(first) > tolerance:
+        return []
+    return [
+        f"every run's first step agrees (grad norm within {fmt(max(first))}) and its completions are the same: what "
+        "differs after it is rounding, which a GRPO step amplifies (a group's gradients cancel down to rounding errors "
+        "whose sign follows the order of the sums, and Adam's first steps move each weight by about the learning rate "
+        "whatever its gradient's size); see docs/grpo.md#verify"
+    ]
+
+
 def fmt(x: float | None) -> str:
     return "—" if x is None else "inf" if math.isinf(x) else f"{x:.2e}"
 
@@ -779,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     differ = completions_verdict(runs)
     passed = worst.value <= tolerance and differ is None
     sys.stdout.write(table(runs))
-    for line in hints(runs) if not passed else []:
+    for line in (hints(runs) + grpo_rounding_hint(runs, tolerance) * v.grpo) if not passed else []:
         print(f"hint: {line}")
     if v.grpo and all(r.completions is None for r in runs[1:]):
         print("note: the completions were not compared: the job writes none (--num_completions_to_print 0)")
