@@ -41,7 +41,19 @@ FAMILIES = {
     ),
 }  # fmt: skip
 NAMED = tuple(FAMILIES)
-DRAWN_TYPES = ("mistral", "gemma", "phi3", "olmo2", "granite", "stablelm", "qwen3", "starcoder2")
+DRAWN_TYPES = (
+    "mistral",
+    "gemma",
+    "phi3",
+    "olmo2",
+    "granite",
+    "stablelm",
+    "qwen3",
+    "starcoder2",
+    "gemma2",
+    "cohere2",
+    "olmo3",
+)
 
 
 def draw_family(seed: int) -> tuple[dict, str]:

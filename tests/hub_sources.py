@@ -133,9 +133,10 @@ def build(root: Path, names=SOURCES) -> dict[str, Path]:
     return out
 
 
-def write(folder: Path, config: dict, dtype: str, shard: str = "50GB", tok=None, attn: str = "sdpa") -> Path:
+def write(folder: Path, config: dict, dtype: str, shard: str = "50GB", tok=None, attn: str | None = None) -> Path:
     """`config` (a dict with its model_type) as a Hub folder: weights drawn with seed 0, saved by save_pretrained in
-    `dtype` and shards of `shard`, with the test tokenizer (`tok`, else a new one) whose special ids it takes."""
+    `dtype` and shards of `shard`, with the test tokenizer (`tok`, else a new one) whose special ids it takes;
+    `attn` None: transformers' default (sdpa, eager for a family without it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
