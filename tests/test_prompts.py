@@ -210,3 +210,33 @@ def test_a_saved_data_set_gives_prompts_and_its_test_split_validates(tmp_path, t
     DatasetDict(train=Dataset.from_list(chat_rows(5)).rename_column("prompt", "messages")).save_to_disk(tmp_path / "m")
     with pytest.raises(UsageError, match=r"--dataset_name .*m \(train split\) has a 'messages' column but no 'prompt'"):
         prompts.load_prompts(args("--dataset_name", str(tmp_path / "m"))[1])
+
+
+NO_SYSTEM = (  # Gemma's way: its template raises on a system turn
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' + m['content'] + "
+    "'<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_refuses_a_conversation_is_named_in_one_line(tmp_path, tok):
+    """A chat template's own refusal (Gemma's: no system turn) ends prompt, SFT and DPO preparation with a UsageError
+    that gives the template's reason, the conversation's turns and what to change, not jinja's traceback."""
+    from anygpu.data import chat_template, preference
+
+    tok = tok_lib.train_bpe(iter(WORDS * 20), 400)
+    tok.chat_template = NO_SYSTEM
+    said = (
+        r"the tokenizer's chat template refused a conversation of turns \(system, user.*\): System role not supported"
+    )
+    _, d, _ = args("--train_file", str(write(tmp_path / "t.jsonl", chat_rows(6))))
+    with pytest.raises(UsageError, match=said + r".*--tokenizer_name"):
+        prompts.make_prompts(prompts.load_prompts(d)[0], tok, d, max_prompt_length=256)
+    chat = [*chat_rows(1)[0]["prompt"], {"role": "assistant", "content": "blue"}]
+    with pytest.raises(UsageError, match=said):
+        chat_template.encode_chat(tok, chat, assistant_only=True)
+    pair = {"prompt": chat[:2], "chosen": [chat[2]], "rejected": [{"role": "assistant", "content": "red"}]}
+    with pytest.raises(UsageError, match=said):
+        preference.tokenize_pair(tok, pair)
+    assert chat_template.encode_chat(tok, chat[1:], assistant_only=True)[0]  # without the system turn: taken

@@ -54,8 +54,24 @@ def clean_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
+def apply(tokenizer, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
+    """`tokenizer.apply_chat_template`, a template's own refusal (its `raise_exception`: a role it does not take,
+    turns out of order) said in one line with the conversation's turns, before any training."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except TemplateError as e:
+        turns = ", ".join(str(m.get("role")) for m in messages)
+        raise UsageError(
+            f"the tokenizer's chat template refused a conversation of turns ({turns}): {e}. Give conversations its "
+            "template takes (where it takes no system turn, fold that text into the first user turn), or a tokenizer "
+            "whose template takes them (--tokenizer_name)."
+        ) from e
+
+
 def render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return apply(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 def has_generation_markers(tokenizer) -> bool:
@@ -99,9 +115,7 @@ def encode_chat(
         tokenizer(text, add_special_tokens=False, return_offsets_mapping=True) if num_untrained or not markers else None
     )
     if markers:
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
+        out = apply(tokenizer, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), [bool(x) for x in out["assistant_masks"]]
     else:
         spans = assistant_char_spans(tokenizer, messages, text)

@@ -80,7 +80,7 @@ def _template_kwargs(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _chat_ids(tokenizer, messages: list, **kwargs) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+    return list(chat_template.apply(tokenizer, messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
 
 
 def tokenize_pair(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
