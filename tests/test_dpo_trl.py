@@ -1,4 +1,4 @@
-"""--objective dpo against TRL's DPOTrainer (trl pinned in requirements-test.txt), the outside oracle, on the same
+"""--objective dpo against TRL's DPOTrainer (trl pinned in constraints.txt), the outside oracle, on the same
 policy and reference folders and rows: the same tokens for every format (explicit and implicit prompts, strings and
 conversations) and chat template; the native engine's step-0 evaluation (loss, rewards, log-probs) and its first
 step's loss and gradient norm for plain and conversational rows, sigmoid and ipo; and every per-pair loss type of the
