@@ -70,8 +70,13 @@ def apply(tokenizer, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
         ) from e
 
 
-def render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-    return apply(tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def render(
+    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = False, template: str | None = None
+) -> str:
+    """The conversation as text, with `template` where given (else the tokenizer's own)."""
+    return apply(
+        tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
+    )
 
 
 def has_generation_markers(tokenizer) -> bool:
@@ -104,25 +109,36 @@ def encode_chat(
     """Token ids of the rendered chat and, per token, whether it is trained on; the first `num_untrained`
     messages (a conversational prompt) never are: the tokens before the end of their rendering with the
     generation prompt."""
+    from anygpu.data import training_template
+
     messages = clean_messages(messages)
-    text = render(tokenizer, messages)
+    # TRL's training version where the tokenizer's own template can find no assistant tokens (training_template)
+    template = training_template.for_assistant_loss(tokenizer) if assistant_only else None
+    text = render(tokenizer, messages, template=template)
     if not assistant_only:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids, [True] * len(ids)
-    markers = has_generation_markers(tokenizer)
+    markers = template is not None or has_generation_markers(tokenizer)
     # character offsets (a fast tokenizer's) where the prompt's end or the turns' spans must be found
     enc = (
         tokenizer(text, add_special_tokens=False, return_offsets_mapping=True) if num_untrained or not markers else None
     )
     if markers:
-        out = apply(tokenizer, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out = apply(
+            tokenizer,
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            chat_template=template,
+        )
         ids, mask = list(out["input_ids"]), [bool(x) for x in out["assistant_masks"]]
     else:
         spans = assistant_char_spans(tokenizer, messages, text)
         # a token belongs to the turn its first character is in
         ids, mask = enc["input_ids"], [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]
     if num_untrained:
-        prompt = render(tokenizer, messages[:num_untrained], add_generation_prompt=True)
+        prompt = render(tokenizer, messages[:num_untrained], add_generation_prompt=True, template=template)
         if not text.startswith(prompt) or list(enc["input_ids"]) != ids:
             raise UsageError(
                 "the chat template renders the prompt differently inside the whole conversation: "
