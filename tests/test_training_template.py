@@ -33,7 +33,8 @@ def tok():
 def test_a_template_that_re_renders_earlier_turns_trains_as_trl_does(tok, name):
     tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
     assert not training_template.renders_turn_by_turn(tok)  # what refused the assistant-only loss before
-    ids, mask = chat_template.encode_chat(tok, CHAT, assistant_only=True)
+    template = training_template.for_assistant_loss(tok)
+    ids, mask = chat_template.encode_chat(tok, CHAT, assistant_only=True, template=template)
     trl_side = tok.apply_chat_template(
         CHAT, chat_template=get_training_chat_template(tok), tokenize=True, return_dict=True,
         return_assistant_tokens_mask=True,
@@ -49,5 +50,5 @@ def test_a_template_that_re_renders_earlier_turns_trains_as_trl_does(tok, name):
 def test_a_template_that_renders_turn_by_turn_keeps_its_own(tok):
     tok.chat_template = (TEMPLATES / "llama3.jinja").read_text()
     assert training_template.for_assistant_loss(tok) is None
-    ids, mask = chat_template.encode_chat(tok, CHAT, assistant_only=True)
+    ids, mask = chat_template.encode_chat(tok, CHAT, assistant_only=True, template=None)
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "blue<|eot_id|>blue too<|eot_id|>"

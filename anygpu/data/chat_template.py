@@ -104,16 +104,13 @@ def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], text: str) -
 
 
 def encode_chat(
-    tokenizer, messages: list[dict[str, Any]], assistant_only: bool, num_untrained: int = 0
+    tokenizer, messages: list[dict[str, Any]], assistant_only: bool, num_untrained: int = 0, template: str | None = None
 ) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered chat and, per token, whether it is trained on; the first `num_untrained`
     messages (a conversational prompt) never are: the tokens before the end of their rendering with the
-    generation prompt."""
-    from anygpu.data import training_template
-
+    generation prompt. `template`: one with markers to render with instead of the tokenizer's own
+    (`training_template.for_assistant_loss`)."""
     messages = clean_messages(messages)
-    # TRL's training version where the tokenizer's own template can find no assistant tokens (training_template)
-    template = training_template.for_assistant_loss(tokenizer) if assistant_only else None
     text = render(tokenizer, messages, template=template)
     if not assistant_only:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

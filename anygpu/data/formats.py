@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 from datasets import Dataset, DatasetDict
 
-from anygpu.data import chat_template
+from anygpu.data import chat_template, training_template
 from anygpu.errors import UsageError
 
 TEXT, PROMPT_COMPLETION, MESSAGES, PREFERENCE = "text", "prompt_completion", "messages", "preference"
@@ -86,6 +86,7 @@ def _encode_prompt_completion(
             prompt + completion,
             assistant_only=completion_only,
             num_untrained=len(prompt) if completion_only else 0,
+            template=training_template.for_assistant_loss(tokenizer) if completion_only else None,
         )
     ids = prompt_ids + completion_ids
     return ids, [not completion_only] * len(prompt_ids) + [True] * len(completion_ids)
@@ -128,7 +129,11 @@ class EncodeOptions:
 def encode_sample(tokenizer, row: dict[str, Any], opts: EncodeOptions) -> tuple[list[int], list[int], bool]:
     """(input_ids, labels, overlong) of one sample, before dropping; labels -100 where not trained on."""
     if opts.fmt == MESSAGES:
-        ids, trained = chat_template.encode_chat(tokenizer, row["messages"], opts.assistant_only_loss)
+        # TRL's training version where the tokenizer's own template cannot find the assistant's tokens
+        template = training_template.for_assistant_loss(tokenizer) if opts.assistant_only_loss else None
+        ids, trained = chat_template.encode_chat(
+            tokenizer, row["messages"], opts.assistant_only_loss, template=template
+        )
     else:
         ids, trained = _encode_prompt_completion(tokenizer, row["prompt"], row["completion"], opts.completion_only_loss)
     labels = [t if keep else IGNORE for t, keep in zip(ids, trained)]
