@@ -6,12 +6,12 @@ test requirements bring (TRL, say) would pass every test and fail a user's first
 from __future__ import annotations
 
 import ast
-import re
 import sys
 from importlib import metadata
 
 from conftest import ROOT
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 # --use_vllm (refused by name without it), --report_to mlflow|wandb|trackio (pyproject's extras)
 OPTIONAL = {"vllm", "mlflow", "wandb", "trackio"}
@@ -37,9 +37,8 @@ def imported_modules() -> dict[str, str]:
 
 def installed_by_requirements() -> set[str]:
     """The distributions requirements.txt names, and theirs, transitively (normalised names)."""
-    norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731
     lines = (ROOT / "requirements.txt").read_text().splitlines()
-    todo = [norm(re.split(r"[<>=!~\[; ]", x.strip())[0]) for x in lines if x.strip() and not x.startswith("#")]
+    todo = [canonicalize_name(Requirement(x).name) for x in lines if x.strip() and not x.startswith("#")]
     seen: set[str] = set()
     while todo:
         dist = todo.pop()
@@ -48,7 +47,7 @@ def installed_by_requirements() -> set[str]:
         seen.add(dist)
         for req in map(Requirement, metadata.requires(dist) or []):
             if req.marker is None or req.marker.evaluate({"extra": ""}):  # not an extra's, and for this Python
-                todo.append(norm(req.name))
+                todo.append(canonicalize_name(req.name))
     return seen
 
 
@@ -58,8 +57,7 @@ def test_every_runtime_import_is_installed_by_the_default_set_up():
     missing = {
         module: (where, dists.get(module))
         for module, where in imported_modules().items()
-        if module not in OPTIONAL
-        and not any(re.sub(r"[-_.]+", "-", d).lower() in installed for d in dists.get(module, []))
+        if module not in OPTIONAL and not any(canonicalize_name(d) in installed for d in dists.get(module, []))
     }
     assert not missing, (
         f"imported by anygpu/ but not installed by requirements.txt (module: file, distribution): {missing}"

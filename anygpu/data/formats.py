@@ -72,6 +72,15 @@ def row_key(ds: Dataset, fmt: str, text_column: str) -> Iterator[bytes]:
             yield json.dumps(values, sort_keys=True, default=str).encode("utf-8", errors="replace")
 
 
+def _encode_chat(
+    tokenizer, messages: list[dict[str, Any]], assistant_only: bool, num_untrained: int = 0
+) -> tuple[list[int], list[bool]]:
+    """`chat_template.encode_chat`, rendered with TRL's training version of the template where the tokenizer's own
+    cannot find the assistant's tokens (`training_template`)."""
+    template = training_template.for_assistant_loss(tokenizer) if assistant_only else None
+    return chat_template.encode_chat(tokenizer, messages, assistant_only, num_untrained, template=template)
+
+
 def _encode_prompt_completion(
     tokenizer, prompt: Any, completion: Any, completion_only: bool
 ) -> tuple[list[int], list[bool]]:
@@ -81,13 +90,7 @@ def _encode_prompt_completion(
         prompt_ids = tokenizer(prompt)["input_ids"]
         completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     else:  # conversational: the messages path's rendering and targets, less the prompt's turns when completion-only
-        return chat_template.encode_chat(
-            tokenizer,
-            prompt + completion,
-            assistant_only=completion_only,
-            num_untrained=len(prompt) if completion_only else 0,
-            template=training_template.for_assistant_loss(tokenizer) if completion_only else None,
-        )
+        return _encode_chat(tokenizer, prompt + completion, completion_only, len(prompt) if completion_only else 0)
     ids = prompt_ids + completion_ids
     return ids, [not completion_only] * len(prompt_ids) + [True] * len(completion_ids)
 
@@ -129,11 +132,7 @@ class EncodeOptions:
 def encode_sample(tokenizer, row: dict[str, Any], opts: EncodeOptions) -> tuple[list[int], list[int], bool]:
     """(input_ids, labels, overlong) of one sample, before dropping; labels -100 where not trained on."""
     if opts.fmt == MESSAGES:
-        # TRL's training version where the tokenizer's own template cannot find the assistant's tokens
-        template = training_template.for_assistant_loss(tokenizer) if opts.assistant_only_loss else None
-        ids, trained = chat_template.encode_chat(
-            tokenizer, row["messages"], opts.assistant_only_loss, template=template
-        )
+        ids, trained = _encode_chat(tokenizer, row["messages"], opts.assistant_only_loss)
     else:
         ids, trained = _encode_prompt_completion(tokenizer, row["prompt"], row["completion"], opts.completion_only_loss)
     labels = [t if keep else IGNORE for t, keep in zip(ids, trained)]

@@ -598,8 +598,7 @@ def grpo_rounding_hint(runs: list[Run], tolerance: float) -> list[str]:
         steps = sorted(set(r.grad_norm) & set(runs[0].grad_norm))
         if not steps:
             return []
-        a, b = runs[0].grad_norm[steps[0]], r.grad_norm[steps[0]]
-        first.append(abs(a - b) / max(abs(a), 1e-12))
+        first.append(rel_diff(runs[0].grad_norm[steps[0]], r.grad_norm[steps[0]]))
     if max(first) > tolerance:
         return []
     return [

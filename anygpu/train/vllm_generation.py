@@ -318,13 +318,13 @@ def _merged(name: str, layer, dtype: torch.dtype | None) -> Iterator[tuple[str, 
     from peft.tuners.lora import ParamWrapper
 
     deltas: dict[str, torch.Tensor] = {}
+    if not isinstance(layer, ParamWrapper):  # a linear layer's (or an embedding's) adapter: its weight's delta
+        deltas["weight"] = sum(_deltas(layer), torch.zeros(()))
+        layer = layer.get_base_layer()
     while isinstance(layer, ParamWrapper):
         for delta in _deltas(layer):
             deltas[layer.parameter_name] = deltas.get(layer.parameter_name, 0) + delta
         layer = layer.base_layer  # the next wrapper in, or the experts module
-    if not deltas:  # a linear layer's adapter: the delta is its weight's
-        deltas["weight"] = sum(_deltas(layer), torch.zeros(()))
-        layer = layer.get_base_layer()
     for pname, param in layer.named_parameters():
         if pname in deltas:
             yield clean(f"{name}.{pname}"), (full(param).float() + deltas[pname]).to(dtype or param.dtype)
