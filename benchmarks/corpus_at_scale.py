@@ -23,7 +23,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import anygpu  # noqa: E402
+from _scratch import scratch_folder
 
 anygpu.set_offline_defaults()
 # The library is imported inside the functions: preparation's worker processes are spawned, and each imports
@@ -131,7 +131,7 @@ def main() -> None:
     a = p.parse_args()
     from anygpu.data import tokenizer as tok_lib
 
-    tmp = Path(tempfile.mkdtemp(prefix="anygpu-scale-"))
+    tmp = Path(scratch_folder("anygpu-scale-"))
     cores = len(os.sched_getaffinity(0))
     base_mb = write_corpus(a.base_mb, tmp / "base")
     big_mb = write_corpus(a.base_mb * a.scale, tmp / "big")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import tempfile
 import time
 
 import numpy as np
@@ -25,6 +24,7 @@ from anygpu.data.order import GlobalOrder
 from anygpu.engines import fsdp as fsdp_engine
 from anygpu.runtime import distributed
 from anygpu.train import optim
+from _scratch import scratch_folder
 
 
 def synthetic(num_samples: int, block_size: int, vocab: int, folder: str) -> Dataset:
@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
     model_args, _, train_args, info, prep = setup(a.config_name, a.block_size, a.global_batch_size)
-    folder = tempfile.mkdtemp(prefix="anygpu-corpus-")
+    folder = scratch_folder("anygpu-corpus-")
     t0 = time.perf_counter()
     large = synthetic(a.large, prep.block_size, prep.config.vocab_size, folder)
     print(f"synthetic corpus of {len(large):,} packed samples written in {time.perf_counter() - t0:.0f} s", flush=True)

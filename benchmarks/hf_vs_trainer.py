@@ -24,8 +24,8 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+from _scratch import scratch_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,7 +75,7 @@ def main() -> None:
     loop_ms = {"engine": [], "bare": []}  # wall clock per step outside the model's forward and backward
     loop_cpu_ms = {"engine": [], "bare": []}  # the same in CPU time
     for r in range(a.rounds):
-        out = tempfile.mkdtemp(prefix="anygpu-hfbench-")
+        out = scratch_folder("anygpu-hfbench-")
         # --lean_loss false: the bare Trainer takes the model's own loss (the lean one: benchmarks/lean_loss.py)
         engine_cmd = [
             *timing,

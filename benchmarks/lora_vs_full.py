@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from anygpu.engines import fsdp as fsdp_engine  # noqa: E402
 from anygpu.model import modeling  # noqa: E402
 from anygpu.runtime import distributed, parallel
 from anygpu.train import optim
+from _scratch import scratch_folder
 
 
 def write_base(a, folder: Path, info) -> None:
@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--lora_r", default="16")
     a = p.parse_args()
     info = distributed.init_distributed()
-    base = Path(tempfile.mkdtemp(prefix="anygpu-lora-bench-"))
+    base = Path(scratch_folder("anygpu-lora-bench-"))
     write_base(a, base, info)
     common = [
         "--model_name_or_path",

@@ -17,7 +17,6 @@ import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from anygpu.data.prepare import prepare  # noqa: E402
 from anygpu.model import modeling  # noqa: E402
 from anygpu.runtime import distributed
 from anygpu.train import optim
+from _scratch import scratch_folder
 
 WORDS = (
     "the a sky is blue green model data token batch train loss rank step layer weight attention sample "
@@ -83,7 +83,7 @@ def main() -> None:
     p.add_argument("--per_device", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="anygpu-bench-chat-"))
+    tmp = Path(scratch_folder("anygpu-bench-chat-"))
     write_chat(tmp / "chat.jsonl", a.samples)
     info = distributed.init_distributed()
     runs = {}

@@ -18,13 +18,13 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import anygpu
+from _scratch import scratch_folder
 
 anygpu.set_offline_defaults()  # before datasets is imported
 # The library is imported inside the functions: --jsonl's worker processes are spawned, and each imports this
@@ -76,7 +76,7 @@ def main() -> None:
     from anygpu.data.prepare import preprocessing_workers, rank_workers
 
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s] %(message)s")
-    tmp = tempfile.mkdtemp(prefix="anygpu-prep-")
+    tmp = scratch_folder("anygpu-prep-")
     base, big = corpus(a.base_mb, f"{tmp}/base"), corpus(a.base_mb + a.extra_mb, f"{tmp}/big")
     fresh = lambda ds, name: (ds.save_to_disk(f"{tmp}/{name}"), load_from_disk(f"{tmp}/{name}"))[1]  # noqa: E731
     tok = tok_lib.train_bpe(formats.training_texts(base["train"], formats.TEXT, "text"), 8192)

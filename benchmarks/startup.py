@@ -15,9 +15,9 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+from _scratch import scratch_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 IMPORTS = "import torch, transformers; from transformers import AutoModelForCausalLM, LlamaForCausalLM"
@@ -73,7 +73,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
-    out = tempfile.mkdtemp(prefix="anygpu-startup-")
+    out = scratch_folder("anygpu-startup-")
     # the same folder each round (its caches stay warm); each run replaces the last
     engine_cmd = [
         sys.executable,

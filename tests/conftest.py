@@ -175,6 +175,7 @@ class Zygote:
     the zygote's in variables read at run time; anything else gets a fresh interpreter."""
 
     proc: subprocess.Popen | None = None
+    jobs: tempfile.TemporaryDirectory | None = None  # the jobs' output and exit-code files, removed at exit
     RUN_TIME_VARIABLES = (
         "ANYGPU_TEST_",
         "ANYGPU_LEAN_LOSS_CHUNK_TOKENS",
@@ -215,7 +216,9 @@ class Zygote:
     @classmethod
     def start(cls, argv: list[str], full_env: dict[str, str]) -> ZygoteJob:
         """`python ARGV` started beside the test, as `start_job`'s Popen would be (stderr folded into stdout)."""
-        folder = Path(tempfile.mkdtemp(prefix="zygote-job-"))
+        if cls.jobs is None:
+            cls.jobs = tempfile.TemporaryDirectory(prefix="zygote-jobs-")
+        folder = Path(tempfile.mkdtemp(dir=cls.jobs.name))
         out = folder / "output"
         out.touch()
         code = folder / "code"
