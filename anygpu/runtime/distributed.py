@@ -357,10 +357,25 @@ def leave(info: DistInfo) -> None:
         barrier()
 
 
+_ENDED_GROUPS: list = []  # every group `destroy` ended, referenced until the process exits
+
+
 def destroy(sync: bool = True) -> None:
     """Leave the process group; `sync` waits for every rank first (a rank that tears gloo down
     while a peer is still in it aborts that peer). Error paths pass sync=False: a peer may never come."""
     if dist.is_initialized():
         if sync and dist.get_world_size() > 1:
             dist.barrier()
+        # A gloo group's destructor joins its worker threads. Freed by a DDP reducer (a finished trainer's model),
+        # it runs with the GIL held, while a worker may still be freeing its last work's tensors, whose Python
+        # objects need the GIL: a deadlock at the end of a finished run. Keeping a Python reference makes torch's
+        # own holder, which frees the group without the GIL, the last one (tests/test_teardown.py).
+        _ENDED_GROUPS.extend(c10d_groups())
         dist.destroy_process_group()
+
+
+def c10d_groups() -> list:
+    """Every process group this process has made (the default one included)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return list(c10d._world.pg_map)

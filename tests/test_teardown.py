@@ -1,0 +1,41 @@
+"""A finished run's end never hangs in torch's teardown of its process group.
+
+Found so: one node of `test_two_nodes_on_one_machine_match_one_node[hf]` hung after its last step (1 run in ~30
+on 2 busy cores) and the other node's torchrun waited for it. gdb showed the deadlock: the DDP reducer of the
+freed trainer held the last reference to the gloo group, so the group's destructor ran with the GIL held and
+joined a worker thread that was still freeing its last work's tensors, which waits for the GIL."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, env, outputs
+
+pytestmark = pytest.mark.slow
+ITERATIONS = 20  # before the fix every run hung by its third group on an idle machine
+
+
+def test_ending_a_group_that_a_ddp_model_still_holds_does_not_deadlock(tmp_path):
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "tests/scripts/teardown_groups.py",
+            str(tmp_path),
+            str(ITERATIONS),
+        ],  # fmt: skip
+        cwd=ROOT,
+        env={**env(), "PYTHONFAULTHANDLER": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    (log,) = outputs([job], timeout=120)  # a deadlock fails here, with every thread's Python stack
+    assert job.returncode == 0, log[-4000:]
+    assert f"rank 0: {ITERATIONS} groups ended" in log and f"rank 1: {ITERATIONS} groups ended" in log, log[-4000:]
