@@ -357,7 +357,7 @@ def leave(info: DistInfo) -> None:
         barrier()
 
 
-_ENDED_GROUPS: list = []  # every group `destroy` ended, referenced until the process exits
+_ENDED_GROUPS: list = []  # every group ended by `destroy` or after `keep_groups`, referenced until the process exits
 
 
 def destroy(sync: bool = True) -> None:
@@ -366,16 +366,18 @@ def destroy(sync: bool = True) -> None:
     if dist.is_initialized():
         if sync and dist.get_world_size() > 1:
             dist.barrier()
-        # A gloo group's destructor joins its worker threads. Freed by a DDP reducer (a finished trainer's model),
-        # it runs with the GIL held, while a worker may still be freeing its last work's tensors, whose Python
-        # objects need the GIL: a deadlock at the end of a finished run. Keeping a Python reference makes torch's
-        # own holder, which frees the group without the GIL, the last one (tests/test_teardown.py).
-        _ENDED_GROUPS.extend(c10d_groups())
+        keep_groups()
         dist.destroy_process_group()
 
 
-def c10d_groups() -> list:
-    """Every process group this process has made (the default one included)."""
+def keep_groups() -> None:
+    """Keep a Python reference to every process group made so far, for as long as the process lives: call before
+    ending groups.
+
+    A gloo group's destructor joins its worker threads. Freed by a DDP reducer (a finished trainer's model), it
+    runs with the GIL held, while a worker may still be freeing its last work's tensors, whose Python objects
+    need the GIL: a deadlock at the end of a finished run. With this reference, torch's own holder, which frees
+    the group without the GIL, is the last one (tests/test_teardown.py)."""
     from torch.distributed import distributed_c10d as c10d
 
-    return list(c10d._world.pg_map)
+    _ENDED_GROUPS.extend(c10d._world.pg_map)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from anygpu.errors import UsageError
+from anygpu.runtime import distributed
 from anygpu.runtime.blocks import hf_model
 from anygpu.train.generation import Completion, Sampling
 
@@ -141,6 +142,7 @@ def end_groups() -> None:
     """vLLM's process groups ended (before the run's own: they are its subgroups)."""
     from vllm.distributed import parallel_state
 
+    distributed.keep_groups()
     parallel_state.destroy_model_parallel()
     if parallel_state._WORLD is not None:
         parallel_state._WORLD.destroy()
