@@ -1,9 +1,11 @@
 """A finished run's end never hangs in torch's teardown of its process group.
 
-Found so: one node of `test_two_nodes_on_one_machine_match_one_node[hf]` hung after its last step (1 run in ~30
-on 2 busy cores) and the other node's torchrun waited for it. gdb showed the deadlock: the DDP reducer of the
-freed trainer held the last reference to the gloo group, so the group's destructor ran with the GIL held and
-joined a worker thread that was still freeing its last work's tensors, which waits for the GIL."""
+Found so: one node of `test_two_nodes_on_one_machine_match_one_node[hf]` hung after its last step (once in 36 runs
+on 2 busy cores) and the other node's torchrun waited for it; its dump had the main thread in C code as the run's
+objects were freed, and one more thread with a Python thread state but no frame. This test's script, without the
+fix, deadlocks so every time, and gdb shows why: the DDP reducer held the last reference to the gloo group, so the
+group's destructor ran with the GIL held and joined a worker thread that was still freeing its last work's tensors,
+which waits for the GIL."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def test_ending_a_group_that_a_ddp_model_still_holds_does_not_deadlock(tmp_path)
             "tests/scripts/teardown_groups.py",
             str(tmp_path),
             str(ITERATIONS),
-        ],  # fmt: skip
+        ],
         cwd=ROOT,
         env={**env(), "PYTHONFAULTHANDLER": "1"},
         stdout=subprocess.PIPE,
