@@ -24,4 +24,8 @@ for i in range(int(sys.argv[2])):
         distributed.any_rank(False, torch.device("cpu"))
     distributed.destroy()
     del model  # the reducer's reference goes last, as when a finished run's trainer is freed
-print(f"rank {rank}: {sys.argv[2]} groups ended", flush=True)
+# then as an engine's process ends: the launcher's group (env://, torchrun's store), ended, and the process exits
+distributed.init_distributed(cpu_only=True)
+distributed.any_rank(False, torch.device("cpu"))
+distributed.destroy()
+print(f"rank {rank}: {int(sys.argv[2]) + 1} groups ended", flush=True)
