@@ -19,27 +19,25 @@ pytestmark = pytest.mark.slow
 ITERATIONS = 20  # before the fix every run hung by its third group on an idle machine
 
 
-def test_ending_a_group_that_a_ddp_model_still_holds_does_not_deadlock(tmp_path):
+def launch(args: list[str], extra_env: dict[str, str]) -> tuple[int, str]:
+    """`torchrun --standalone --nproc-per-node=2 ARGS`: its exit code and output; a hang fails the test."""
     job = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "tests/scripts/teardown_groups.py",
-            str(tmp_path),
-            str(ITERATIONS),
-        ],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args],
         cwd=ROOT,
-        env={**env(), "PYTHONFAULTHANDLER": "1"},
+        env={**env(), **extra_env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
-    (log,) = outputs([job], timeout=120)  # a deadlock fails here, with every thread's Python stack
-    assert job.returncode == 0, log[-4000:]
+    (log,) = outputs([job], timeout=120)  # past it: a failure with every thread's Python stack
+    return job.returncode, log
+
+
+def test_ending_a_group_that_a_ddp_model_still_holds_does_not_deadlock(tmp_path):
+    script = ["tests/scripts/teardown_groups.py", str(tmp_path), str(ITERATIONS)]
+    code, log = launch(script, {"PYTHONFAULTHANDLER": "1"})
+    assert code == 0, log[-4000:]
     ended = f"{ITERATIONS + 1} groups ended"  # and the launcher's group, as an engine's process ends
     assert f"rank 0: {ended}" in log and f"rank 1: {ended}" in log, log[-4000:]
 
@@ -53,18 +51,7 @@ def test_processes_that_ended_their_groups_exit_cleanly_every_time():
     Found so: keeping the ended groups referenced until the interpreter's own teardown (the fix above, first
     version) aborted such exits ("terminate called without an active exception"): 12 in 30 on 2 busy cores,
     seen as a failed `test_doctor` in CI. The exit handler now releases them first."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "anygpu.tools.collective", "65536"]  # fmt: skip
-    for launch in range(LAUNCHES):
-        job = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env={**env(), "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        (log,) = outputs([job], timeout=120)
-        assert job.returncode == 0, f"launch {launch + 1} of {LAUNCHES}:\n{log[-3000:]}"
+    for i in range(LAUNCHES):
+        code, log = launch(["-m", "anygpu.tools.collective", "65536"], {"OMP_NUM_THREADS": "1"})
+        assert code == 0, f"launch {i + 1} of {LAUNCHES}:\n{log[-3000:]}"
         assert '"correct": true' in log, log[-3000:]
