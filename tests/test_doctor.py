@@ -132,3 +132,32 @@ def test_tf32_check_on_this_gpu():
         on, off = doctor_mod.tf32_errors()
         assert on > 10 * off and off < 1e-5
     hardware.configure_tf32(False)
+
+
+TORCHRUN_REPORT = """terminate called without an active exception
+W1128 12:21:17.321000 19310 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 19315 closing signal SIGTERM
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+=======================================================
+anygpu.tools.collective FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 19315)  (SIGTERM)
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -6 (pid: 19314)  (SIGABRT)
+=======================================================
+"""
+
+
+def test_a_failed_all_reduce_check_says_what_the_failing_process_said():
+    """Found so: CI's failed doctor check read "2 processes failed (exit 1): =====" (torchrun's closing banner)."""
+    assert doctor_mod.failure_reason(TORCHRUN_REPORT) == (
+        "terminate called without an active exception; root cause exit code -6 (pid: 19314)  (SIGABRT)"
+    )
+    raised = "Traceback (most recent call last):\n  File x\nRuntimeError: Connection refused\n" + TORCHRUN_REPORT[46:]
+    assert doctor_mod.failure_reason(raised).startswith("RuntimeError: Connection refused; root cause exit code -6")
+    assert doctor_mod.failure_reason("") == "no output"

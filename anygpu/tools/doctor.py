@@ -13,6 +13,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -274,8 +275,8 @@ def check_collective(nproc: int, use_gpus: bool) -> tuple[Check, dict | None]:
         return Check("all-reduce", False, f"{nproc} processes did not finish in 300 s (hang)", fix), None
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("COLLECTIVE ")), None)
     if proc.returncode != 0 or line is None:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return Check("all-reduce", False, f"{nproc} processes failed (exit {proc.returncode}): {last}", fix), None
+        why = failure_reason(proc.stderr)
+        return Check("all-reduce", False, f"{nproc} processes failed (exit {proc.returncode}): {why}", fix), None
     data = json.loads(line[len("COLLECTIVE ") :])
     ok = all(r["correct"] for r in data["results"])
     bw = ", ".join(f"{r['bytes'] / 2**20:g} MiB: {r['busbw_gbps']:.2f} GB/s" for r in data["results"])
@@ -285,6 +286,21 @@ def check_collective(nproc: int, use_gpus: bool) -> tuple[Check, dict | None]:
         f"{data['backend']}, {nproc} processes, bus bandwidth {bw}",
         "" if ok else "all-reduce results are wrong: " + fix,
     ), data
+
+
+def failure_reason(stderr: str) -> str:
+    """What a failed torchrun job's output says of its cause: the failing process's own message (an exception,
+    a C++ abort) and torchrun's root-cause exit code, not the banner of equals signs its report ends with."""
+    lines = [ln.strip() for ln in stderr.splitlines()]
+    own = [ln for ln in lines if ln.startswith("terminate called") or OWN_ERROR.match(ln)]
+    marker = "Root Cause (first observed failure):"
+    cause = lines[lines.index(marker) :] if marker in lines else []
+    code = next((ln.split(":", 1)[1].strip() for ln in cause if ln.startswith("exitcode")), None)
+    parts = [*own[-1:], *([f"root cause exit code {code}"] if code else [])]
+    return "; ".join(parts) or ([ln for ln in lines if ln.strip("=-")] or ["no output"])[-1]
+
+
+OWN_ERROR = re.compile(r"^(?![\w.]*ChildFailedError)[\w.]*(Error|Exception)\b[^:]*:")
 
 
 def check_peer_access() -> Check:
