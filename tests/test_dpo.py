@@ -44,7 +44,7 @@ def dpo(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("dpo")
     base, ref = build_models(root)
     files = write_kinds(root, train=24, validation=8)
-    out = {name: root / name for name in "abcdefghijkwxyz"}
+    out = {name: root / name for name in "abcdefghijklmnwxyz"}
     said = {}
     # 1 rank: the reference run (the reference's log-probs computed), a frozen reference copy with padded rows and
     # micro-batches of 3, LoRA (its base's log-probs computed)
@@ -55,6 +55,7 @@ def dpo(tmp_path_factory) -> dict:
             job(base, ref, files, out["b"], "--precompute_ref_log_probs", "false", "--packing", "false",
                 "--per_device_train_batch_size", "3"),
             job(base, None, files, out["c"], *LORA),
+            job(base, None, files, out["l"], "--data_cache_dir", str(root / "cache-l")),
         ],
     )  # fmt: skip
     # 2 ranks: micro-batches of 1 reading the cache; LoRA with the adapter disabled as the reference at every step;
@@ -70,6 +71,8 @@ def dpo(tmp_path_factory) -> dict:
             job(base, ref, files, out["j"], "--cp", "2", "--precompute_ref_log_probs", "false", "--packing", "false",
                 "--per_device_train_batch_size", "3"),
             job(base, None, files, out["k"], *LORA, "--cp", "2", "--precompute_ref_log_probs", "false"),
+            job(base, None, files, out["m"], "--data_cache_dir", str(root / "cache-m")),
+            job(base, None, files, out["n"], *LORA, "--data_cache_dir", str(root / "cache-n")),
         ],
     )  # fmt: skip
     # 3 ranks, stopped after step 2; resumed on 4 ranks as HSDP 2 × 2, after a run of its own there
@@ -100,7 +103,8 @@ def dpo(tmp_path_factory) -> dict:
         ],
         config="deepspeed_zero3",
     )  # fmt: skip
-    said.update(a=one[0], c=one[2], d=two[0], e=two[1], f=four[1], i=two[2], j=two[3], k=two[4])
+    said.update(a=one[0], c=one[2], l=one[3], d=two[0], e=two[1], f=four[1], i=two[2], j=two[3], k=two[4])
+    said.update(m=two[5], n=two[6])
     said.update(y=zero3[0], x=zero3[1], w=zero3[2])
     return {"out": out, "said": said, "base": base, "ref": ref, "files": files, "root": root}
 
@@ -182,6 +186,17 @@ def test_lora_on_one_and_two_ranks(dpo):
     assert_same(records(dpo["out"]["k"]), records(dpo["out"]["c"]), "LoRA, --cp 2")
     first = records(dpo["out"]["c"])[0]
     assert first["step"] == 0 and abs(first["eval_loss"] - 0.6931472) < 1e-6  # the policy starts as its reference
+
+
+@pytest.mark.slow
+def test_the_policy_computing_its_own_reference_on_two_ranks_trains_every_weight(dpo):
+    """The default reference (the policy as it starts) computed by the sharded policy itself on 2 ranks, full and
+    LoRA: the same curve as on 1 rank. The pass used to leave the units FSDP2 keeps gathered after a forward (the
+    last layer, the head, the root) unsharded when the optimizer was built, so it held copies that never trained."""
+    said, out = dpo["said"], dpo["out"]
+    for run, one_rank in (("m", "l"), ("n", "c")):
+        assert re.search(r"reference: log-probs of 32 pairs computed in .* on 2 ranks", said[run]), said[run][-2000:]
+        assert_same(records(out[run]), records(out[one_rank]), f"2 ranks, run {run}: the policy's own table")
 
 
 @pytest.mark.slow

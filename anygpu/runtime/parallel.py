@@ -32,6 +32,17 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def resharded(model: nn.Module) -> nn.Module:
+    """`model` with every FSDP2 unit sharded again. A forward outside training (the reference's precompute pass by
+    the policy itself) leaves the units FSDP2 keeps gathered for the backward (the root, the last layer, the head)
+    registered with their gathered copies: an optimizer built then would hold those copies, which never get a
+    gradient, and no name in the checkpoint's state dict."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return model
+
+
 def build_mesh(device: torch.device, shape: MeshShape):
     """The DeviceMesh FSDP2 runs on: 1-D over all ranks without replication (plain FSDP2, as before HSDP
     existed), else 2-D (dp_replicate, dp_shard) with consecutive ranks in a shard group (one node, by default);

@@ -10,7 +10,7 @@ from torch import nn
 
 from anygpu.config.args import TrainArguments
 from anygpu.config.optimizers import BF16, FP32, LOW_BIT, flag, state_kind
-from anygpu.runtime import partitioned
+from anygpu.runtime import parallel, partitioned
 from anygpu.train import schedules
 
 
@@ -27,6 +27,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def build_optimizer(model: nn.Module, args: TrainArguments, device: torch.device) -> torch.optim.Optimizer:
     """--optim's AdamW: torch's (fused where the device has the kernel), or with bf16, 8- or 4-bit moments."""
     kind = state_kind(args.optim, getattr(args, "optim_args", None))
+    parallel.resharded(model)  # the sharded parameters, whatever ran the model before
     if kind != FP32:  # bf16, 8- or 4-bit moments
         from anygpu.train.low_bit_adamw import LowBitAdamW
 
