@@ -16,6 +16,7 @@ handled by rendering each prefix of the conversation and taking the characters e
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -54,6 +55,15 @@ def clean_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in m.items() if v is not None} for m in messages]
 
 
+def template_kwargs(row: dict[str, Any]) -> dict[str, Any]:
+    """What a row gives its template besides the messages, as TRL passes them: its `tools` (a list, or JSON text)
+    and its `chat_template_kwargs` (keys that datasets filled with None for rows without them left out)."""
+    tools = row.get("tools")
+    tools = json.loads(tools) if isinstance(tools, str) else tools
+    extra = {k: v for k, v in (row.get("chat_template_kwargs") or {}).items() if v is not None}
+    return {**({"tools": tools} if tools else {}), **extra}
+
+
 def apply(tokenizer, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
     """`tokenizer.apply_chat_template`, a template's own refusal (its `raise_exception`: a role it does not take,
     turns out of order) said in one line with the conversation's turns, before any training."""
@@ -70,12 +80,35 @@ def apply(tokenizer, messages: list[dict[str, Any]], **kwargs: Any) -> Any:
         ) from e
 
 
+def chat_ids(tokenizer, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+    """The conversation's token ids, as `apply_chat_template` tokenises it."""
+    return list(apply(tokenizer, messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+
+
+def common_prefix_length(ids: list[int], other: list[int]) -> int:
+    n = 0
+    for a, b in zip(ids, other):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
 def render(
-    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = False, template: str | None = None
+    tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = False,
+    template: str | None = None,
+    **kwargs: Any,
 ) -> str:
     """The conversation as text, with `template` where given (else the tokenizer's own)."""
     return apply(
-        tokenizer, messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
+        tokenizer,
+        messages,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=template,
+        **kwargs,
     )
 
 
@@ -84,15 +117,15 @@ def has_generation_markers(tokenizer) -> bool:
     return isinstance(template, str) and "{% generation %}" in template.replace("{%-", "{%").replace("-%}", "%}")
 
 
-def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]]:
+def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], text: str, **kwargs: Any) -> list[tuple[int, int]]:
     """[start, end) character spans of each assistant turn in `text` (the whole rendered chat), found as the
     text the turn adds to the rendering of the conversation before it (with the generation prompt)."""
     spans = []
     for i, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        through = render(tokenizer, messages[: i + 1])
+        before = render(tokenizer, messages[:i], add_generation_prompt=True, **kwargs) if i else ""
+        through = render(tokenizer, messages[: i + 1], **kwargs)
         if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)):
             raise UsageError(
                 f"the chat template does not render conversations prefix by prefix (turn {i}), so the assistant "
@@ -104,23 +137,17 @@ def assistant_char_spans(tokenizer, messages: list[dict[str, Any]], text: str) -
 
 
 def encode_chat(
-    tokenizer, messages: list[dict[str, Any]], assistant_only: bool, num_untrained: int = 0, template: str | None = None
+    tokenizer, messages: list[dict[str, Any]], assistant_only: bool, template: str | None = None, **kwargs: Any
 ) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered chat and, per token, whether it is trained on; the first `num_untrained`
-    messages (a conversational prompt) never are: the tokens before the end of their rendering with the
-    generation prompt. `template`: one with markers to render with instead of the tokenizer's own
-    (`training_template.for_assistant_loss`)."""
+    """Token ids of the rendered chat and, per token, whether it is trained on. `template`: one with markers to
+    render with instead of the tokenizer's own (`training_template.for_assistant_loss`); `kwargs`: the row's
+    (`template_kwargs`)."""
     messages = clean_messages(messages)
-    text = render(tokenizer, messages, template=template)
+    text = render(tokenizer, messages, template=template, **kwargs)
     if not assistant_only:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids, [True] * len(ids)
-    markers = template is not None or has_generation_markers(tokenizer)
-    # character offsets (a fast tokenizer's) where the prompt's end or the turns' spans must be found
-    enc = (
-        tokenizer(text, add_special_tokens=False, return_offsets_mapping=True) if num_untrained or not markers else None
-    )
-    if markers:
+    if template is not None or has_generation_markers(tokenizer):
         out = apply(
             tokenizer,
             messages,
@@ -128,18 +155,10 @@ def encode_chat(
             return_dict=True,
             return_assistant_tokens_mask=True,
             chat_template=template,
+            **kwargs,
         )
-        ids, mask = list(out["input_ids"]), [bool(x) for x in out["assistant_masks"]]
-    else:
-        spans = assistant_char_spans(tokenizer, messages, text)
-        # a token belongs to the turn its first character is in
-        ids, mask = enc["input_ids"], [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]
-    if num_untrained:
-        prompt = render(tokenizer, messages[:num_untrained], add_generation_prompt=True, template=template)
-        if not text.startswith(prompt) or list(enc["input_ids"]) != ids:
-            raise UsageError(
-                "the chat template renders the prompt differently inside the whole conversation: "
-                "use string prompts and completions, or a 'messages' column."
-            )
-        mask = [m and start >= len(prompt) for m, (start, _) in zip(mask, enc["offset_mapping"])]
-    return ids, mask
+        return list(out["input_ids"]), [bool(x) for x in out["assistant_masks"]]
+    spans = assistant_char_spans(tokenizer, messages, text, **kwargs)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    # a token belongs to the turn its first character is in
+    return enc["input_ids"], [any(s <= start < e for s, e in spans) for start, _ in enc["offset_mapping"]]

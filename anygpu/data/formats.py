@@ -14,6 +14,7 @@ to predict the next sample's first. Samples longer than the maximum length are t
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -24,6 +25,8 @@ from anygpu.errors import UsageError
 
 TEXT, PROMPT_COMPLETION, MESSAGES, PREFERENCE = "text", "prompt_completion", "messages", "preference"
 IGNORE = -100
+TEMPLATE_COLUMNS = ("tools", "chat_template_kwargs")  # what a row gives the chat template besides its messages
+logger = logging.getLogger(__name__)
 
 
 def detect_format(columns: list[str], text_column: str, where: str) -> str:
@@ -64,7 +67,7 @@ def training_texts(ds: Dataset, fmt: str, text_column: str, batch: int = 1000) -
 
 def row_key(ds: Dataset, fmt: str, text_column: str) -> Iterator[bytes]:
     """The content of each row as bytes, for fingerprinting in-memory data sets."""
-    known = ("prompt", "completion", "messages", "chosen", "rejected", "tools", "chat_template_kwargs")
+    known = ("prompt", "completion", "messages", "chosen", "rejected", *TEMPLATE_COLUMNS)
     columns = [text_column] if fmt == TEXT else [c for c in known if c in ds.column_names]
     for i in range(0, len(ds), 1000):
         rows = ds[i : i + 1000]
@@ -73,26 +76,64 @@ def row_key(ds: Dataset, fmt: str, text_column: str) -> Iterator[bytes]:
 
 
 def _encode_chat(
-    tokenizer, messages: list[dict[str, Any]], assistant_only: bool, num_untrained: int = 0
+    tokenizer, messages: list[dict[str, Any]], assistant_only: bool, kwargs: dict[str, Any]
 ) -> tuple[list[int], list[bool]]:
     """`chat_template.encode_chat`, rendered with TRL's training version of the template where the tokenizer's own
     cannot find the assistant's tokens (`training_template`)."""
     template = training_template.for_assistant_loss(tokenizer) if assistant_only else None
-    return chat_template.encode_chat(tokenizer, messages, assistant_only, num_untrained, template=template)
+    return chat_template.encode_chat(tokenizer, messages, assistant_only, template, **kwargs)
 
 
-def _encode_prompt_completion(
-    tokenizer, prompt: Any, completion: Any, completion_only: bool
+def _encode_text_completion(
+    tokenizer, prompt: str, completion: str, completion_only: bool
 ) -> tuple[list[int], list[bool]]:
-    if isinstance(prompt, str):
-        # The prompt with the tokenizer's usual specials (BOS where it adds one); the completion ends with EOS,
-        # a target, so the model learns where to stop.
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    else:  # conversational: the messages path's rendering and targets, less the prompt's turns when completion-only
-        return _encode_chat(tokenizer, prompt + completion, completion_only, len(prompt) if completion_only else 0)
-    ids = prompt_ids + completion_ids
-    return ids, [not completion_only] * len(prompt_ids) + [True] * len(completion_ids)
+    """TRL's: prompt and completion tokenised as one text (a completion may start mid-word), with the tokenizer's
+    usual specials (BOS where it adds one) and EOS at the end, a target, so the model learns where to stop (not a
+    second one where the completion ends with it). The targets start where the prompt's own tokens and the whole's
+    diverge."""
+    ids = list(tokenizer(prompt + completion)["input_ids"])
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)
+    start = chat_template.common_prefix_length(tokenizer(prompt)["input_ids"], ids) if completion_only else 0
+    return ids, [i >= start for i in range(len(ids))]
+
+
+def _encode_chat_completion(
+    tokenizer, prompt: list[dict], completion: list[dict], completion_only: bool, kwargs: dict[str, Any]
+) -> tuple[list[int], list[bool]]:
+    """TRL's: the conversation rendered with the tokenizer's own template, the targets from where it and the prompt
+    rendered with its generation prompt diverge (a template may render a prompt differently once its answer
+    follows: DeepSeek-R1 opens its reasoning there); of those, the assistant's tokens where the template marks them,
+    else all but the whitespace the template ends with."""
+    prompt, completion = chat_template.clean_messages(prompt), chat_template.clean_messages(completion)
+    marked = completion_only and chat_template.has_generation_markers(tokenizer)
+    ids, trained = chat_template.encode_chat(tokenizer, prompt + completion, marked, **kwargs)
+    if not completion_only:
+        return ids, trained
+    prompt_ids = chat_template.chat_ids(tokenizer, prompt, add_generation_prompt=True, **kwargs)
+    start = chat_template.common_prefix_length(prompt_ids, ids)
+    if start < len(prompt_ids):
+        _say_diverged(tokenizer, prompt_ids[start:])
+    end = len(ids)
+    while not marked and end > start and not tokenizer.decode([ids[end - 1]]).strip():
+        end -= 1
+    return ids, [t and start <= i < end for i, t in enumerate(trained)]
+
+
+_DIVERGED: set[str] = set()  # the templates already said
+
+
+def _say_diverged(tokenizer, tail: list[int]) -> None:
+    """Once per template: the prompt's rendering ends differently inside the conversation (TRL warns the same)."""
+    if tokenizer.chat_template in _DIVERGED:
+        return
+    _DIVERGED.add(tokenizer.chat_template)
+    logger.warning(
+        "the chat template renders a prompt alone differently from inside its conversation: the completion is trained "
+        "from where they part, and the prompt's own ending %r is not in the trained row (as TRL does)",
+        tokenizer.decode(tail),
+    )
 
 
 @dataclass
@@ -131,10 +172,14 @@ class EncodeOptions:
 
 def encode_sample(tokenizer, row: dict[str, Any], opts: EncodeOptions) -> tuple[list[int], list[int], bool]:
     """(input_ids, labels, overlong) of one sample, before dropping; labels -100 where not trained on."""
+    kwargs = chat_template.template_kwargs(row)
     if opts.fmt == MESSAGES:
-        ids, trained = _encode_chat(tokenizer, row["messages"], opts.assistant_only_loss)
+        ids, trained = _encode_chat(tokenizer, row["messages"], opts.assistant_only_loss, kwargs)
+    elif isinstance(row["prompt"], str):
+        ids, trained = _encode_text_completion(tokenizer, row["prompt"], row["completion"], opts.completion_only_loss)
     else:
-        ids, trained = _encode_prompt_completion(tokenizer, row["prompt"], row["completion"], opts.completion_only_loss)
+        prompt, completion = row["prompt"], row["completion"]
+        ids, trained = _encode_chat_completion(tokenizer, prompt, completion, opts.completion_only_loss, kwargs)
     labels = [t if keep else IGNORE for t, keep in zip(ids, trained)]
     overlong = len(ids) > opts.max_length
     if overlong and opts.truncation_mode == "keep_start":
@@ -151,6 +196,7 @@ def encode_split(
 ) -> tuple[Dataset, EncodeStats]:
     """Tokenise and mask every sample of a split; drop what cannot be trained on; count what happened."""
     columns = ["messages"] if opts.fmt == MESSAGES else ["prompt", "completion"]
+    columns += [c for c in TEMPLATE_COLUMNS if c in ds.column_names]
 
     def encode(batch: dict) -> dict:
         out = {"input_ids": [], "labels": [], "overlong": [], "num_targets": []}

@@ -64,25 +64,6 @@ def extract_prompt(chosen, rejected) -> tuple[Any, Any, Any]:
     return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
-def common_prefix_length(ids: list[int], other: list[int]) -> int:
-    n = 0
-    for a, b in zip(ids, other):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
-def _template_kwargs(row: dict[str, Any]) -> dict[str, Any]:
-    tools = row.get("tools")
-    tools = json.loads(tools) if isinstance(tools, str) else tools
-    return {"tools": tools, **(row.get("chat_template_kwargs") or {})}
-
-
-def _chat_ids(tokenizer, messages: list, **kwargs) -> list[int]:
-    return list(chat_template.apply(tokenizer, messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
-
-
 def tokenize_pair(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
     """(prompt_ids, chosen_ids, rejected_ids) of one row, as TRL's DPOTrainer makes them."""
     if row.get("prompt") is None:
@@ -90,10 +71,10 @@ def tokenize_pair(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int],
     else:
         prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
     if is_conversational(chosen) or is_conversational(prompt):
-        kwargs = _template_kwargs(row)
-        prompt_ids = _chat_ids(tokenizer, prompt, add_generation_prompt=True, **kwargs)
-        with_chosen = _chat_ids(tokenizer, prompt + chosen, **kwargs)
-        with_rejected = _chat_ids(tokenizer, prompt + rejected, **kwargs)
+        kwargs = chat_template.template_kwargs(row)
+        prompt_ids = chat_template.chat_ids(tokenizer, prompt, add_generation_prompt=True, **kwargs)
+        with_chosen = chat_template.chat_ids(tokenizer, prompt + chosen, **kwargs)
+        with_rejected = chat_template.chat_ids(tokenizer, prompt + rejected, **kwargs)
     else:
         eos = tokenizer.eos_token
         chosen = chosen if chosen.endswith(eos) else chosen + eos
@@ -101,7 +82,8 @@ def tokenize_pair(tokenizer, row: dict[str, Any]) -> tuple[list[int], list[int],
         prompt_ids = tokenizer(prompt)["input_ids"]
         with_chosen = tokenizer(prompt + chosen)["input_ids"]
         with_rejected = tokenizer(prompt + rejected)["input_ids"]
-    n = min(common_prefix_length(prompt_ids, with_chosen), common_prefix_length(prompt_ids, with_rejected))
+    prefix = chat_template.common_prefix_length
+    n = min(prefix(prompt_ids, with_chosen), prefix(prompt_ids, with_rejected))
     return prompt_ids[:n], with_chosen[n:], with_rejected[n:]
 
 

@@ -26,7 +26,7 @@ from datasets import Dataset, DatasetDict, List, Value
 from anygpu.config.args import DataArguments
 from anygpu.data import chat_template, files, readers
 from anygpu.data.order import eval_subset
-from anygpu.data.preference import _chat_ids, _template_kwargs, is_conversational, split_names
+from anygpu.data.preference import is_conversational, split_names
 from anygpu.data.sources import content_key, load_given, stdlib_corpus
 from anygpu.errors import UsageError
 
@@ -190,7 +190,9 @@ def encode_prompt(tokenizer, row: dict[str, Any]) -> list[int]:
     prompt = row[PROMPT]
     if is_conversational(prompt):
         messages = chat_template.clean_messages(prompt)
-        return _chat_ids(tokenizer, messages, add_generation_prompt=True, **_template_kwargs(row))
+        return chat_template.chat_ids(
+            tokenizer, messages, add_generation_prompt=True, **chat_template.template_kwargs(row)
+        )
     return list(tokenizer(prompt)["input_ids"])
 
 

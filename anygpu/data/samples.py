@@ -24,7 +24,9 @@ from anygpu.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
-SAMPLES_VERSION = "2"  # 2: packed rows break ties as TRL's bfd does (oldest row first)
+SAMPLES_VERSION = (
+    "3"  # 2: packed rows break ties as TRL's bfd does (oldest row first); 3: prompt + completion as TRL tokenises it
+)
 STATS_FILE = "anygpu_stats.json"
 
 
