@@ -70,3 +70,14 @@ def test_indivisible_world_size_names_valid_choices():
     with pytest.raises(ValueError) as e:
         plan_batch(10, 4)
     assert "--global_batch_size 10" in str(e.value) and "multiple of 4" in str(e.value) and "12" in str(e.value)
+
+
+def test_grpo_groups_and_world_size_name_a_value_that_fits_both():
+    """8 completions in groups of 4 on 3 devices: the value named fits the devices and the groups (12), not the
+    devices alone (6 or 9, which the groups then refuse)."""
+    with pytest.raises(ValueError) as e:
+        plan_batch(8, 3, groups=4)
+    assert "in whole groups of --num_generations 4: use a multiple of 12 (e.g. 12)" in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="use a multiple of 12"):
+        plan_batch(6, 3, groups=4)  # splits over the devices, not into whole groups
+    assert plan_batch(12, 3, groups=4).per_device_train_batch_size == 4

@@ -245,6 +245,20 @@ def test_a_reference_with_another_vocabulary(folders, tmp_path, capsys):
     assert f"--ref_model_name_or_path {folders.other}: its vocabulary of 2048 differs from the policy's (1024" in err
 
 
+def test_a_grpo_reference_with_another_vocabulary(folders, tmp_path, capsys):
+    """GRPO's KL term scores the completions with the reference too: refused as DPO's, before any work (it ended
+    mid-run in an IndexError)."""
+    prompts = write(tmp_path / "prompts.jsonl", [{"prompt": f"def f{i}():"} for i in range(8)])
+    grpo = ["--reward_funcs", "format", "--num_generations", "2", "--beta", "0.1", "--max_prompt_length", "16",
+            "--max_completion_length", "16"]  # fmt: skip
+    args = dpo_args(folders, prompts, tmp_path, *grpo, "--ref_model_name_or_path", str(folders.other))
+    args[args.index("dpo")] = "grpo"
+    i = args.index("--block_size")
+    del args[i : i + 2]  # grpo's rows are prompts and completions
+    err = refuse(args, capsys)
+    assert f"--ref_model_name_or_path {folders.other}: its vocabulary of 2048 differs from the policy's (1024" in err
+
+
 def test_the_hf_engine_trains_pairs_under_every_strategy_but_dataparallel(monkeypatch):
     from anygpu.config.args import HFEngineArguments
     from anygpu.engines.hf import engine, strategy

@@ -210,6 +210,15 @@ def test_bad_grpo_input_is_refused_by_name(capsys, tmp_path, extra, said):
     assert said in refuse(argv, capsys)
 
 
+def test_trls_former_boolean_scale_rewards_are_taken(tmp_path):
+    """TRL's GRPOConfig still takes scale_rewards true and false: its group and none."""
+    from anygpu.config.args import parse_args
+
+    for given, meant in (("true", "group"), ("False", "none"), ("batch", "batch")):
+        train_args = parse_args([*TINY, *GRPO, "--scale_rewards", given, "--output_dir", str(tmp_path)])[2]
+        assert train_args.scale_rewards == meant, given
+
+
 def test_use_vllm_without_vllm_is_refused_in_one_line(capsys, tmp_path, monkeypatch):
     import importlib.util
 

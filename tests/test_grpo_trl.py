@@ -61,6 +61,8 @@ ROUND_METRICS = (
     "completions/max_length",
     "completions/clipped_ratio",
     "completions/mean_terminated_length",
+    "completions/min_terminated_length",
+    "completions/max_terminated_length",
 )
 
 
@@ -300,3 +302,22 @@ def test_masked_truncated_completions_are_trls(folders, tmp_path, loss_type):
         assert_step_is_trls(trl, ours, 0.04)
     plain, _, _ = run_both(folders, PROMPTS["left-padded"], loss_type, "token", 0.04, 2, tmp_path / "plain")
     assert abs(plain[1][1].loss - steps[1][1].loss) > 1e-4
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_the_share_of_zero_std_rewards_is_trls(scale_rewards):
+    """frac_reward_zero_std as TRL computes it (its nanstd, torch.isclose to 0, per completion): a group of equal
+    rewards counts, one with a single scored reward does not (its std is NaN), the batch's std under batch."""
+    from trl.trainer.utils import nanstd
+
+    nan = math.nan
+    for rewards in (
+        [1.0, 1.0, 1.0, 0.0, 2.0, 1.0, nan, 3.0, nan, nan, nan, nan, 2.0, 2.0, nan],
+        [0.5] * 6 + [nan] * 3,
+        [nan, 1.0, 1.0, 4.0, nan, 4.0],
+    ):
+        grouped = torch.tensor(rewards, dtype=torch.float32).view(-1, 3)
+        std = nanstd(grouped.flatten()).expand(grouped.numel()) if scale_rewards == "batch" else (
+            nanstd(grouped, dim=1).repeat_interleave(3))  # fmt: skip
+        trl_share = torch.isclose(std, torch.zeros_like(std)).float().mean().item()
+        assert grpo_objective.zero_std_fraction(rewards, 3, scale_rewards) == pytest.approx(trl_share), rewards

@@ -616,6 +616,10 @@ def test_grpo_with_vllm_counts_the_engines_share_throughout_and_no_gathered_copy
         ),
         (["--objective", "grpo", "--max_completion_length", "0"], "--max_completion_length 0 must be at least 1"),
         (["--objective", "grpo", "--global_batch_size", "12"], "--global_batch_size 12 completions is not whole"),
+        (
+            ["--objective", "grpo", "--global_batch_size", "8", "--num_generations", "4", "--num_gpus", "3"],
+            "groups of --num_generations 4 split over 3 GPUs: pass a multiple of 12, e.g. 12",
+        ),
         (["--objective", "grpo", "--beta", "-1"], "--beta -1.0 cannot be negative"),
         (["--objective", "grpo", "--block_size", "512"], "--block_size 512 with --objective grpo: a row is a prompt"),
         (["--objective", "grpo", "--cp", "2", "--num_gpus", "2"], "--cp 2 with --objective grpo"),

@@ -135,6 +135,8 @@ def test_refusals_name_the_data_and_the_argument(tmp_path, tok):
     per_device = ("--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "1")  # G follows: 3
     with pytest.raises(UsageError, match="a global batch of 3 completions is not whole groups of --num_generations 8"):
         check_run(*args(*FITS, *per_device), 1)
+    with pytest.raises(UsageError, match="not whole groups of --num_generations 8: give --global_batch_size, e.g. 24"):
+        check_run(*args(*FITS, *per_device), 3)  # 3 devices × 3: a value that splits over them in whole groups
     empty = write(tmp_path / "e.jsonl", [{"prompt": "the sky"}, {"prompt": ""}, {"prompt": "a cat"}] * 4)
     _, d, _ = args("--train_file", str(empty))
     with pytest.raises(UsageError, match=r"--train_file .*e.jsonl \(train split\), row \d+ \(\"\"\): an empty prompt"):

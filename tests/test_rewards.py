@@ -124,6 +124,22 @@ def test_a_missing_column_is_refused_before_any_work():
         rs.check_columns(["prompt", "solution"])
 
 
+def test_a_column_the_validation_rows_lack_is_refused_before_training():
+    """The evaluation scores the validation prompts too: their columns are checked with the training rows'."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from anygpu.engines.trunk.objectives import check_reward_columns
+
+    rs = RewardSet.build(["accuracy"])
+    train = Dataset.from_dict({"prompt_ids": [[1]], "solution": ["4"]})
+    check_reward_columns(rs, SimpleNamespace(datasets={"train": train, "validation": train}))
+    prep = SimpleNamespace(datasets={"train": train, "validation": Dataset.from_dict({"prompt_ids": [[1]]})})
+    with pytest.raises(UsageError, match=r"^--reward_funcs accuracy reads the column 'solution', which the validation"):
+        check_reward_columns(rs, prep)
+
+
 # ---- the built-ins ---------------------------------------------------------------------------------------------
 
 
@@ -237,6 +253,35 @@ def test_a_function_that_raises_is_named_with_its_row():
     assert isinstance(e.value.__cause__, ZeroDivisionError)
 
 
+def test_async_functions_are_awaited_side_by_side_and_named_when_they_fail():
+    """TRL takes async reward functions (an LLM judge) and runs them together on one event loop: each waits here
+    for the other to have started, which only running them side by side allows (each gives up after 10 s)."""
+    import asyncio
+
+    started: set[str] = set()
+
+    def judge(name: str, other: str, value: float):
+        async def fn(completions, **kw):
+            started.add(name)
+            for _ in range(10_000):
+                if other in started:
+                    return [value * len(c) for c in completions]
+                await asyncio.sleep(0.001)
+            raise TimeoutError(f"{other} never started")
+
+        fn.__name__ = name
+        return fn
+
+    async def picky(completions, **kw):
+        return [1.0 / (len(c) - 3) for c in completions]
+
+    rs = RewardSet(("a", "b"), (judge("a", "b", 1.0), judge("b", "a", -0.5)), (1.0, 2.0))
+    totals, per_func = rs.score(["p", "q"], ["xy", "xyzw"], {})
+    assert per_func == {"a": [2.0, 4.0], "b": [-1.0, -2.0]} and totals == [0.0, 0.0]
+    with pytest.raises(RewardError, match=r"^reward function 'picky' raised on row 1 of 2 .*ZeroDivisionError"):
+        RewardSet(("picky",), (picky,), (1.0,)).score(["p", "q"], ["long one", "abc"], {})
+
+
 def test_a_function_that_fails_only_on_the_whole_batch_is_named():
     def batch_only(completions, **kw):
         if len(completions) > 1:
@@ -255,6 +300,7 @@ def test_a_function_that_fails_only_on_the_whole_batch_is_named():
         ("10", r"^reward function 'bad' returned a str, not a list of 2 numbers"),
         ([1.0, "yes"], r"^reward function 'bad' returned 'yes' for completion 1: give a number, or None"),
         ([1.0, math.inf], r"^reward function 'bad' returned inf for completion 1: rewards must be finite"),
+        ([1e308, 5e307], r"^reward function 'bad' returned 1e\+308 for completion 0: .* within ±1e\+15"),
     ],
 )
 def test_a_wrong_output_is_refused_with_the_functions_name(out, match):

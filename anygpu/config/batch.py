@@ -7,6 +7,7 @@ per-device micro-batch and A the gradient accumulation steps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from anygpu.errors import UsageError
@@ -74,16 +75,20 @@ def plan_batch(
     per_device_train_batch_size: int | None = None,
     gradient_accumulation_steps: int | None = None,
     max_per_device: int = 8,
+    groups: int = 1,
 ) -> BatchPlan:
-    """Split G over W ranks; refuse any split that would change G."""
+    """Split G over W ranks; refuse any split that would change G. `groups`: G must also be whole groups of that
+    many (GRPO's completions of a prompt), so a valid value named in the refusal is a multiple of both."""
     G, W = global_batch_size, world_size
     if W <= 0:
         raise UsageError(f"world size {W} must be at least 1")
-    if G % W:
-        valid = sorted({max(W, (G // W) * W), (G // W + 1) * W})
+    unit = math.lcm(W, groups)
+    if G % unit:
+        valid = sorted({max(unit, (G // unit) * unit), (G // unit + 1) * unit})
+        whole = f" in whole groups of --num_generations {groups}" if groups > 1 else ""
         raise UsageError(
-            f"--global_batch_size {G} cannot be split evenly over {W} devices: "
-            f"use a multiple of {W} (e.g. {' or '.join(map(str, valid))}) or another number of devices."
+            f"--global_batch_size {G} cannot be split evenly over {W} devices{whole}: "
+            f"use a multiple of {unit} (e.g. {' or '.join(map(str, valid))}) or another number of devices."
         )
     per_rank = G // W
     m, A = per_device_train_batch_size, gradient_accumulation_steps

@@ -117,7 +117,7 @@ class GRPOArguments:
         metadata={
             "resume": SAME,
             "help": "--objective grpo: advantages over the std of the group's rewards (group), of the global "
-            "batch's (batch), or not scaled (none: Dr. GRPO).",
+            "batch's (batch), or not scaled (none: Dr. GRPO); TRL's former true and false are group and none.",
         },
     )
     mask_truncated_completions: bool = field(
@@ -196,6 +196,7 @@ class GRPOArguments:
         _choice("loss_type", self.loss_type[0] if len(self.loss_type) == 1 else ",".join(self.loss_type),
                 GRPO_LOSS_TYPES)  # fmt: skip
         _choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        self.scale_rewards = {"true": "group", "false": "none"}.get(str(self.scale_rewards).lower(), self.scale_rewards)
         _choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
         if not self.reward_funcs:
             raise UsageError(

@@ -317,7 +317,8 @@ def make_pairs(
 def check_reference(model_args, train_args, config) -> None:
     """--ref_model_name_or_path scores the policy's tokens: the same vocabulary, the same tokenizer (when the
     reference folder has one). Read from the folders before any work."""
-    path = train_args.ref_model_name_or_path if train_args.is_dpo else None
+    scores = train_args.is_dpo or (train_args.is_grpo and train_args.beta > 0)  # DPO's pairs, GRPO's KL term
+    path = train_args.ref_model_name_or_path if scores else None
     if not path:
         return
     from transformers import AutoConfig, AutoTokenizer

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -103,15 +104,17 @@ def check_run(
         train_args.gradient_accumulation_steps,
         world_size,
     )
-    plan = plan_batch(G, world_size, train_args.per_device_train_batch_size, train_args.gradient_accumulation_steps)
-    preference.check_reference(model_args, train_args, config)
-    check_output_dir(train_args.output_dir)
-    k = train_args.num_generations
-    if train_args.is_grpo and G % k:  # G not given: it followed from the per-device numbers
+    k = train_args.num_generations if train_args.is_grpo else 1
+    if G % k and train_args.global_batch_size is None:  # G followed from the per-device numbers
+        unit = math.lcm(k, world_size)
         raise UsageError(
             f"--objective grpo: a global batch of {G} completions is not whole groups of --num_generations {k}: "
-            f"give --global_batch_size, e.g. {k * max(1, G // k)}."
+            f"give --global_batch_size, e.g. {unit * max(1, G // unit)}."
         )
+    m, A = train_args.per_device_train_batch_size, train_args.gradient_accumulation_steps
+    plan = plan_batch(G, world_size, m, A, groups=k)
+    preference.check_reference(model_args, train_args, config)
+    check_output_dir(train_args.output_dir)
     # empty globs, unreadable sources, a missing text column: refused (grpo's prompt sources: check_grpo_run)
     if not train_args.is_grpo and corpus.plan_corpus(data_args) is not None:
         preference.check_format(TEXT, train_args.is_dpo, [data_args.text_column], data_args)  # raw text is no pairs

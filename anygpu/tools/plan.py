@@ -319,11 +319,13 @@ def check_objective(args: argparse.Namespace) -> str | None:
             return f"--{name} {values[name]} must be at least {least}, e.g. {example}"
     if values["beta"] < 0:
         return f"--beta {values['beta']} cannot be negative: 0 (no KL term, no reference) or more, e.g. 0.04"
-    g, k = args.global_batch_size, values["num_generations"]
-    if g > 0 and g % k:
+    g, k, n = args.global_batch_size, values["num_generations"], args.num_gpus or 1
+    unit = math.lcm(k, n)
+    if g > 0 and g % unit:
+        split = f" split over {n} GPUs" if n > 1 else ""
         return (
-            f"--global_batch_size {g} completions is not whole groups of --num_generations {k}: pass a multiple, "
-            f"e.g. {k * max(1, g // k)}"
+            f"--global_batch_size {g} completions is not whole groups of --num_generations {k}{split}: pass a "
+            f"multiple of {unit}, e.g. {unit * max(1, g // unit)}"
         )
     refused = [
         (args.cp != 1, f"--cp {args.cp}", "completions are generated whole on each rank; use --cp 1"),

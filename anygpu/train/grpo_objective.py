@@ -281,17 +281,17 @@ class GRPOObjective:
         out, _ = self._reward_metrics(totals, per_func)
         lengths = [n for part in gathered for n in part[1]]
         cut = [t for part in gathered for t in part[2]]
-        ended = [n for n, t in zip(lengths, cut) if not t]
-        k = self.cfg.num_generations
-        groups = [every[i : i + k] for i in range(0, len(every), k)]
+        ended = [n for n, t in zip(lengths, cut) if not t] or [0]  # TRL's 0 where none ended
         out.update(
             {
                 "completions/mean_length": sum(lengths) / len(lengths),
                 "completions/min_length": float(min(lengths)),
                 "completions/max_length": float(max(lengths)),
                 "completions/clipped_ratio": sum(cut) / len(cut),
-                "completions/mean_terminated_length": sum(ended) / len(ended) if ended else 0.0,
-                "frac_reward_zero_std": sum(_spread(g) == 0.0 for g in groups) / len(groups),
+                "completions/mean_terminated_length": sum(ended) / len(ended),
+                "completions/min_terminated_length": float(min(ended)),
+                "completions/max_terminated_length": float(max(ended)),
+                "frac_reward_zero_std": zero_std_fraction(every, self.cfg.num_generations, self.cfg.scale_rewards),
                 # the round's sampling and scoring on its slowest rank (every rank waits for it at the gather)
                 "generation_seconds": max(part[4][0] for part in gathered),
                 "reward_seconds": max(part[4][1] for part in gathered),
@@ -433,6 +433,18 @@ def _step_of(line: str) -> float:
         return math.inf
 
 
-def _spread(values: list[float]) -> float:
+def zero_std_fraction(rewards: list[float], num_generations: int, scale_rewards: str) -> float:
+    """TRL's frac_reward_zero_std: the share of completions whose rewards' std is 0 (within torch.isclose's 1e-8):
+    their group's, or under --scale_rewards batch the global batch's; a std of fewer than two scored rewards is NaN
+    in TRL (Bessel's correction), not 0."""
+    k = len(rewards) if scale_rewards == "batch" else num_generations
+    groups = [rewards[i : i + k] for i in range(0, len(rewards), k)]
+    return sum(len(g) for g in groups if _std(g) <= 1e-8) / len(rewards)
+
+
+def _std(values: list[float]) -> float:
     kept = [v for v in values if not math.isnan(v)]
-    return max(kept) - min(kept) if kept else 0.0
+    if len(kept) < 2:
+        return math.nan
+    mean = math.fsum(kept) / len(kept)
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in kept) / (len(kept) - 1))

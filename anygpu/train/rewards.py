@@ -24,13 +24,16 @@ caller sums over every rank (in float64) before `RewardSet.metrics`, so they des
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import math
 import numbers
 import re
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -42,6 +45,9 @@ BUILTINS = ("accuracy", "format", "overlong", "repetition")
 THINK_PATTERN = r"^<think>(?!.*<think>)(.*?)</think>.*$"  # TRL's think_format_reward
 SPEC_FORMS = f"a built-in ({', '.join(BUILTINS)}), path/to/rewards.py:accuracy or package.module:accuracy"
 NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # TRL passes these by their own names, never as columns
+
+
+LARGEST = 1e15  # a reward's magnitude: its square, summed over a batch, stays finite (the std's moments)
 
 
 class RewardError(RuntimeError):
@@ -293,14 +299,14 @@ class RewardSet:
             )
         return cls(names, funcs, _weights(weights, names))
 
-    def check_columns(self, columns: Iterable[str]) -> None:
-        """Refuse, before any work, a built-in that reads a column the data lacks."""
+    def check_columns(self, columns: Iterable[str], where: str = "the data") -> None:
+        """Refuse, before any work, a built-in that reads a column the data (`where`) lacks."""
         have = set(columns)
         for name, fn in zip(self.names, self.funcs):
             missing = [c for c in getattr(fn, "required_columns", ()) if c not in have]
             if missing:
                 raise UsageError(
-                    f"--reward_funcs {name} reads the column {missing[0]!r}, which the data lacks (it has "
+                    f"--reward_funcs {name} reads the column {missing[0]!r}, which {where} lacks (it has "
                     f"{', '.join(sorted(have))}): add it, or name the column with --solution_column."
                 )
 
@@ -319,7 +325,8 @@ class RewardSet:
         assert len(prompts) == n and all(len(v) == n for v in columns.values()), "one prompt and row per completion"
         kwargs = {k: v for k, v in columns.items() if k not in NOT_COLUMNS}
         kwargs.update(prompts=prompts, completions=completions, completion_ids=completion_ids, **(extra or {}))
-        per_func = {name: self._call(name, fn, kwargs, n) for name, fn in zip(self.names, self.funcs)}
+        started = {name: _start(fn, kwargs) for name, fn in zip(self.names, self.funcs)}  # async ones run meanwhile
+        per_func = {name: self._call(name, fn, started[name], kwargs, n) for name, fn in zip(self.names, self.funcs)}
         totals = []
         for i in range(n):
             given = [(w, per_func[name][i]) for name, w in zip(self.names, self.weights)]
@@ -327,9 +334,9 @@ class RewardSet:
             totals.append(math.fsum(given) if given else math.nan)
         return totals, per_func
 
-    def _call(self, name: str, fn: Callable, kwargs: dict[str, Any], n: int) -> list[float]:
+    def _call(self, name: str, fn: Callable, result: Callable[[], Any], kwargs: dict[str, Any], n: int) -> list[float]:
         try:
-            out = fn(**kwargs)
+            out = result()
         except Exception as e:
             row, cause = _failing_row(fn, kwargs, n)
             where = f"row {row} of {n} (prompt {_excerpt(kwargs['prompts'][row])})" if row is not None else "a batch"
@@ -388,10 +395,45 @@ def _values(name: str, out: Any, n: int) -> list[float]:
                 "does not apply."
             )
         x = math.nan if v is None else float(v)
-        if math.isinf(x):
-            raise RewardError(f"reward function {name!r} returned {x} for completion {i}: rewards must be finite.")
+        if abs(x) > LARGEST:  # infinite too; NaN passes (TRL's "no value")
+            raise RewardError(
+                f"reward function {name!r} returned {x} for completion {i}: rewards must be finite and within "
+                f"±{LARGEST:g} (the statistics square them), e.g. scaled to about ±1."
+            )
         floats.append(x)
     return floats
+
+
+def _start(fn: Callable, kwargs: dict[str, Any]) -> Callable[[], Any]:
+    """Call `fn`; what gives its result (or raises its error). An async function's coroutine runs on the rewards'
+    event loop, beside the other async functions, until the result is asked for (TRL gathers them on one loop in a
+    daemon thread: an LLM judge's requests overlap)."""
+    try:
+        out = fn(**kwargs)
+    except Exception as e:
+        error = e
+
+        def fail() -> Any:
+            raise error
+
+        return fail
+    if inspect.isawaitable(out):
+        return asyncio.run_coroutine_threadsafe(_awaited(out), _event_loop()).result
+    return lambda: out
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+_LOOP: list[asyncio.AbstractEventLoop] = []  # the rewards' event loop, started with the first async function
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    if not _LOOP:
+        _LOOP.append(asyncio.new_event_loop())
+        threading.Thread(target=_LOOP[0].run_forever, name="anygpu-async-rewards", daemon=True).start()
+    return _LOOP[0]
 
 
 def _failing_row(fn: Callable, kwargs: dict[str, Any], n: int) -> tuple[int | None, BaseException | None]:
@@ -399,7 +441,7 @@ def _failing_row(fn: Callable, kwargs: dict[str, Any], n: int) -> tuple[int | No
     for i in range(n):
         one = {k: v[i : i + 1] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
         try:
-            fn(**one)
+            _start(fn, one)()
         except Exception as e:
             return i, e
     return None, None

@@ -104,9 +104,10 @@ def reward_set(train_args) -> rewards.RewardSet | None:
 
 
 def check_reward_columns(reward_funcs: rewards.RewardSet | None, prep) -> None:
-    """A built-in reward that reads a column the prompt rows lack is refused (after the data, before the model)."""
-    if reward_funcs is not None:
-        reward_funcs.check_columns(c for c in prep.datasets["train"].column_names if c != "prompt_ids")
+    """A built-in reward that reads a column the prompt rows of any split lack is refused (after the data, before the
+    model): the evaluation scores the validation rows too."""
+    for split, rows in prep.datasets.items() if reward_funcs is not None else ():
+        reward_funcs.check_columns((c for c in rows.column_names if c != "prompt_ids"), f"the {split} split")
 
 
 def _grpo(prep, model, model_args, train_args, info, frozen_reference: BuildReference, reward_funcs):
