@@ -316,6 +316,24 @@ def test_other_families_are_batch_free(family):
     assert all(isinstance(c, Completion) for c in batch)
 
 
+def test_a_moe_that_returns_its_router_logits_samples_and_scores_as_one_that_does_not():
+    """A config with output_router_logits (the language model's load-balancing loss): generation and the rollout's
+    log-probs leave the router logits out (HF's balancing loss took a cached step's logits with the whole mask and
+    ended the run), so the completions and log-probs are those of the same weights without the flag."""
+    from anygpu.train import rollout
+
+    plain, routed = tiny_model("qwen3_moe"), tiny_model("qwen3_moe")
+    routed.config.output_router_logits = True
+    keys = keys_for([0, 1, 2, 3])
+    done = generate(routed, PROMPTS, keys, SAMPLING)
+    assert done == generate(plain, PROMPTS, keys, SAMPLING)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(6)[None],
+             "completion_ids": ids[:, 3:]}  # fmt: skip
+    logps = rollout.token_log_probs(routed, routed, batch, 1.0)[0]
+    assert torch.equal(logps, rollout.token_log_probs(plain, plain, batch, 1.0)[0])
+
+
 def test_fsdp_param_groups_of_either_torch_layout():
     """torch 2.12+ keeps a list of parameter groups per FSDP2 state, torch 2.11 (the lease's GPU image) one optional
     group: `gathered` read the list only and failed there (AttributeError: '_fsdp_param_groups', the H200 lease of

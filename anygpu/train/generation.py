@@ -29,6 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from anygpu.model import moe
 from anygpu.runtime.parallel import is_sharded
 from anygpu.train.rollout import micro_batches
 
@@ -167,6 +168,7 @@ def generate(model: nn.Module, prompts: list[list[int]], keys: torch.Tensor, sam
                 generation_config=config,
                 logits_processor=LogitsProcessorList([sampler]),
                 synced_gpus=_forward_communicates(model),
+                **moe.eval_kwargs(model),  # no load-balancing loss over a cached step's logits
             )
     finally:
         model.train(training)

@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from anygpu.model import moe
+
 
 @dataclass(frozen=True)
 class Share:
@@ -70,6 +72,7 @@ def token_log_probs(
         position_ids=batch["position_ids"],
         logits_to_keep=width + 1,
         use_cache=False,
+        **moe.eval_kwargs(model),  # GRPO's loss has no router term (docs/grpo.md)
     )
     logits = out.logits[:, :-1].float()  # position t predicts completion token t
     if temperature != 1.0:  # a (B, C, V) copy: only where it changes something
