@@ -241,3 +241,18 @@ def test_loader_workers_are_the_native_engines(capsys, tmp_path):
     assert train_args.dataloader_num_workers == 2
     with pytest.raises(UsageError, match=r"^--dataloader_num_workers 2: the HF engine reads each micro-batch inline"):
         engine.refuse_early(model_args, train_args, HFEngineArguments())
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_named_not_an_option_never_given():
+    """A model folder whose own tokenizer outgrows its embeddings (a Qwen2 tokenizer adds <|endoftext|>): the line
+    names that tokenizer, not --tokenizer_name, which the run never gave."""
+    from transformers import LlamaConfig
+
+    from anygpu.errors import UsageError
+    from anygpu.model import modeling
+    from tiny_llm import word_tokenizer
+
+    tok = word_tokenizer(12)
+    tok.name_or_path = "models/qwen"
+    with pytest.raises(UsageError, match=r"^the tokenizer of models/qwen has 12 tokens .* vocabulary is 10: give a"):
+        modeling.fit_config_to_tokenizer(LlamaConfig(vocab_size=10), tok, from_scratch=False)

@@ -324,6 +324,7 @@ def test_other_architecture_and_corpus_on_an_odd_world_size(tmp_path):
     assert_close(runs[1], runs[3], rel=1e-5)
     cfg_out = json.loads((tmp_path / "r3" / "final" / "config.json").read_text())
     assert cfg_out["model_type"] == "gpt2" and cfg_out["vocab_size"] == 448  # 400 tokens rounded up to 64
+    assert cfg_out["use_cache"] is True  # training turns the KV cache off; the export's generate() wants it
     # GPT-2 ties lm_head to the input embedding: stored once, tied again on load
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM

@@ -21,8 +21,9 @@ TEN = [*TINY, "--max_steps", "10", "--max_eval_samples", "24"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """ZeRO-2 with accumulation (2 per device × 2 devices × 2 steps); ZeRO-3 without (4 × 2 × 1), saving checkpoint-5,
-    then in the same launch the same run stopped at step 5 (`zero3r`) and resumed from its checkpoint-5 by path."""
-    out = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3", "zero3r")}
+    then in the same launch the same run stopped at step 5 (`zero3r`) and resumed from its checkpoint-5 by path, and
+    a run of 3 steps that never saves (`zero3n`: its export is the first gather after the evaluation)."""
+    out = {name: tmp_path_factory.mktemp(name) for name in ("zero2", "zero3", "zero3r", "zero3n")}
     root, stdouts = hf_reference(tmp_path_factory)
     out["ddp1"], out["ddp1_stdout"] = root / "ws1", stdouts["ws1"]  # the same run as test_hf_engine.py's 1-process one
     out["zero2_proc"] = accelerate(
@@ -31,12 +32,13 @@ def runs(tmp_path_factory) -> dict:
         [*TEN, "--output_dir", str(out["zero2"]), "--per_device_train_batch_size", "2", "--export_final", "false"],
     )
     resumed = [*TEN, "--output_dir", str(out["zero3r"]), "--export_final", "false"]
-    zero3, _, out["resume_stdout"] = hf_runs(
+    zero3, _, out["resume_stdout"], _ = hf_runs(
         2,
         [
             [*TEN, "--output_dir", str(out["zero3"]), "--save_steps", "5"],
             [*resumed, "--save_steps", "5", "--stop_at_step", "5"],
             [*resumed, "--resume_from_checkpoint", str(out["zero3r"] / "checkpoint-5")],
+            [*TEN, "--output_dir", str(out["zero3n"]), "--max_steps", "3", "--save_strategy", "no"],
         ],
         config="deepspeed_zero3",
     )
@@ -69,7 +71,8 @@ def test_zero_matches_one_process(runs, stage):
     assert lr_got == pytest.approx(lr_ref)  # the learning rate each step used, not the next step's
 
 
-def test_zero3_checkpoint_holds_partitions_and_export_holds_the_model(runs):
+def assert_export_is_the_trained_model(out, step: int) -> None:
+    """final/ loads with every tensor whole (not ZeRO-3's empty placeholders) and gives the engine's last eval_loss."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -77,19 +80,29 @@ def test_zero3_checkpoint_holds_partitions_and_export_holds_the_model(runs):
     from anygpu.data.prepare import prepare
     from anygpu.runtime import distributed
 
-    out = runs["zero3"]
-    ckpt = out / "checkpoint-10"
-    assert (ckpt / "latest").read_text().strip() == "global_step10"
-    assert len(list((ckpt / "global_step10").glob("*optim_states.pt"))) == 2  # one partition per process
     model = AutoModelForCausalLM.from_pretrained(out / "final").eval()
-    assert all(p.numel() > 0 for p in model.parameters())  # gathered, not ZeRO-3's empty placeholders
+    assert all(p.numel() > 0 for p in model.parameters())
     m_args, d_args, t_args = parse_args([*TEN, "--output_dir", str(out)])
     val = prepare(m_args, d_args, t_args, distributed.DistInfo(0, 0, 1, torch.device("cpu"))).datasets["validation"]
     ids = torch.tensor(val["input_ids"])
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss.item()
     engine_eval = [r for r in records(out) if "eval_loss" in r][-1]
-    assert engine_eval["step"] == 10 and math.isclose(loss, engine_eval["eval_loss"], rel_tol=1e-5)
+    assert engine_eval["step"] == step and math.isclose(loss, engine_eval["eval_loss"], rel_tol=1e-5)
+
+
+def test_zero3_checkpoint_holds_partitions_and_export_holds_the_model(runs):
+    ckpt = runs["zero3"] / "checkpoint-10"
+    assert (ckpt / "latest").read_text().strip() == "global_step10"
+    assert len(list((ckpt / "global_step10").glob("*optim_states.pt"))) == 2  # one partition per process
+    assert_export_is_the_trained_model(runs["zero3"], 10)
+
+
+def test_zero3_exports_a_run_that_never_saved(runs):
+    """The export gathers right after the final evaluation, whose prefetched parameters were still in flight (it
+    failed: 'Cannot partition a param in flight'); a checkpoint's save used to release them first."""
+    assert not list(runs["zero3n"].glob("checkpoint-*"))
+    assert_export_is_the_trained_model(runs["zero3n"], 3)
 
 
 def test_zero3_resume_at_the_exact_position(runs):

@@ -134,6 +134,7 @@ def export_safetensors(
             model.save_pretrained(str(tmp), state_dict=state, max_shard_size=max_shard_size, save_original_format=False)
         config = copy.deepcopy(config)  # the caller's config over the model's copy, as the export always wrote
         config.dtype = str(dtype).removeprefix("torch.")  # what from_pretrained(dtype="auto") loads it as
+        config.use_cache = True  # off for training (modeling.fit_config_to_tokenizer); generation wants its KV cache
         config.save_pretrained(str(tmp))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

@@ -15,6 +15,7 @@ from anygpu.errors import UsageError
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 CHUNK = 1 << 20
+SKIP = " (or --skip_bad_rows true: such files of a folder or glob are left out and counted)"
 
 
 def files_of(pattern: str) -> list[Path]:
@@ -25,7 +26,7 @@ def check_file(path: Path, builder: str, option: str) -> None:
     """Cheap checks before loading: emptiness, binary content, whitespace only (stops at the first text)."""
     size = path.stat().st_size
     if size == 0:
-        raise UsageError(f"{option} {path} is empty: give a file that holds training text.")
+        raise UsageError(f"{option} {path} is empty: give a file that holds training text{SKIP}.")
     with path.open("rb") as f:
         head = f.read(CHUNK)
         if builder == "parquet":
@@ -44,7 +45,7 @@ def check_file(path: Path, builder: str, option: str) -> None:
             if chunk.strip():
                 return
             chunk = f.read(CHUNK)
-    raise UsageError(f"{option} {path} holds only whitespace: give a file that holds training text.")
+    raise UsageError(f"{option} {path} holds only whitespace: give a file that holds training text{SKIP}.")
 
 
 def first_utf8_error(path: Path) -> str | None:

@@ -135,8 +135,9 @@ def fit_config_to_tokenizer(config: PretrainedConfig, tokenizer, from_scratch: b
         config.pad_token_id = tokenizer.pad_token_id
     elif len(tokenizer) > config.vocab_size:
         raise UsageError(
-            f"--tokenizer_name has {len(tokenizer)} tokens but the model's vocabulary is {config.vocab_size}: "
-            "use the model's own tokenizer (leave --tokenizer_name out)."
+            f"the tokenizer of {tokenizer.name_or_path} has {len(tokenizer)} tokens (added ones included) but the "
+            f"model's vocabulary is {config.vocab_size}: give a tokenizer of at most {config.vocab_size} tokens "
+            "(--tokenizer_name), or a model whose embeddings cover this one's."
         )
     config.use_cache = False
     return config

@@ -311,6 +311,8 @@ class HFRun:
             self._exit_preempted()
         if schedule.exports and schedule.trains:  # the trained weights: Trainer loads a checkpoint only to train
             dtype = finish.export_dtype(self.args.export_dtype, self.model_args.model_name_or_path, self.args.bf16)
+            if getattr(self.trainer, "deepspeed", None) is not None:  # the last evaluation's prefetches, in flight
+                self.trainer.deepspeed.empty_partition_cache()
             gathered = zero3_state_dict(self.trainer.model, info.is_main, dtype)  # None unless ZeRO-3
             finish.export_final(
                 self.trainer.model,
