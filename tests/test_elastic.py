@@ -59,7 +59,7 @@ def plan_node(
     plan = launcher.make_plan(
         [*argv, "--rdzv-conf", RDZV, "--dry-run", "--", *RUN, *more, "--output_dir", str(output_dir)], environ
     )
-    assert plan.cmd[1:3] == ["-m", "torch.distributed.run"], plan.cmd
+    assert plan.cmd[1:3] == ["-m", "anygpu.reliability.torchrun"], plan.cmd
     assert plan.exported["ANYGPU_ELASTIC"] == "1:2"
     return plan.cmd[3:], plan.env
 

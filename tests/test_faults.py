@@ -10,6 +10,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -100,6 +101,27 @@ def test_sigterm_during_an_evaluation_resumes_exactly(reference, tmp_path):
     assert sorted(losses(tmp_path)) == list(range(1, 16))
     assert_close(losses(reference), losses(tmp_path), rel=1e-5)
     assert evals(tmp_path) == pytest.approx(evals(reference), rel=1e-5)
+
+
+def test_sigterm_to_torchrun_alone_ends_the_job_with_the_workers_143(tmp_path):
+    """The launchers' torchrun (`anygpu.reliability.torchrun`), signalled alone as Kubernetes signals a container's first
+    process: it forwards the signal, the workers save and exit 143, and so does it (torchrun itself ends with exit 1
+    and a SignalException traceback); the checkpoint of the step resumes."""
+    args = [*RUN, "--max_steps", "400", "--save_steps", "1000", "--output_dir", str(tmp_path)]
+    launcher = [sys.executable, "-m", "anygpu.reliability.torchrun", "--standalone", "--nproc-per-node=2", SCRIPT]
+    proc = subprocess.Popen([*launcher, *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        wait_until(lambda: len(steps_logged(tmp_path)) >= 2, what="two logged steps")
+        os.kill(proc.pid, signal.SIGTERM)  # torchrun alone, not its process group
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    saved = [c.name for c in tmp_path.glob("checkpoint-*")]
+    assert proc.returncode == 143 and "Traceback" not in out, out[-3000:]
+    assert len(saved) == 1 and f"SIGTERM: saving {saved[0]} before exiting (exit 143)" in out, out[-3000:]
+    assert "the workers exited [143]: exit 143" in out
 
 
 def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(reference, tmp_path, tmp_path_factory, capsys):

@@ -35,7 +35,7 @@ def test_cpu_defaults_and_scripted_answers(monkeypatch, tmp_path, capsys):
     assert "engine (hf: HF Trainer + accelerate; fsdp: native FSDP2) [hf]: fsdp" in out
     assert "CPU processes [1]: 2" in out and "global batch (sequences per optimizer step) [16]: 8" in out
     cmd = command(out)
-    assert cmd[1:3] == ["-m", "torch.distributed.run"] and cmd[cmd.index("--nproc-per-node") + 1] == "2"
+    assert cmd[1:3] == ["-m", "anygpu.reliability.torchrun"] and cmd[cmd.index("--nproc-per-node") + 1] == "2"
     assert cmd[cmd.index("--global_batch_size") + 1] == "8" and cmd[cmd.index("--output_dir") + 1] == str(
         tmp_path / "run"
     )

@@ -113,7 +113,7 @@ class DryRun:
     def nproc(self) -> int:
         """Processes this node starts, read from the command itself."""
         cmd = self.cmd
-        if "torch.distributed.run" in cmd:
+        if "anygpu.reliability.torchrun" in cmd:
             return int(self.opt("--nproc-per-node"))
         if "accelerate.commands.launch" in cmd:
             return int(self.opt("--num_processes")) // int(self.opt("--num_machines"))
@@ -342,7 +342,7 @@ def test_dry_run_process_count_follows_visibility(vendor, env, gpus):
     assert r.nproc == count
     assert f"GPU{'s' if count > 1 else ''}: {gpus}: " in r.notes
     if count > 1:
-        assert r.cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1"]
+        assert r.cmd[1:6] == ["-m", "anygpu.reliability.torchrun", "--standalone", "--nnodes", "1"]
     for name, value in env.items():  # the caller's visibility variables reach the job untouched
         assert name not in r.exports and name not in r.kept, (name, value)
 

@@ -171,3 +171,13 @@ def test_save_strategy_no_writes_no_checkpoint_at_the_end_or_on_a_signal():
         assert not preemption.save_on_preempt and preemption.why_not == "--save_strategy no"
     finally:
         preemption.close()
+
+
+def test_the_launchers_torchrun_reads_the_job_code_from_its_workers():
+    """After a signal sent to torchrun: 143 only where every worker saved; 75 where one stopped without a checkpoint
+    or was killed at the grace's end; torchrun's own report (None) where one failed or a code is unknown."""
+    from anygpu.reliability.torchrun import job_code
+
+    assert job_code([143, 143]) == 143
+    assert job_code([143, 75]) == job_code([143, -9]) == 75
+    assert job_code([143, 1]) is job_code([143, None]) is job_code([]) is None

@@ -7,7 +7,7 @@ Detection and ``--dry-run`` need only the standard library; when torch is import
 
 What runs (ENGINE: ``-m anygpu.engines.run_fsdp`` or ``-m anygpu.engines.run_hf``, the engines' entry modules):
   one process on one node   python ENGINE args                       (no distributed wrapper)
-  --engine fsdp             python -m torch.distributed.run … -m anygpu.engines.run_fsdp args
+  --engine fsdp             python -m anygpu.reliability.torchrun (torchrun) … -m anygpu.engines.run_fsdp args
   --engine hf (default)     python -m accelerate.commands.launch --config_file CFG … -m anygpu.engines.run_hf args
 The engines and the accelerate configs come from the package itself, so an installed wheel launches from any
 folder. The final step is ``os.execve``: the job's exit code and signals are the launcher's own.
@@ -761,7 +761,13 @@ def build_command(
         return [python, *job]
     if args.engine == "fsdp":
         lines.append((cpu_line if not use_gpus else f"{plural(nproc, 'process')} per node") + ", torchrun")
-        return [python, "-m", "torch.distributed.run", *_torchrun_options(args, nproc, nodes), *job]
+        return [
+            python,
+            "-m",
+            "anygpu.reliability.torchrun",
+            *_torchrun_options(args, nproc, nodes),
+            *job,
+        ]  # torchrun, 143 kept
     options = _accelerate_options(args, use_gpus, nproc, nodes, env, exported, lines, cpu_line)
     return [python, "-m", "accelerate.commands.launch", *options, *job]
 
