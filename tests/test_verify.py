@@ -375,6 +375,22 @@ def test_a_grpo_run_that_differs_only_after_an_agreeing_first_step_gets_the_roun
     assert grpo_rounding_hint([ref, moved], 1e-5) == []
 
 
+def test_runs_apart_in_one_weight_alone_get_the_zero_gradient_hint(tmp_path):
+    """A language-model job (Qwen2's key bias at 1 vs 3 ranks: 7.9e-5 in that tensor, 8e-8 in the loss): the FAIL says
+    which weight and why it can be rounding alone; a loss apart as well gets no such hint."""
+    from anygpu.tools.verify import compare, read_metrics, weights_only_hint
+
+    ref = grpo_run(tmp_path, "fsdp-w1", [2.5, 2.25], [0.0, 0.0])
+    moved = grpo_run(tmp_path, "fsdp-w3", [2.5, 2.25], [0.0, 0.0], weight=1.0001)
+    for run in (ref, moved):
+        read_metrics(run)
+    worst = compare([ref, moved], None)
+    (hint,) = weights_only_hint([ref, moved], worst, 1e-5)
+    assert "only the weights differ, most in w" in hint and "key bias" in hint
+    moved.loss[2] = 2.2501
+    assert weights_only_hint([ref, moved], compare([ref, moved], None), 1e-5) == []
+
+
 def test_a_grpo_run_missing_its_reward_curve_is_an_error(tmp_path):
     from anygpu.tools.verify import VerifyError, compare, read_metrics
 

@@ -609,6 +609,21 @@ def grpo_rounding_hint(runs: list[Run], tolerance: float) -> list[str]:
     ]
 
 
+def weights_only_hint(runs: list[Run], worst: Worst, tolerance: float) -> list[str]:
+    """Runs whose loss and grad norm agree on every step, differing in one weight alone: most likely a weight whose
+    gradient is rounding alone (an attention key bias: softmax ignores a shift of a query's scores), which Adam moves
+    by about the learning rate a step in the direction the rounding's sign gives."""
+    curves = [r.max_rel_diff.get(q, 0.0) for r in runs[1:] for q in ("loss", "grad_norm")]
+    if worst.quantity != "weights" or not curves or max(curves) > tolerance / 10:
+        return []
+    return [
+        f"the loss and grad norm agree on every step (within {fmt(max(curves))}); only the weights differ, most in "
+        f"{worst.where}. A weight whose true gradient is 0 (an attention key bias: softmax ignores it) has a "
+        "gradient of rounding alone, whose sign follows the order of the sums, and Adam moves it by about the learning "
+        "rate a step: if that is such a weight, the runs agree; see docs/verify.md#tolerance"
+    ]
+
+
 def fmt(x: float | None) -> str:
     return "—" if x is None else "inf" if math.isinf(x) else f"{x:.2e}"
 
@@ -800,7 +815,8 @@ def main(argv: list[str] | None = None) -> int:
     differ = completions_verdict(runs)
     passed = worst.value <= tolerance and differ is None
     sys.stdout.write(table(runs))
-    for line in (hints(runs) + grpo_rounding_hint(runs, tolerance) * v.grpo) if not passed else []:
+    explained = hints(runs) + grpo_rounding_hint(runs, tolerance) * v.grpo + weights_only_hint(runs, worst, tolerance)
+    for line in explained if not passed else []:
         print(f"hint: {line}")
     if v.grpo and all(r.completions is None for r in runs[1:]):
         print("note: the completions were not compared: the job writes none (--num_completions_to_print 0)")
