@@ -28,8 +28,7 @@ def check_enough_samples(num_samples: int, global_batch_size: int) -> None:
     if num_samples < global_batch_size:
         raise UsageError(
             f"the training set has {num_samples} rows, fewer than --global_batch_size {global_batch_size}: lower "
-            f"--global_batch_size (≤ {num_samples}), or --block_size (text: more blocks; packed samples: fewer a row), "
-            "or add data."
+            f"--global_batch_size (≤ {num_samples}), or --block_size (more, shorter rows), or add data."
         )
 
 

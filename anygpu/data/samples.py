@@ -24,9 +24,8 @@ from anygpu.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
-SAMPLES_VERSION = (
-    "3"  # 2: packed rows break ties as TRL's bfd does (oldest row first); 3: prompt + completion as TRL tokenises it
-)
+# 2: packed rows break ties as TRL's bfd does (oldest row first); 3: prompt + completion as TRL tokenises it
+SAMPLES_VERSION = "3"
 STATS_FILE = "anygpu_stats.json"
 
 

@@ -761,13 +761,8 @@ def build_command(
         return [python, *job]
     if args.engine == "fsdp":
         lines.append((cpu_line if not use_gpus else f"{plural(nproc, 'process')} per node") + ", torchrun")
-        return [
-            python,
-            "-m",
-            "anygpu.reliability.torchrun",
-            *_torchrun_options(args, nproc, nodes),
-            *job,
-        ]  # torchrun, 143 kept
+        # torchrun, ending with its workers' 143 where a signal sent to it alone stopped them
+        return [python, "-m", "anygpu.reliability.torchrun", *_torchrun_options(args, nproc, nodes), *job]
     options = _accelerate_options(args, use_gpus, nproc, nodes, env, exported, lines, cpu_line)
     return [python, "-m", "accelerate.commands.launch", *options, *job]
 
