@@ -256,3 +256,42 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_named_not_an_option_never_giv
     tok.name_or_path = "models/qwen"
     with pytest.raises(UsageError, match=r"^the tokenizer of models/qwen has 12 tokens .* vocabulary is 10: give a"):
         modeling.fit_config_to_tokenizer(LlamaConfig(vocab_size=10), tok, from_scratch=False)
+
+
+def test_a_dataset_name_that_is_no_data_set_or_lacks_its_config_is_refused_in_one_line(capsys, tmp_path):
+    """A local folder laid out as a Hub data set with two configs: an unknown config, or none, is named with the
+    ones there are; a file, or a folder without data files, points to what --dataset_name takes (tracebacks
+    before)."""
+    import pandas as pd
+
+    hub = tmp_path / "hub"
+    for config in ("en", "fr"):
+        (hub / config).mkdir(parents=True)
+        pd.DataFrame({"text": ["the sky is blue"] * 8}).to_parquet(hub / config / "train-00000-of-00001.parquet")
+    (hub / "README.md").write_text(
+        "---\nconfigs:\n" + "".join(f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n"
+                                   for c in ("en", "fr")) + "---\n"
+    )  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"text": "the sky"}) + "\n")
+    base = [*TINY, "--output_dir", str(tmp_path / "run"), "--data_cache_dir", str(tmp_path / "cache")]
+    cases = {
+        ("--dataset_name", str(hub), "--dataset_config_name", "de"): "--dataset_config_name de with --dataset_name",
+        ("--dataset_name", str(hub)): "Config name is missing",
+        ("--dataset_name", str(tmp_path / "rows.jsonl")): "is a file: give it with --train_file",
+        ("--dataset_name", str(tmp_path / "empty")): "no data set there (EmptyDatasetError",
+    }
+    for extra, says in cases.items():
+        err = refuse([*base, *extra], capsys)
+        assert says in err and err.count("\n") == 1, err
+    assert "Available: ['en', 'fr']" in refuse(
+        [*base, "--dataset_name", str(hub), "--dataset_config_name", "de"], capsys
+    )
+
+
+def test_a_tiny_max_corpus_mb_still_trains_on_a_file_and_validates_on_another():
+    """--max_corpus_mb below the first file of the embedded corpus (an IndexError before): one file each."""
+    from anygpu.data.sources import stdlib_corpus
+
+    rows = stdlib_corpus(10.0, max_mb=0.000001)
+    assert len(rows["train"]) == 1 and len(rows["validation"]) == 1

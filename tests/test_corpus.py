@@ -125,6 +125,19 @@ def test_a_bad_row_is_refused_naming_the_file_and_line_or_dropped_and_counted(tm
     assert stats.bad_rows == 1 and expected.split(": ")[0] in stats.first_bad
 
 
+def test_a_json_file_without_the_text_key_is_refused_and_rows_without_it_are_null(tmp_path):
+    """A file of a folder whose rows all lack the column is refused, as a parquet or CSV file without it (it was read
+    as null rows: the folder trained on its other files alone); rows without it among rows with it stay null rows."""
+    for name, content in (("b.jsonl", b'{"content": "x"}\n{"content": "y"}\n'), ("c.json", b'[{"content": "x"}]')):
+        read, _ = bad_reading(tmp_path, content, name)
+        with pytest.raises(
+            UsageError, match=re.escape(f"{name}: --text_column 'text' is not one of its columns ['content']")
+        ):
+            read()
+    read, stats = bad_reading(tmp_path, b'{"text": "fine"}\n{"content": "y"}\n')
+    assert read() == ["fine"] and stats.null_rows == 1
+
+
 def test_a_bad_file_in_parts_is_counted_once_and_read_by_none(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_bytes(b"\0" + b'{"text": "after a NUL byte"}\n' * 40)
@@ -196,6 +209,21 @@ def test_a_run_config_holds_the_mixture_as_trl_writes_it(tmp_path):
     plan = corpus.plan_corpus(parse_args([str(cfg), "--validation_split_percentage", "10"])[1])
     assert plan.mixture and [(s.name, s.weight, len(s.files)) for s in plan.sources] == [("web", 0.7, 4),
                                                                                          ("table", 0.3, 1)]  # fmt: skip
+
+
+def test_weights_in_exponent_form_and_sources_without_a_name_are_taken(tmp_path):
+    """1e-3 and 1e-05 are numbers (YAML 1.1 reads them as text: a YAML file's and a run config's, which reaches the
+    command line as JSON written by json.dumps); an unnamed source is named by its path up to any glob, made valid."""
+    write_corpus(tmp_path / "c")
+    (tmp_path / "my data.jsonl").write_text(json.dumps({"text": "the sky is blue " * 40}) + "\n")
+    glob_source = {"path": str(tmp_path / "c" / "part*.jsonl"), "weight": 1e-05}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"config_name: tiny\ndataset_mixture:\n  datasets:\n    - {{path: {tmp_path}/c/table.parquet, weight: 1e-3}}\n"
+    )
+    for argv in (mixture(tmp_path, glob_source, {"path": str(tmp_path / "my data.jsonl")}), [str(cfg)]):
+        plan = corpus.plan_corpus(parse_args([*argv, "--validation_split_percentage", "10"])[1])
+        assert {s.name: s.weight for s in plan.sources} in ({"part": 1e-05, "my_data": 1.0}, {"table": 1e-3}), argv
 
 
 # ---------------------------------------------------------------------- preparation

@@ -102,6 +102,10 @@ def check_dataset(value: str | None) -> None:
     """--dataset_name is a folder saved with save_to_disk, or a hub id in the hub or datasets cache (offline)."""
     if not value:
         return
+    if Path(value).expanduser().is_file():
+        raise UsageError(
+            f"--dataset_name {value} is a file: give it with --train_file (a data set is a folder or a hub id)."
+        )
     if Path(value).expanduser().exists():
         return
     if _looks_like_path(value):

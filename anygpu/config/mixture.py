@@ -75,9 +75,22 @@ def _matches(path: str) -> bool:
 
 def _weight(entry: dict, where: str) -> float:
     weight = entry.get("weight", 1.0)
+    if isinstance(weight, str):  # YAML 1.1 reads 1e-3 (no dot) as text; a run config's JSON writes 1e-05 so
+        try:
+            weight = float(weight)
+        except ValueError:
+            pass
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
         raise UsageError(f"{ARG}: {where} has weight {weight!r}: give a number ≥ 0, e.g. 0.2 (shares of the samples).")
     return float(weight)
+
+
+def _default_name(path: str, i: int) -> str:
+    """A source's name where it gives none: its path's stem up to any glob (data/web/*.jsonl: web), made a valid
+    name (other characters become '_'), else source<i>."""
+    stem = Path(re.split(r"[*?\[]", path)[0].rstrip("/") or ".").stem
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", stem).strip("_.-")[:64]
+    return name or f"source{i + 1}"
 
 
 def _source(entry: Any, i: int, text_column: str) -> SourceSpec:
@@ -92,11 +105,12 @@ def _source(entry: Any, i: int, text_column: str) -> SourceSpec:
     path = entry.get("path")
     if not isinstance(path, str) or not path:
         raise UsageError(f"{ARG}: {where} has no 'path': give a file, a folder or a glob of text files.")
-    name = str(entry.get("name") or Path(path.rstrip("/*")).stem or f"source{i + 1}")
+    name = str(entry.get("name") or _default_name(path, i))
     where = f"source {name!r}"
     if not NAME.match(name):
         raise UsageError(
-            f"{ARG}: {where}: a name is letters, digits, '_', '.', '-' (it names metrics such as samples/<name>), e.g. web."
+            f"{ARG}: {where}: a name is 1 to 64 letters, digits, '_', '.', '-', starting with a letter or digit (it "
+            "names metrics such as samples/<name>), e.g. web."
         )
     for key, value in (("path", path), ("validation_path", entry.get("validation_path"))):
         if value is not None and not _matches(str(value)):

@@ -255,21 +255,35 @@ def json_documents(reading: Reading, f: DataFile, part: int, stats: ReadStats) -
         if part == 0:
             with open_binary(f) as fh:
                 rows = json.loads(fh.read().removeprefix(BOM))
-            for i, row in enumerate(rows):
-                if (text := _value(reading, stats, f, f"item {i}", row)) is not None:
-                    yield text
+            yield from _texts(reading, stats, f, ((f"item {i}", row) for i, row in enumerate(rows)), True)
         return
+    yield from _texts(reading, stats, f, _json_lines(reading, stats, f, part), part == 0)
+
+
+def _json_lines(reading: Reading, stats: ReadStats, f: DataFile, part: int) -> Iterator[tuple[int, object]]:
     with open_binary(f) as fh:
         for offset, raw in lines(fh, f, part):
             if not raw.strip():
                 continue
             try:
-                row = json.loads(raw)
+                yield offset, json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 reading.bad(stats, f, offset, f"not JSON ({type(e).__name__}: {str(e).splitlines()[0]})")
-                continue
-            if (text := _value(reading, stats, f, offset, row)) is not None:
-                yield text
+
+
+def _texts(reading: Reading, stats: ReadStats, f: DataFile, rows, whole_file: bool) -> Iterator[str]:
+    """The texts of parsed rows. A file (its first part) whose rows all lack the text column's key is refused as a
+    parquet or CSV file without the column is (rows without it among rows with it are null rows, as in datasets)."""
+    keys, has_column = None, False
+    for where, row in rows:
+        if isinstance(row, dict) and reading.text_column not in row:
+            keys = keys or list(row)
+        elif isinstance(row, dict):
+            has_column = True
+        if (text := _value(reading, stats, f, where, row)) is not None:
+            yield text
+    if whole_file and keys is not None and not has_column:
+        raise UsageError(missing_column(reading, f, keys))
 
 
 def csv_documents(reading: Reading, f: DataFile, stats: ReadStats) -> Iterator[str]:

@@ -38,13 +38,15 @@ def stdlib_corpus(validation_percentage: float, max_mb: float | None = None) -> 
     for path in stdlib_files():
         text = path.read_text(encoding="utf-8", errors="replace")
         budget -= len(text)
-        if budget < 0:
+        if budget < 0 and len(train) + len(val) >= 2:  # at least a training and a validation file, however small
             break
         rel = path.relative_to(root).as_posix()
         bucket = int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 10000
         (val if bucket < validation_percentage * 100 else train).append(text)
     if not val:  # a tiny --max_corpus_mb can leave the hash split empty
         val.append(train.pop())
+    if not train:
+        train.append(val.pop())
     return DatasetDict(train=Dataset.from_dict({"text": train}), validation=Dataset.from_dict({"text": val}))
 
 
@@ -87,7 +89,7 @@ def load_given(args: DataArguments) -> DatasetDict:
         elif Path(name).is_dir() and (Path(name) / "dataset_info.json").exists():
             raw = DatasetDict(train=load_from_disk(name))
         else:
-            raw = load_dataset(name, args.dataset_config_name)
+            raw = _load_dataset(name, args.dataset_config_name)
         raw = raw if isinstance(raw, DatasetDict) else DatasetDict(train=raw)
         if "validation" not in raw and "test" in raw:
             raw["validation"] = raw["test"]
@@ -96,6 +98,28 @@ def load_given(args: DataArguments) -> DatasetDict:
     if args.validation_file:
         raw["validation"] = _load_files(args.validation_file, args.text_column, "--validation_file", args.txt_sample_by)
     return raw
+
+
+def _load_dataset(name: str, config: str | None):
+    """`load_dataset`, its refusals of the name or the config said in one line (datasets' own words, first line)."""
+    from datasets.data_files import EmptyDatasetError
+    from datasets.exceptions import DataFilesNotFoundError, DatasetNotFoundError
+
+    try:
+        return load_dataset(name, config)
+    except ValueError as e:  # "Config name is missing" / "BuilderConfig 'de' not found. Available: [...]"
+        if "onfig" not in str(e):
+            raise
+        said = " ".join(str(e).split())[:300]
+        raise UsageError(
+            f"--dataset_config_name {config} with --dataset_name {name}: {said} (--dataset_config_name)."
+        ) from None
+    except (FileNotFoundError, EmptyDatasetError, DataFilesNotFoundError, DatasetNotFoundError) as e:
+        raise UsageError(
+            f"--dataset_name {name}: no data set there ({type(e).__name__}: {str(e).splitlines()[0][:120]}). Give a "
+            "folder written by Dataset.save_to_disk, a folder of data files (data/train-*.parquet), a cached hub id, "
+            "or a file with --train_file."
+        ) from None
 
 
 def load_raw_text(args: DataArguments, seed: int = 0) -> tuple[DatasetDict, bool]:
