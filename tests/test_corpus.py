@@ -392,6 +392,19 @@ def test_a_mixture_draws_exact_shares_and_each_source_whole_epochs():
     assert begun[0] == (first_past, ("math", 2)) and [e for _, (n, e) in begun if n == "math"][:2] == [2, 3]
 
 
+def test_an_evaluated_only_source_adds_nothing_to_an_epoch_and_is_named_with_its_own_weight():
+    """A weight-0 source (its validation blocks evaluated, never trained on) left the epoch longer: the trained sources
+    then ran past their epoch under --num_train_epochs. A source with no full block is named with the weight given."""
+    from fractions import Fraction
+
+    from anygpu.data.mixture_order import MixtureOrder
+
+    order = MixtureOrder((500, 300, 40), (Fraction(7), Fraction(3), Fraction(0)), ("web", "code", "eval"), 64, 0)
+    assert order.num_samples == 800 and order.steps_per_epoch == 12
+    with pytest.raises(UsageError, match="source 'math' has weight 1 but no full block"):
+        MixtureOrder((500, 0), (Fraction(1), Fraction(1)), ("web", "math"), 64, 0)
+
+
 def test_the_feistel_permutation_is_a_permutation():
     for n in (1, 2, 3, 5, 64, 100, 4097):
         assert sorted(permute(np.arange(n), n, 7).tolist()) == list(range(n))

@@ -75,20 +75,21 @@ class MixtureOrder:
     _windows: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # the last windows used
 
     def __post_init__(self) -> None:
-        total = sum(self.weights)
-        object.__setattr__(self, "weights", tuple(w / total for w in self.weights))
-        object.__setattr__(self, "window", max(self.window, len(self.sizes) ** 2))
         for name, n, w in zip(self.names, self.sizes, self.weights):
             if w > 0 and n == 0:
                 raise UsageError(
                     f"--dataset_mixture source {name!r} has weight {float(w):g} but no full block of training text: "
                     "give it more text, a lower --block_size, or weight 0."
                 )
+        total = sum(self.weights)
+        object.__setattr__(self, "weights", tuple(w / total for w in self.weights))
+        object.__setattr__(self, "window", max(self.window, len(self.sizes) ** 2))
         check_enough_samples(self.num_samples, self.global_batch_size)
 
     @property
     def num_samples(self) -> int:
-        return sum(self.sizes)
+        """The samples of the sources it draws from (a weight-0 source, evaluated only, adds none to an epoch)."""
+        return sum(n for n, w in zip(self.sizes, self.weights) if w > 0)
 
     @property
     def steps_per_epoch(self) -> int:
