@@ -99,7 +99,8 @@ def dpo(tmp_path_factory) -> dict:
             job(base, ref, files, out["y"], "--per_device_train_batch_size", "2", "--precompute_ref_log_probs", "false"),
             job(base, ref, files, out["x"], "--per_device_train_batch_size", "3",
                 "--data_cache_dir", str(root / "cache-zero3")),
-            job(base, None, files, out["w"], *LORA, "--precompute_ref_log_probs", "false"),
+            job(base, None, files, out["w"], *LORA, "--precompute_ref_log_probs", "false", "--export_final", "true",
+                "--merge_lora", "true"),
         ],
         config="deepspeed_zero3",
     )  # fmt: skip
@@ -173,6 +174,10 @@ def test_the_hf_engine_under_zero3_runs_the_reference_sharded(dpo):
         assert torch.allclose(tables[1][split], table, rtol=1e-6, atol=0), split
     assert_same(records(out["y"]), records(out["x"]), "ZeRO-3: a frozen copy at every step, and its table")
     assert_same(records(out["w"]), records(out["c"]), "ZeRO-3: LoRA, its base at every step")
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out["w"] / "final-merged")  # rank 0's merge (it hung under ZeRO-3)
+    assert all(p.numel() > 0 for p in merged.parameters())
     assert_same(records(out["y"]), records(out["a"]), "ZeRO-3: a full fine-tune against the 1-rank run")
 
 

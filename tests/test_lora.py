@@ -281,3 +281,18 @@ def test_adapters_off_gives_the_base_and_leaves_what_trains_alone():
             off = model(ids).logits
         again = model(ids).logits
     assert not torch.allclose(adapted, plain) and torch.equal(off, plain) and torch.equal(again, adapted)
+
+
+def test_a_tied_head_in_modules_to_save_is_refused_by_the_fsdp_engine_in_one_line():
+    """peft trains a copy of a tied lm_head, which the FSDP2 engine's re-tying cannot hold (a KeyError from
+    tie_weights before); an untied head, or none named, passes."""
+    import tiny_llm
+
+    from anygpu.errors import UsageError
+    from anygpu.model import lora
+
+    tied, untied = tiny_llm.llama(64, tie_word_embeddings=True), tiny_llm.llama(64, tie_word_embeddings=False)
+    with pytest.raises(UsageError, match=r"^--lora_modules_to_save lm_head: lm_head is tied to the input embeddings"):
+        lora.check_untied_saves(tied, ["lm_head"])
+    lora.check_untied_saves(untied, ["lm_head"])
+    lora.check_untied_saves(tied, None)

@@ -19,6 +19,7 @@ import contextlib
 import copy
 import re
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,16 @@ def export_adapter(
     return out
 
 
+def _leave_zero3() -> None:
+    """The run's end under ZeRO-3: transformers builds any model under deepspeed.zero.Init while the run's DeepSpeed
+    config is registered, which broadcasts each parameter to ranks that are not building it (the merge is rank 0's
+    alone): unregistered here, so the merge's model is a plain one (it hung before)."""
+    if "transformers.integrations.deepspeed" in sys.modules:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+
+
 def _wait_for_rank0(what: str) -> None:
     """The other ranks wait while rank 0 writes, for as long as it takes: a 70B export (or a merge) can outlast
     --ddp_timeout, which would end a barrier, and the job, at its very end; the job's store has no such limit."""
@@ -222,6 +233,7 @@ def merge_adapter(
 
     merged_dir = adapter.with_name(f"{adapter.name}-merged")
     tmp = merged_dir.with_name(f".{merged_dir.name}.tmp")
+    _leave_zero3()
     base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     if quantised_from is not None:
         qlora.dequantise_base(base, quantised_from)

@@ -119,6 +119,20 @@ def check_targets(model: nn.Module, targets: list[str]) -> None:
         )
 
 
+def check_untied_saves(model: nn.Module, modules_to_save: list[str] | None) -> None:
+    """The FSDP2 engine's: --lora_modules_to_save names no output head tied to the input embeddings (peft trains a
+    copy of it, which the engine's re-tying of the materialised model cannot hold: a KeyError before)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embedding is not None and getattr(head, "weight", None) is embedding.weight
+    name = next((n for n, m in model.named_modules() if m is head), None) if tied else None
+    if name and any(name == t or name.endswith("." + t) for t in modules_to_save or ()):
+        raise UsageError(
+            f"--lora_modules_to_save {','.join(modules_to_save)}: {name} is tied to the input embeddings "
+            "(tie_word_embeddings), which the FSDP2 engine keeps tied; train a copy of it with the HF engine "
+            "(run_hf_standalone.py), or leave it out."
+        )
+
+
 @contextlib.contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
     """The base model's forward (LoRA's reference): each LoRA layer's disabled flag set, and restored. Not peft's

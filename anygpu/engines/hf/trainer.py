@@ -16,6 +16,7 @@ What the loop computes, per optimizer step k and rank r (G = m·W·A as in `anyg
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
@@ -39,6 +40,24 @@ from anygpu.model import dropout, lean_loss, moe
 from anygpu.reliability.preempt import Preemption
 from anygpu.runtime import distributed, faults, progress
 from anygpu.train import dpo, metrics, optim
+
+
+@contextlib.contextmanager
+def own_layout_saves() -> Iterator[None]:
+    """`save_pretrained` of any model writes its weights as the model holds them (save_original_format=False)."""
+    from transformers import PreTrainedModel
+
+    save = PreTrainedModel.save_pretrained
+
+    def own_layout(self, *args, **kwargs):
+        kwargs.setdefault("save_original_format", False)
+        return save(self, *args, **kwargs)
+
+    PreTrainedModel.save_pretrained = own_layout
+    try:
+        yield
+    finally:
+        PreTrainedModel.save_pretrained = save
 
 
 class AnygpuTrainer(Trainer):
@@ -245,6 +264,14 @@ class AnygpuTrainer(Trainer):
         return result
 
     # ------------------------------------------------------------------ checkpoints
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Trainer's, the weights in the model's own layout: Trainer reloads a checkpoint with load_state_dict,
+        without the conversions from_pretrained applies, so a layout save_pretrained reverts (transformers 5 fuses
+        MoE experts and saves them one tensor per expert) came back as missing keys and a resume left the experts at
+        their starting weights. The final export keeps the Hub's layout (`anygpu.checkpoint.export`)."""
+        with own_layout_saves():
+            super()._save(output_dir, state_dict)
+
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """Trainer's checkpoint, written under a temporary folder and renamed when complete.
 
