@@ -106,7 +106,7 @@ def test_sigterm_during_an_evaluation_resumes_exactly(reference, tmp_path):
 def test_sigterm_to_torchrun_alone_ends_the_job_with_the_workers_143(tmp_path):
     """The launchers' torchrun (`anygpu.reliability.torchrun`), signalled alone as Kubernetes signals a container's first
     process: it forwards the signal, the workers save and exit 143, and so does it (torchrun itself ends with exit 1
-    and a SignalException traceback); the checkpoint of the step resumes."""
+    and a SignalException traceback), with the checkpoint of the step the workers were in."""
     args = [*RUN, "--max_steps", "400", "--save_steps", "1000", "--output_dir", str(tmp_path)]
     launcher = [sys.executable, "-m", "anygpu.reliability.torchrun", "--standalone", "--nproc-per-node=2", SCRIPT]
     proc = subprocess.Popen([*launcher, *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
