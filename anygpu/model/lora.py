@@ -111,12 +111,17 @@ def _conv1d():
 def check_targets(model: nn.Module, targets: list[str]) -> None:
     """Every --lora_target_modules name matches a module (as peft matches: the name or its last parts)."""
     names = [name for name, _ in model.named_modules()]
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    missing = [t for t in targets if not any(_matches(n, t) for n in names)]
     if missing:
         raise UsageError(
             f"--lora_target_modules {','.join(missing)}: the model has no such module. Its linear modules: "
             f"{','.join(linear_names(model))} (or all-linear)."
         )
+
+
+def _matches(name: str, target: str) -> bool:
+    """Whether the module `name` is what peft takes `target` for: the name itself or its last parts."""
+    return name == target or name.endswith("." + target)
 
 
 def check_untied_saves(model: nn.Module, modules_to_save: list[str] | None) -> None:
@@ -125,7 +130,7 @@ def check_untied_saves(model: nn.Module, modules_to_save: list[str] | None) -> N
     head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head is not None and embedding is not None and getattr(head, "weight", None) is embedding.weight
     name = next((n for n, m in model.named_modules() if m is head), None) if tied else None
-    if name and any(name == t or name.endswith("." + t) for t in modules_to_save or ()):
+    if name and any(_matches(name, t) for t in modules_to_save or ()):
         raise UsageError(
             f"--lora_modules_to_save {','.join(modules_to_save)}: {name} is tied to the input embeddings "
             "(tie_word_embeddings), which the FSDP2 engine keeps tied; train a copy of it with the HF engine "

@@ -90,16 +90,28 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
             f"num_generations {num_generations}: the {rewards.numel()} rewards are not whole groups of it; "
             "pass a number of completions per prompt that divides the batch"
         )
-    groups = rewards.view(-1, num_generations)
-    mean = torch.nanmean(groups, dim=1).repeat_interleave(num_generations)
+    mean = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
     advantages = rewards - mean
-    if scale_rewards == "group":
-        std = _nanstd(groups, dim=1).repeat_interleave(num_generations) if num_generations > 1 else rewards * 0
-        advantages = advantages / (std + STD_EPSILON)
-    elif scale_rewards == "batch":
-        std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else rewards * 0
-        advantages = advantages / (std + STD_EPSILON)
+    if scale_rewards != "none":
+        advantages = advantages / (reward_stds(rewards, num_generations, scale_rewards) + STD_EPSILON)
     return torch.nan_to_num(advantages, nan=0.0)
+
+
+def reward_stds(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
+    """(N,): the std each completion's advantage is scaled by, TRL's nanstd: the batch's under "batch", else its
+    group's (what TRL also logs under "none"); 0 where a group or the batch holds one completion."""
+    if scale_rewards == "batch":
+        return _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    if num_generations == 1:
+        return torch.zeros_like(rewards)
+    return _nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+
+
+def zero_std_fraction(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> float:
+    """TRL's frac_reward_zero_std: the share of completions whose `reward_stds` is 0 as torch.isclose tells (a NaN
+    std, of fewer than two scored rewards, is not 0)."""
+    std = reward_stds(rewards, num_generations, scale_rewards)
+    return torch.isclose(std, torch.zeros_like(std)).double().mean().item()
 
 
 def batch_counts(completion_mask: torch.Tensor) -> torch.Tensor:

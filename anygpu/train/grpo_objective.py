@@ -247,9 +247,8 @@ class GRPOObjective:
         gathered = distributed.all_gather_object(
             (totals, [len(c.ids) for c in done], [c.truncated for c in done], shown, seconds)
         )
-        every = [v for part in gathered for v in part[0]]
-        advantages = grpo.group_advantages(torch.tensor(every, dtype=torch.float64), cfg.num_generations,
-                                           cfg.scale_rewards).tolist()  # fmt: skip
+        every = torch.tensor([v for part in gathered for v in part[0]], dtype=torch.float64)
+        advantages = grpo.group_advantages(every, cfg.num_generations, cfg.scale_rewards).tolist()
         mine = advantages[share.first : share.first + len(done)]
         drawn = [Drawn(list(c.ids), c.truncated, a, sampling_logps=c.logps) for c, a in zip(done, mine)]
         samples = [  # the global batch's first completions, with their advantages
@@ -276,7 +275,7 @@ class GRPOObjective:
         totals, per_func = self.rewards.score(given, completions, columns, [list(c.ids) for c in done])
         return totals, per_func, texts
 
-    def _metrics(self, totals, per_func, gathered, every: list[float]) -> dict[str, float]:
+    def _metrics(self, totals, per_func, gathered, every: torch.Tensor) -> dict[str, float]:
         """TRL's reward and completion metrics over the global batch."""
         out, _ = self._reward_metrics(totals, per_func)
         lengths = [n for part in gathered for n in part[1]]
@@ -291,7 +290,7 @@ class GRPOObjective:
                 "completions/mean_terminated_length": sum(ended) / len(ended),
                 "completions/min_terminated_length": float(min(ended)),
                 "completions/max_terminated_length": float(max(ended)),
-                "frac_reward_zero_std": zero_std_fraction(every, self.cfg.num_generations, self.cfg.scale_rewards),
+                "frac_reward_zero_std": grpo.zero_std_fraction(every, self.cfg.num_generations, self.cfg.scale_rewards),
                 # the round's sampling and scoring on its slowest rank (every rank waits for it at the gather)
                 "generation_seconds": max(part[4][0] for part in gathered),
                 "reward_seconds": max(part[4][1] for part in gathered),
@@ -431,20 +430,3 @@ def _step_of(line: str) -> float:
         return json.loads(line)["step"]
     except (json.JSONDecodeError, KeyError, TypeError):
         return math.inf
-
-
-def zero_std_fraction(rewards: list[float], num_generations: int, scale_rewards: str) -> float:
-    """TRL's frac_reward_zero_std: the share of completions whose rewards' std is 0 (within torch.isclose's 1e-8):
-    their group's, or under --scale_rewards batch the global batch's; a std of fewer than two scored rewards is NaN
-    in TRL (Bessel's correction), not 0."""
-    k = len(rewards) if scale_rewards == "batch" else num_generations
-    groups = [rewards[i : i + k] for i in range(0, len(rewards), k)]
-    return sum(len(g) for g in groups if _std(g) <= 1e-8) / len(rewards)
-
-
-def _std(values: list[float]) -> float:
-    kept = [v for v in values if not math.isnan(v)]
-    if len(kept) < 2:
-        return math.nan
-    mean = math.fsum(kept) / len(kept)
-    return math.sqrt(math.fsum((v - mean) ** 2 for v in kept) / (len(kept) - 1))
