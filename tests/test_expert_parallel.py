@@ -349,6 +349,27 @@ def test_lora_dropout_where_peft_adapts_the_experts_is_refused_by_name():
         lora.wrap(meta_model("mixtral"), args)
 
 
+@pytest.mark.parametrize("objective", [["dpo"], ["grpo", "--reward_funcs", "accuracy"]])
+def test_the_default_lora_dropout_adapts_the_experts_where_the_objective_turns_dropout_off(objective):
+    """DPO and GRPO run without dropout (TRL's disable_dropout): the default --lora_dropout 0.05 is then no reason to
+    refuse peft's adapter on the experts' own weights; the adapter is built without dropout (SFT still refuses)."""
+    import torch
+
+    from anygpu.config.args import parse_args
+    from anygpu.engines import fsdp
+    from anygpu.errors import UsageError
+    from anygpu.model import lora
+
+    argv = ["--model_name_or_path", "base", "--use_peft", "true", "--lora_target_modules", "all-linear"]
+    model_args, _, train_args = parse_args([*argv, "--objective", *objective])[:3]
+    wrapped = fsdp.adapted(meta_model("mixtral"), model_args, train_args)
+    assert "parameters down_proj" in lora.trainable_line(wrapped)  # the experts' own weights adapted
+    assert not [n for n, m in wrapped.named_modules() if isinstance(m, torch.nn.Dropout) and m.p]
+    model_args, _, train_args = parse_args(argv)[:3]
+    with pytest.raises(UsageError, match="--lora_dropout 0.05 with --lora_target_modules all-linear on mixtral"):
+        fsdp.adapted(meta_model("mixtral"), model_args, train_args)
+
+
 def test_the_plan_counts_the_experts_and_what_ep_gathers(tmp_path, capsys):
     """`anygpu plan` on a MoE config: the experts line; --ep 4 of 8 GPUs gathers a quarter of each layer's experts,
     names the all-to-all per step and leaves only the FSDP2 engine's rows; a dense model with --ep is refused."""

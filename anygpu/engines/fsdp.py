@@ -79,7 +79,7 @@ def adapted(model: torch.nn.Module, model_args: ModelArguments, train_args: Trai
     """The meta model with its LoRA adapter (--use_peft), the frozen base in bf16 under --bf16 (as the memory plan
     counts it: 2 bytes per frozen parameter) and its linear weights in 4 bits under --load_in_4bit, before sharding."""
     lora.check_untied_saves(model, model_args.lora_modules_to_save if model_args.use_peft else None)
-    model = lora.wrap(model, model_args)
+    model = lora.wrap(model, model_args, dropout_off=train_args.is_dpo or train_args.is_grpo)
     if lora.is_peft(model) and train_args.bf16:
         lora.hold_frozen_in(model, torch.bfloat16)
     return qlora.apply(model, model_args.load_in_4bit)

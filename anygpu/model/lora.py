@@ -51,8 +51,10 @@ def default_targets(model: nn.Module) -> list[str] | str:
     return "all-linear"
 
 
-def wrap(model: nn.Module, args) -> nn.Module:
-    """The model with a LoRA adapter (parameters still on meta), or the model itself without --use_peft."""
+def wrap(model: nn.Module, args, dropout_off: bool = False) -> nn.Module:
+    """The model with a LoRA adapter (parameters still on meta), or the model itself without --use_peft.
+    `dropout_off`: the objective runs without dropout (DPO, GRPO), so the adapter is built without any: peft's adapter
+    on a MoE's expert weights takes none, and the default --lora_dropout would refuse it for nothing."""
     if not args.use_peft:
         return model
     from peft import LoraConfig, get_peft_model
@@ -66,7 +68,7 @@ def wrap(model: nn.Module, args) -> nn.Module:
     config = LoraConfig(
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
+        lora_dropout=0.0 if dropout_off else args.lora_dropout,
         target_modules=target,
         modules_to_save=args.lora_modules_to_save,
         task_type="CAUSAL_LM",

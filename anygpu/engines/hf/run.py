@@ -239,7 +239,7 @@ class HFRun:
         how = construct.kind(self.plan, plugin, self.info.rank)  # no whole fp32 copy per rank where it shards
         model = construct.build(how, self.prep.config, self.model_args, args.seed, plugin)
         construct.size_zero3_buffers(plugin, model, self.info.world_size)
-        model = lora.wrap(model, self.model_args)
+        model = lora.wrap(model, self.model_args, dropout_off=args.is_dpo)
         if lora.is_peft(model):
             lora.init_adapter(model, args.seed)  # the FSDP2 engine's adapter, not peft's draw from the global stream
             if args.bf16:
