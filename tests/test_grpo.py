@@ -176,6 +176,7 @@ GRPO = ["--objective", "grpo", "--reward_funcs", "accuracy", "--num_generations"
         (["--temperature", "0"], "--temperature 0.0 must be positive"),
         (["--top_p", "1.5"], "--top_p 1.5 must be in (0, 1]"),
         (["--beta", "-1"], "--beta -1.0 cannot be negative"),
+        (["--epsilon", "-0.1"], "--epsilon -0.1 cannot be negative"),
         (["--scale_rewards", "rank"], "--scale_rewards 'rank' is not one of group, batch, none"),
         (["--importance_sampling_level", "step"], "--importance_sampling_level 'step' is not one of token, sequence"),
         (["--use_vllm", "true", "--vllm_gpu_memory_utilization", "1.5"], "--vllm_gpu_memory_utilization 1.5 must be in (0, 1)"),
@@ -217,6 +218,14 @@ def test_trls_former_boolean_scale_rewards_are_taken(tmp_path):
     for given, meant in (("true", "group"), ("False", "none"), ("batch", "batch")):
         train_args = parse_args([*TINY, *GRPO, "--scale_rewards", given, "--output_dir", str(tmp_path)])[2]
         assert train_args.scale_rewards == meant, given
+
+
+def test_an_epsilon_of_one_or_more_is_taken_as_trl_takes_it(tmp_path):
+    """TRL's GRPOConfig takes any epsilon: from 1 on, the clip has no lower bound (the ratio is never below 0)."""
+    from anygpu.config.args import parse_args
+
+    train_args = parse_args([*TINY, *GRPO, "--epsilon", "1.5", "--output_dir", str(tmp_path)])[2]
+    assert (train_args.epsilon, train_args.epsilon_high) == (1.5, None)
 
 
 def test_use_vllm_without_vllm_is_refused_in_one_line(capsys, tmp_path, monkeypatch):

@@ -221,8 +221,8 @@ class GRPOArguments:
             raise UsageError(f"--top_k {self.top_k} must be 0 (off) or positive, e.g. 50.")
         if self.beta < 0:
             raise UsageError(f"--beta {self.beta} cannot be negative: 0 (no KL term, no reference) or more, e.g. 0.04.")
-        if not 0 <= self.epsilon < 1:
-            raise UsageError(f"--epsilon {self.epsilon} must be in [0, 1), e.g. 0.2.")
+        if self.epsilon < 0:  # from 1 on the clip has no lower bound (TRL takes it)
+            raise UsageError(f"--epsilon {self.epsilon} cannot be negative, e.g. 0.2.")
         if self.epsilon_high is not None and self.epsilon_high < 0:
             raise UsageError(f"--epsilon_high {self.epsilon_high} cannot be negative, e.g. 0.28 (DAPO).")
         if self.num_completions_to_print < 0:
