@@ -63,6 +63,36 @@ def test_a_module_loads_by_its_dotted_name():
     assert fn is rewards.answer_of
 
 
+def test_trls_dotted_spelling_loads_a_module_attribute():
+    """TRL's `trl grpo --reward_funcs package.module.fn` (its last dot parts the module from the function)."""
+    assert rewards.load("anygpu.train.rewards.answer_of") is rewards.answer_of
+    assert "module no_such_package_xyz does not import" in refusal("no_such_package_xyz.fn")
+
+
+def test_trls_registry_names_are_its_functions_under_its_metric_names():
+    """The names TRL's grpo script registers: think_format_reward and get_soft_overlong_punishment are the built-ins
+    format (TRL's pattern, whatever --format_pattern says) and overlong (this run's length), logged under TRL's names;
+    TRL's math_verify rewards are TRL's own functions where math-verify is installed, else refused in one line."""
+    from trl.import_utils import is_math_verify_available
+    from trl.rewards import get_soft_overlong_punishment, think_format_reward
+
+    think = rewards.load("think_format_reward", BuiltinOptions(format_pattern="^x$"))
+    texts = [[{"role": "assistant", "content": t}] for t in ("<think>a</think>b", "x", "<think>a")]
+    assert rewards.name_of(think) == "think_format_reward" and think(completions=texts) == think_format_reward(texts)
+    trl_overlong = get_soft_overlong_punishment(100, 20)
+    overlong = rewards.load("get_soft_overlong_punishment", BuiltinOptions(max_completion_length=100))
+    ids = [[1] * n for n in (10, 90, 120)]
+    assert rewards.name_of(overlong) == rewards.name_of(trl_overlong) == "soft_overlong_punishment_reward"
+    assert overlong(completion_ids=ids) == trl_overlong(ids)
+    for name in ("accuracy_reward", "reasoning_accuracy_reward"):
+        if is_math_verify_available():
+            assert rewards.name_of(rewards.load(name)) == name
+        else:
+            message = refusal(name)
+            assert f"--reward_funcs {name}: TRL's {name} checks answers with math_verify" in message
+            assert "pip install math-verify" in message and "or use accuracy" in message
+
+
 @pytest.mark.parametrize(
     "spec, words",
     [

@@ -28,7 +28,8 @@ class GRPOArguments:
             "resume": SAME,
             "help": "--objective grpo: the reward functions, comma-separated: a built-in (accuracy: the final answer "
             "against --solution_column; format: --format_pattern matched; overlong: DAPO's length penalty; "
-            "repetition: an n-gram repetition penalty), path/to/rewards.py:fn or package.module:fn (TRL's "
+            "repetition: an n-gram repetition penalty; or a name TRL's grpo script registers), path/to/rewards.py:fn or "
+            "package.module:fn (or TRL's package.module.fn; TRL's "
             "signature: prompts=, completions=, completion_ids= and the row's other columns by name, one float or "
             "None per completion).",
         },

@@ -34,6 +34,7 @@ import numbers
 import re
 import sys
 import threading
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -42,8 +43,18 @@ from anygpu.config.objective import weights_for
 from anygpu.errors import UsageError
 
 BUILTINS = ("accuracy", "format", "overlong", "repetition")
+# the names TRL's `trl grpo` script registers: built-ins that compute the same (by TRL's metric name), or TRL's own
+TRL_REGISTRY = {
+    "think_format_reward": "format",
+    "get_soft_overlong_punishment": "overlong",
+    "accuracy_reward": None,  # math_verify's LaTeX comparison: TRL's function, not the exact-match built-in
+    "reasoning_accuracy_reward": None,
+}
 THINK_PATTERN = r"^<think>(?!.*<think>)(.*?)</think>.*$"  # TRL's think_format_reward
-SPEC_FORMS = f"a built-in ({', '.join(BUILTINS)}), path/to/rewards.py:accuracy or package.module:accuracy"
+SPEC_FORMS = (
+    f"a built-in ({', '.join(BUILTINS)}), path/to/rewards.py:accuracy, package.module:accuracy (or TRL's "
+    "package.module.accuracy and registry names)"
+)
 NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # TRL passes these by their own names, never as columns
 
 
@@ -201,7 +212,11 @@ def load(spec: str, options: BuiltinOptions = BuiltinOptions()) -> Callable:
     user's code, as TRL does."""
     if spec in BUILTINS:
         return builtin(spec, options)
+    if spec in TRL_REGISTRY:
+        return _trl_registered(spec, options)
     source, colon, attr = spec.rpartition(":")
+    if not colon and "." in spec and "/" not in spec and not spec.endswith(".py"):  # TRL's package.module.fn
+        source, colon, attr = spec.rpartition(".")
     if not colon or not source or not attr:
         raise UsageError(f"--reward_funcs {spec!r} is not a reward function: name {SPEC_FORMS}.")
     module = _load_file(spec, source) if source.endswith(".py") or "/" in source else _import(spec, source)
@@ -217,6 +232,26 @@ def load(spec: str, options: BuiltinOptions = BuiltinOptions()) -> Callable:
             f"e.g. {source}:accuracy."
         )
     return fn
+
+
+def _trl_registered(name: str, options: BuiltinOptions) -> Callable:
+    """A name TRL's grpo script registers. Its overlong reward takes this run's --max_completion_length (TRL's script
+    fixes 1280 tokens); its format reward is TRL's pattern whatever --format_pattern says."""
+    from trl.import_utils import is_math_verify_available
+
+    ours = TRL_REGISTRY[name]
+    if ours is not None:
+        fn = builtin(ours, dataclasses.replace(options, format_pattern=THINK_PATTERN))
+        fn.__name__ = "soft_overlong_punishment_reward" if ours == "overlong" else name  # TRL's metric names
+        return fn
+    if not is_math_verify_available():
+        raise UsageError(
+            f"--reward_funcs {name}: TRL's {name} checks answers with math_verify, which is not installed: "
+            "pip install math-verify, or use accuracy (an exact match of the final answer with --solution_column)."
+        )
+    import trl.rewards
+
+    return getattr(trl.rewards, name)
 
 
 def _load_file(spec: str, source: str) -> Any:
