@@ -203,6 +203,14 @@ def test_a_correct_bf16_job_passes_at_the_default_tolerance(tmp_path):
         (["--cp", "2", "--engines", "hf"], "--cp 2: context parallelism is the FSDP2 engine's: add --engines fsdp"),
         (["--ep", "4"], "--ep 4: 4 divides none of --world_sizes 1,2: give a E that divides one of them, e.g. 2"),
         (["--ep", "2", "--engines", "hf"], "--ep 2: expert parallelism is the FSDP2 engine's: add --engines fsdp"),
+        (
+            ["--engines", "fsdp,hf", "--", "--cpu_offload", "true"],
+            "engine hf: --cpu_offload true is the FSDP2 engine's",
+        ),
+        (
+            ["--engines", "fsdp,hf", "--", "--objective", "grpo", "--reward_funcs", "format"],
+            "engine hf: --objective grpo is the FSDP2 engine's",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, says, tmp_path, capsys):

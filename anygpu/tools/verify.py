@@ -259,6 +259,7 @@ def check_job(job: list[str], engines: list[str], sizes: list[int], cps: list[in
         )
     parsed = parse_args(job, extra=extra)
     train = parsed[2]
+    check_engines(parsed[0], train, engines)
     for name in JOB_OWNED:
         if getattr(train, name) is not None:
             raise UsageError(
@@ -288,6 +289,18 @@ def check_job(job: list[str], engines: list[str], sizes: list[int], cps: list[in
         return JobFacts(train.output_dir, precision)
     extra = () if sets(job, "num_completions_to_print") else ("--num_completions_to_print", str(largest))
     return JobFacts(train.output_dir, precision, grpo=True, extra=extra)
+
+
+def check_engines(model_args, train_args, engines: list[str]) -> None:
+    """Refuse, before the first run, what one of the engines would refuse at its start (a run of the other engine
+    would otherwise train for nothing first)."""
+    from anygpu.engines.trunk import startup
+
+    for engine in engines:
+        try:
+            startup.check_levers(model_args, train_args, engine)
+        except UsageError as e:
+            raise UsageError(f"engine {engine}: {e}") from None
 
 
 def sets(job: list[str], name: str) -> bool:
