@@ -72,6 +72,15 @@ def test_unknown_option_and_bad_choice(capsys, tmp_path):
     assert "--save_steps 5 with --save_strategy no: no checkpoint is written; leave --save_steps out" in err
 
 
+@pytest.mark.parametrize("name", ["model_name_or_path", "tokenizer_name", "train_file", "dataset_name", "output_dir"])
+def test_an_empty_value_is_refused_before_any_work(capsys, tmp_path, name):
+    """`--model_name_or_path ""` (an unset shell variable) read as "no model" trained a tokenizer and read the data
+    before failing on a folder named ''."""
+    argv = [*TINY, "--output_dir", str(tmp_path)] if name != "output_dir" else list(TINY)
+    err = refuse([*argv, f"--{name}", ""], capsys)
+    assert f"--{name} '' is empty: give a value, or leave --{name} out" in err
+
+
 def test_world_size_that_cannot_split_the_global_batch(capsys, tmp_path, monkeypatch):
     # what torchrun --nproc-per-node 3 sets; the refusal comes before any process group exists
     monkeypatch.setenv("WORLD_SIZE", "3")

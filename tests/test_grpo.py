@@ -169,7 +169,7 @@ GRPO = ["--objective", "grpo", "--reward_funcs", "accuracy", "--num_generations"
     "extra, said",
     [
         ([], None),
-        (["--reward_funcs", ""], "--reward_funcs '' is not a reward function"),
+        (["--reward_funcs", ""], "--reward_funcs '' is empty: give a value"),
         (["--loss_type", "sigmoid"], "--loss_type 'sigmoid' is not one of grpo, dr_grpo, dapo, bnpo"),
         (["--global_batch_size", "10"], "--global_batch_size 10 completions is not whole groups of --num_generations 4"),
         (["--num_generations", "1"], "--num_generations 1 must be at least 2"),

@@ -1064,6 +1064,7 @@ def parse_args(
     parsed, unknown = parser.parse_known_args(argv)
     if unknown:
         raise UsageError(f"{suggest.unknown_options_message(unknown, parser)}. See --help for the valid ones.")
+    _refuse_empty(vars(parsed))
     outputs = []
     for dtype in parser.dataclass_types:
         keys = {f for f in dtype.__dataclass_fields__ if dtype.__dataclass_fields__[f].init}
@@ -1073,6 +1074,14 @@ def parse_args(
     if warn:
         _warn_warmup(outputs[2])
     return tuple(outputs)
+
+
+def _refuse_empty(values: dict[str, Any]) -> None:
+    """An empty string (an unset shell variable) is no value: `--model_name_or_path ""` would read as "no model" and
+    start the embedded default's preparation before failing on a folder named ''."""
+    for name, value in values.items():
+        if value == "" or (isinstance(value, list) and value == [""]):
+            raise UsageError(f"--{name} '' is empty: give a value, or leave --{name} out (see --help).")
 
 
 def _warn_warmup(train_args: TrainArguments) -> None:
