@@ -207,6 +207,54 @@ def test_packing_is_refused_where_attention_ignores_boundaries():
     assert not collate.packing_supported("no-such-model", "sdpa")
 
 
+PACKING_FAMILIES = {  # tiny shapes: rotary, learned absolute positions and ALiBi; mask calls with and without positions
+    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4, n_positions=64),
+    "opt": dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32),
+    "bloom": dict(hidden_size=32, n_layer=2, n_head=4),
+    "falcon": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+    "mpt": dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=64),
+    "biogpt": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
+    "gpt_oss": dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    "gemma3_text": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, sliding_window=8),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", sorted(PACKING_FAMILIES))
+def test_a_family_packs_samples_only_where_its_attention_stays_in_each_sample(model_type):
+    """Where anygpu packs a family's samples (sdpa, or eager), a packed row's loss is the sum of each sample's own loss; OPT,
+    BLOOM, Falcon, MPT, BioGPT and gpt-oss build their mask without the position ids that mark the samples (attention
+    ran across them): they get one sample per row. Rotary (Llama), learned positions (GPT-2) and Gemma 3's text model
+    (its module is gemma3's: it got padding) pack."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=97, **PACKING_FAMILIES[model_type])
+    model = AutoModelForCausalLM.from_config(config).eval()  # sdpa, or eager where it has none
+    samples = [torch.randint(3, 97, (n,)) for n in (7, 12, 5)]
+    batch = collate.Collator(0, packed=True).collate(
+        {
+            "input_ids": [torch.cat(samples).tolist()],
+            "labels": [sum(([formats.IGNORE, *s[1:].tolist()] for s in samples), [])],
+            "position_ids": [sum((list(range(len(s))) for s in samples), [])],
+        }
+    )
+    with torch.no_grad():
+        alone = sum(F.cross_entropy(model(input_ids=s[None]).logits[0, :-1], s[1:], reduction="sum") for s in samples)
+        logits = model(**batch, use_cache=False).logits[0, :-1]
+        packed = F.cross_entropy(logits, batch["labels"][0, 1:], reduction="sum", ignore_index=formats.IGNORE)
+    supported = collate.packing_supported(model_type, model.config._attn_implementation)
+    assert supported == (model_type in ("llama", "gpt2", "gemma3_text")), model_type
+    if supported:
+        assert packed.item() == pytest.approx(alone.item(), rel=1e-6)
+    else:  # what packing would have trained: attention across samples
+        assert abs(packed.item() - alone.item()) > 1e-5 * alone.item()
+
+
 @pytest.mark.parametrize(
     "layout, sample_by, docs", [("lines", "auto", 6), ("paragraphs", "auto", 3), ("lines", "document", 1)]
 )

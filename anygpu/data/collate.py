@@ -24,9 +24,12 @@ Kept ours rather than TRL's or transformers' (`benchmarks/packing_vs_trl.py`, tr
 
 from __future__ import annotations
 
+import ast
 import bisect
+import functools
 import hashlib
 import importlib
+import inspect
 from collections import deque
 from dataclasses import dataclass
 
@@ -116,7 +119,76 @@ def packing_supported(model_type: str, attn_implementation: str) -> bool:
     if attn_implementation in attention.OFFSETS:
         return True
     module = family_module(model_type)
-    return module is not None and hasattr(module, "create_causal_mask")
+    return module is not None and hasattr(module, "create_causal_mask") and masks_see_positions(model_type)
+
+
+MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask")
+
+
+@functools.lru_cache(maxsize=None)
+def masks_see_positions(model_type: str) -> bool:
+    """Whether every causal mask the family's code builds is given the position ids, by keyword or in the dict it
+    spreads (`create_causal_mask(**mask_kwargs)`): transformers finds packed samples from them; OPT, BLOOM, Falcon,
+    MPT, BioGPT and gpt-oss build theirs without, and attention would run across the samples of a packed row."""
+    tree = ast.parse(inspect.getsource(family_module(model_type)))
+    for function in ast.walk(tree):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            spread = _keys_of_dicts(function)
+            for node in ast.walk(function):
+                if _mask_call(node) and not _gives_positions(node, spread):
+                    return False
+    return True
+
+
+def _mask_call(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    return (node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)) in MASK_BUILDERS
+
+
+def _keys_of_dicts(function: ast.AST) -> dict[str, set]:
+    """name → the string keys a function puts in that name's dict (`x = {...}`, `x["k"] = ...`, `x = y.copy()`)."""
+    keys: dict[str, set] = {}
+    copies: list[tuple[str, str]] = []
+    for node in ast.walk(function):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            if isinstance(target, ast.Name) and isinstance(node.value, ast.Dict):
+                named = {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+                keys.setdefault(target.id, set()).update(named)
+            elif isinstance(target, ast.Name) and _copy_of(node.value):
+                copies.append((target.id, _copy_of(node.value)))
+            elif isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+                if isinstance(target.slice, ast.Constant):
+                    keys.setdefault(target.value.id, set()).add(target.slice.value)
+    for copy, source in copies:
+        keys.setdefault(copy, set()).update(keys.get(source, set()))
+    return keys
+
+
+def _copy_of(value: ast.AST) -> str | None:
+    """`y` of `y.copy()` or `dict(y)`, else None."""
+    if not isinstance(value, ast.Call):
+        return None
+    func, args = value.func, value.args
+    if isinstance(func, ast.Attribute) and func.attr == "copy" and isinstance(func.value, ast.Name):
+        return func.value.id
+    if isinstance(func, ast.Name) and func.id == "dict" and len(args) == 1 and isinstance(args[0], ast.Name):
+        return args[0].id
+    return None
+
+
+def _gives_positions(call: ast.Call, spread: dict[str, set]) -> bool:
+    """The call passes position_ids by keyword, or spreads a dict that holds them, or passes on its caller's **kwargs."""
+    for keyword in call.keywords:
+        if keyword.arg == "position_ids":
+            return True
+        if keyword.arg is None:
+            name = keyword.value.id if isinstance(keyword.value, ast.Name) else None
+            if name not in spread or "position_ids" in spread[name]:
+                return True
+    return False
 
 
 def uses_attention_interface(model_type: str) -> bool:
@@ -132,7 +204,9 @@ def family_module(model_type: str):
 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return None
-    name = model_type.replace("-", "_")
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)  # gemma3_text: gemma3's module
     try:
         return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     except ImportError:
