@@ -1,8 +1,11 @@
 """Preemption: SIGTERM (Slurm, Kubernetes, torchrun) or SIGUSR1 (Slurm's --signal) asks every rank to
 finish its step, save a checkpoint together and exit with `errors.EXIT_PREEMPTED` (143).
 
-- A second SIGTERM exits at once (`EXIT_NO_CHECKPOINT`, 75): checkpoints are written under a temporary
-  name and renamed when complete, so the previous one is never harmed.
+- A signal again is the same request, not a harder one: Slurm's scancel and a container stop signal every process
+  of the job, and each worker's launcher (torchrun, accelerate) forwards what it got, a moment or seconds later,
+  up to the process's last instant (its handler is then SIG_IGN, which outlives the interpreter's own). SIGKILL
+  stops at once: checkpoints are written under a temporary name and renamed when complete, so the previous one
+  is never harmed.
 - A dead peer: torchrun also sends SIGTERM to the survivors when a rank dies, and they are then stuck in
   a collective that will never complete. A watchdog exits them fast (75) — but only when the process has
   made no progress at all for ANYGPU_SIGTERM_GRACE_S seconds (default 20). Progress is a heartbeat bumped
@@ -44,6 +47,7 @@ class Preemption:
         self.save_on_preempt = save_on_preempt
         self.why_not = why_not  # said when a signal exits at once
         self.requested: str | None = None
+        self.repeated = False  # said once that a signal came again
         self.grace_s = float(os.environ.get("ANYGPU_SIGTERM_GRACE_S", "20"))
         self.progress = progress.Progress()  # what the watchdog reads; saves and exports hold it off
         self._closed = threading.Event()
@@ -59,6 +63,9 @@ class Preemption:
         self._hooks.clear()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        if self.requested is not None:  # on its way out after a signal: its launcher's copy may still come
+            for sig in SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
 
     def beat(self, *_: Any) -> None:
         self.progress.beat()
@@ -93,12 +100,11 @@ class Preemption:
             _say(f"{name}: {self.why_not}: exiting at once (exit {EXIT_NO_CHECKPOINT}); the last checkpoint is kept")
             _exit_now()
         if self.requested is not None:
-            if signum == signal.SIGTERM:
+            if not self.repeated:
+                self.repeated = True
                 _say(
-                    f"second SIGTERM: exiting at once without a new checkpoint (exit {EXIT_NO_CHECKPOINT}); "
-                    "the previous checkpoint is intact"
+                    f"{name} again: the same request (a launcher forwards what it got): still saving; SIGKILL stops at once"
                 )
-                _exit_now()
             return
         self.requested = name
         threading.Thread(target=self._watchdog, daemon=True, name="anygpu-preempt-watchdog").start()
