@@ -661,10 +661,12 @@ def pin_one_process(
         return
     if args.vendor == NVIDIA:
         target, source = "CUDA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"
-    else:  # HIP's list indexes what ROCR_VISIBLE_DEVICES leaves, as CUDA's does when HIP's is unset
+    else:  # HIP's list indexes what ROCR_VISIBLE_DEVICES leaves, as CUDA's does when HIP's is unset or empty
+        # (HIP reads an empty HIP_VISIBLE_DEVICES as unset, as detect.visible_gpus does)
+        hip_set = bool(env.get("HIP_VISIBLE_DEVICES", "").strip())
         target, source = (
             "HIP_VISIBLE_DEVICES",
-            next((v for v in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if v in env), ""),
+            "HIP_VISIBLE_DEVICES" if hip_set else "CUDA_VISIBLE_DEVICES" if "CUDA_VISIBLE_DEVICES" in env else "",
         )
     # the caller's list, where there is one, already names the GPUs the runtime numbers 0, 1, …: keep its first
     pin = (
