@@ -395,6 +395,17 @@ def test_callers_values_survive_dry_run():
     assert not {"NCCL_DEBUG", "OMP_NUM_THREADS", "PYTORCH_ALLOC_CONF"} & set(r.exports)
 
 
+@pytest.mark.parametrize("engine", ["hf", "fsdp"])
+@pytest.mark.parametrize("value", ["", "abc", "0"])
+def test_a_thread_count_no_process_can_read_is_refused_in_one_line(engine, value):
+    """OMP_NUM_THREADS='' (an unset shell variable) or 'abc' would be kept and crash accelerate launch with a
+    ValueError traceback (int('')); the launcher refuses it first, naming the variable, its value and a fix."""
+    r = dry(NVIDIA, "--engine", engine, "--count-from", "smi", "--nproc", "2", OMP_NUM_THREADS=value)
+    lines = r.err.strip().splitlines()
+    assert r.rc == 2 and len(lines) == 1 and "Traceback" not in r.err, r.err
+    assert f"OMP_NUM_THREADS={value!r}" in lines[0] and "unset it" in lines[0] and "OMP_NUM_THREADS=4" in lines[0]
+
+
 @pytest.mark.parametrize("vendor", [NVIDIA, AMD])
 def test_real_exec_environment_and_arguments(vendor, tmp_path):
     """Not a dry run: the script the launcher execs sees the presets, the caller's values and its

@@ -694,7 +694,10 @@ def export_environment(
         rocm_version=rocm,
         restarts=args.max_restarts > 0,
     )
-    preset_exported, kept = vendor_env.apply(env, wanted)
+    try:
+        preset_exported, kept = vendor_env.apply(env, wanted)
+    except ValueError as e:  # a caller's value no process could read
+        raise LaunchError(str(e)) from None
     exported.update(preset_exported)
     if args.ifname:
         iface = {"NCCL_SOCKET_IFNAME": args.ifname, "GLOO_SOCKET_IFNAME": args.ifname}
