@@ -754,6 +754,11 @@ def test_slurm_head_node_without_scontrol():
     missing = lambda argv: (127, "", "not found")  # noqa: E731
     assert launch.first_slurm_host("gpu[003-005,9],login1", missing) == "gpu003"
     assert launch.first_slurm_host("login1,gpu2", missing) == "login1"
+    # Slurm's own expansion puts the first of every bracket group first: rack[1-2]-n[3-4] -> rack1-n3, rack1-n4, …
+    assert launch.first_slurm_host("rack[1-2]-n[3-4]", missing) == "rack1-n3"
+    assert launch.first_slurm_host("a[1-2],b3", missing) == "a1"
+    assert launch.first_slurm_host("b3,a[1-2]", missing) == "b3"
+    assert launch.first_slurm_host("n[08-09]x,gpu[1,2]", missing) == "n08x"
 
 
 def test_sbatch_example_starts_one_launcher_per_node(tmp_path):

@@ -232,13 +232,13 @@ def first_slurm_host(nodelist: str, run: Runner = gpu_detect.run_tool) -> str:
     rc, out, _ = run(["scontrol", "show", "hostnames", nodelist])
     if rc == 0 and out.split():
         return out.split()[0]
-    # No scontrol (e.g. inside a container): expand the first entry of a list like
-    # "gpu[003-005,9],login1" -> "gpu003" ourselves.
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    # No scontrol (e.g. inside a container): expand the first entry ourselves, as Slurm orders it: the list's
+    # first name (commas inside brackets do not end it), each bracket group at its first number:
+    # "gpu[003-005,9],login1" -> "gpu003", "rack[1-2]-n[3-4]" -> "rack1-n3".
+    m = re.match(r"(?:[^,\[\]]|\[[^\]]*\])+", nodelist.strip())
     if not m:
         raise LaunchError(f"cannot find the head node in SLURM_JOB_NODELIST={nodelist!r}")
-    prefix, ranges = m[1], m[2]
-    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+    return re.sub(r"\[([^\]]*)\]", lambda g: re.split(r"[,-]", g[1])[0], m[0])
 
 
 def resolve_nodes(env: Mapping[str, str], master_port: int | None, run: Runner = gpu_detect.run_tool) -> Nodes:
