@@ -502,6 +502,18 @@ def test_bad_options_are_refused_with_a_reason(args, message):
     assert r.rc == 2 and message in r.err, r.err
 
 
+@pytest.mark.parametrize(
+    "extra", [["--vendor", "amd"], ["--vendor=amd"], ["--vendor", "nvidia"], ["--interactive", "--vendor", "amd"]]
+)
+def test_a_second_vendor_is_refused_not_silently_taken(extra):
+    """run_nvidia_all.sh passes --vendor nvidia itself: a --vendor of the user's is refused in one line that names
+    the script for the other vendor, where argparse took the last one and the launcher's own checks the first."""
+    r = dry(NVIDIA, "--count-from", "smi", *extra, FAKE_AMD="ok")
+    lines = r.err.strip().splitlines()
+    assert r.rc == 2 and len(lines) == 1 and not r.out, r.out + r.err
+    assert "--vendor" in lines[0] and "run_amd_all.sh for AMD GPUs" in lines[0], lines[0]
+
+
 def test_port_and_restarts():
     default = dry(NVIDIA, "--engine", "fsdp", "--count-from", "smi")
     fixed = dry(NVIDIA, "--engine", "fsdp", "--count-from", "smi", "--master-port", "29999", "--max-restarts", "2")

@@ -180,10 +180,10 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     mine, script_args = split_argv(argv)
-    vendor = None
-    if "--vendor" in mine[:-1]:
-        vendor = mine[mine.index("--vendor") + 1]
+    vendors = vendors_given(mine)
+    vendor = vendors[0] if vendors else None
     parser = build_parser(vendor if vendor in gpu_detect.VENDORS else None)
+    refuse_second_vendor(parser, vendors)
     args, unknown = parser.parse_known_args(mine)
     if unknown:
         parser.error(
@@ -191,6 +191,28 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
             f"e.g. {parser.prog} -- {' '.join(unknown)}"
         )
     return args, script_args
+
+
+def refuse_second_vendor(parser: argparse.ArgumentParser, vendors: Sequence[str]) -> None:
+    """The scripts pass their own --vendor first: argparse would take a later one, the launcher's checks the first."""
+    if len(vendors) > 1 and vendors[0] in gpu_detect.VENDORS:
+        first = vendors[0]
+        other = next(v for v in gpu_detect.VENDORS if v != first)
+        parser.error(
+            f"--vendor given twice ({first}, then {vendors[1]}): give it once ({SCRIPT_NAME[first]} passes "
+            f"--vendor {first} itself; use {SCRIPT_NAME[other]} for {VENDOR_LABEL[other]} GPUs)"
+        )
+
+
+def vendors_given(mine: Sequence[str]) -> list[str]:
+    """Every --vendor value among the launcher's options, in order (`--vendor X` and `--vendor=X`)."""
+    given = []
+    for i, word in enumerate(mine):
+        if word == "--vendor" and i + 1 < len(mine):
+            given.append(mine[i + 1])
+        elif word.startswith("--vendor="):
+            given.append(word.split("=", 1)[1])
+    return given
 
 
 # ----------------------------------------------------------------------------------- nodes
