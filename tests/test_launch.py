@@ -245,6 +245,31 @@ def test_probe_amd_parses_output_not_exit_codes(monkeypatch, mode, count, proble
         assert all(g.name and g.uuid and g.memory_mib for g in found.gpus)
 
 
+def test_amd_host_without_rocm_smi_gets_names_memory_and_the_mi300x_tuning():
+    """rocm-smi is deprecated (ROCm 6.4+): with amd-smi alone the GPUs are named, their memory known, and the
+    MI300X-only RCCL setting exported, as with both tools."""
+    both = dry(AMD, "--count-from", "smi", FAKE_NVIDIA="absent", FAKE_AMD="ok")
+    alone = dry(AMD, "--count-from", "smi", FAKE_NVIDIA="absent", FAKE_AMD="ok", FAKE_ROCM_SMI="absent")
+    assert both.rc == alone.rc == 0, alone.err
+    assert "8 AMD GPUs present (amd-smi): 0-7: AMD Instinct MI300X, 192 GiB" in alone.notes, alone.notes
+    assert alone.exports == both.exports and alone.exports["NCCL_MIN_NCHANNELS"] == "112"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"gpu": 1, "asic": {"market_name": "AMD Instinct MI300X"}, "vram": {"size": {"value": 196592, "unit": "MB"}}}]',
+        '{"gpu_data": [{"gpu": 1, "asic": {"market_name": "AMD Instinct MI300X"}, '
+        '"vram": {"vram_size": {"value": 196592, "unit": "MB"}}}]}',
+        '[{"gpu": 1, "asic": {"market_name": "AMD Instinct MI300X"}, "vram": {"size": "196592 MB"}}]',
+    ],
+)
+def test_amd_smi_static_layouts(text):
+    """`amd-smi static --asic --vram --json` as ROCm 6.x (a list) and 7.x (gpu_data, vram_size) print it."""
+    assert gpu_detect.parse_amd_smi_static(text) == [Gpu(1, "AMD Instinct MI300X", memory_mib=196592)]
+    assert gpu_detect.parse_amd_smi_static("not json") == []
+
+
 # ------------------------------------------------------------------------ visibility rules
 
 NV8 = [Gpu(i, "NVIDIA H100 80GB HBM3", fake_smi.nvidia_uuid(i)) for i in range(8)]
