@@ -8,6 +8,7 @@ training end to end, two "nodes" on one machine matching one node, a failing ran
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -1022,6 +1023,18 @@ def test_help_and_the_two_scripts_differ_only_in_vendor():
     assert len(nv.splitlines()) == len(amd.splitlines()) and all(
         ("NVIDIA" in a and "AMD" in b) or (a, b) == ("VENDOR=nvidia", "VENDOR=amd") for a, b in diff
     ), diff
+
+
+@pytest.mark.parametrize("vendor", [NVIDIA, AMD])
+def test_help_and_the_script_header_name_every_option(vendor):
+    """Every launcher option, and --interactive (which the script itself handles), is in --help's option list and in
+    the script's own header, so neither leaves out one a user can pass."""
+    parser = launch.build_parser(vendor)
+    options = {s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings} | {"--interactive"}
+    header = "".join(ln for ln in SCRIPT[vendor].read_text().splitlines(keepends=True) if ln.startswith("#"))
+    listed = parser.format_help().split("options:", 1)[1]
+    assert not {o for o in options if o not in listed}, "missing from --help"
+    assert not {o for o in options if o not in header}, "missing from the header"
 
 
 def test_shellcheck_every_shell_file():

@@ -167,6 +167,12 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dry-run", action="store_true", help="Print every exported variable and the exact command, then exit 0."
     )
+    p.add_argument(  # run_<vendor>_all.sh and `anygpu launch` hand it to anygpu.tools.interactive, not to main()
+        "--interactive",
+        action="store_true",
+        help="Ask engine, accelerate config, GPUs, global batch and output folder first, with `anygpu plan`'s "
+        "recommendation as each default, then launch (docs/tools.md#interactive-anygpu-launch).",
+    )
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -475,6 +481,10 @@ def validate_args(args: argparse.Namespace) -> None:
     ):
         if value is not None and (value < lo or (flag == "--master-port" and value > 65535)):
             raise LaunchError(f"{flag} {value}: must be {'0..65535' if flag == '--master-port' else f'>= {lo}'}")
+    if args.interactive:  # the scripts start the dialogue themselves; this module alone cannot ask
+        raise LaunchError(
+            f"--interactive: use bash {SCRIPT_NAME[args.vendor]} --interactive or anygpu launch --interactive"
+        )
     if args.accelerate_config and args.engine != "hf":
         raise LaunchError("--accelerate-config only applies to --engine hf (the fsdp engine shards by itself)")
     if args.cpu and args.gpus:
