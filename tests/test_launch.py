@@ -540,6 +540,14 @@ def test_a_second_vendor_is_refused_not_silently_taken(extra):
     assert "--vendor" in lines[0] and "run_amd_all.sh for AMD GPUs" in lines[0], lines[0]
 
 
+def test_an_accelerate_config_path_in_any_case_is_used(tmp_path):
+    """--accelerate-config /path/My.YAML (a file that is there) is that file, not 'no such file'."""
+    cfg = tmp_path / "My.YAML"
+    cfg.write_text("distributed_type: MULTI_GPU\n")
+    r = dry(NVIDIA, "--count-from", "smi", "--accelerate-config", str(cfg))
+    assert r.rc == 0 and r.opt("--config_file") == str(cfg), r.err
+
+
 def test_port_and_restarts():
     default = dry(NVIDIA, "--engine", "fsdp", "--count-from", "smi")
     fixed = dry(NVIDIA, "--engine", "fsdp", "--count-from", "smi", "--master-port", "29999", "--max-restarts", "2")

@@ -410,9 +410,10 @@ class Plan:
 
 def _resolve_config(name: str) -> Path:
     path = Path(name)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
+    yaml_name = path.suffix.lower() in (".yaml", ".yml")  # My.YAML is a YAML file too
+    if yaml_name and path.is_file():
         return path.resolve()
-    candidate = CONFIG_DIR / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+    candidate = CONFIG_DIR / (name if yaml_name else f"{name}.yaml")
     if candidate.is_file():
         return candidate
     valid = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
