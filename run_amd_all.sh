@@ -7,7 +7,7 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash run_amd_all.sh   # on each node (NODE_RANK 0, 1)
 #
 # Options: --engine hf|fsdp (default hf), --accelerate-config NAME|PATH, --nproc N, --gpus LIST,
-# --cpu, --master-port PORT, --max-restarts K, --script PATH, --ifname IFACE,
+# --cpu, --master-port PORT, --max-restarts K, --rdzv-conf K=V[,K=V], --script PATH, --ifname IFACE,
 # --count-from auto|smi|torch, --dry-run, --interactive (ask, the plan's recommendation as defaults),
 # --help. Details: --help and docs/launchers.md.
 # Knob: PYTHON (default: the active virtualenv, else ./.venv, else python3).

@@ -105,6 +105,16 @@ def test_config_file_with_command_line_override(tmp_path):
         parse_args([str(js)])
 
 
+def test_config_file_extension_in_any_case_and_its_place(tmp_path):
+    """A config file named run.YAML is read as run.yaml is; one given after options is refused with where it goes,
+    not as an unknown option."""
+    cfg = tmp_path / "run.YAML"
+    cfg.write_text("config_name: tiny\nlearning_rate: 0.01\n")
+    assert parse_args([str(cfg)])[2].learning_rate == 0.01
+    with pytest.raises(ValueError, match=r"run\.YAML.*a config file must be the first argument"):
+        parse_args(["--learning_rate", "0.5", str(cfg)])
+
+
 @pytest.mark.parametrize(
     "extra, expected",
     [

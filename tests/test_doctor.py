@@ -161,3 +161,34 @@ def test_a_failed_all_reduce_check_says_what_the_failing_process_said():
     raised = "Traceback (most recent call last):\n  File x\nRuntimeError: Connection refused\n" + TORCHRUN_REPORT[46:]
     assert doctor_mod.failure_reason(raised).startswith("RuntimeError: Connection refused; root cause exit code -6")
     assert doctor_mod.failure_reason("") == "no output"
+
+
+@pytest.mark.parametrize(
+    "env, multi",
+    [
+        ({"NNODES": "2:4"}, True),  # an elastic job (docs/launchers.md), MIN:MAX as the launcher reads it
+        ({"NNODES": "1:1"}, False),
+        ({"NNODES": "2"}, True),
+        ({"SLURM_NNODES": "2(x2)"}, False),  # not a whole number: the launcher runs one node, and so does this
+        ({"SLURM_JOB_NUM_NODES": "3"}, True),
+    ],
+)
+def test_doctor_reports_on_every_node_count_the_launcher_takes(tmp_path, monkeypatch, env, multi):
+    """A node of an elastic job (NNODES=MIN:MAX), or an odd Slurm count, gets a report, not a traceback; the
+    output folder must be shared exactly when the job spans several nodes."""
+    for name in ("NNODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    seen: list[bool] = []
+    monkeypatch.setattr(doctor_mod, "check_output_dir", lambda path, multi_node: seen.append(multi_node) or ok())
+    for name in ("check_bf16", "check_tf32", "check_peer_access"):
+        monkeypatch.setattr(doctor_mod, name, ok)
+    args = doctor_mod.build_parser().parse_args(["--output_dir", str(tmp_path), "--skip_collective"])
+    report: dict = {"gpus": []}
+    doctor_mod.run_checks(args, report)
+    assert report["ok"] and seen == [multi]
+
+
+def ok() -> doctor_mod.Check:
+    return doctor_mod.Check("stub", True, "fine")

@@ -8,6 +8,7 @@ training end to end, two "nodes" on one machine matching one node, a failing ran
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -245,6 +246,31 @@ def test_probe_amd_parses_output_not_exit_codes(monkeypatch, mode, count, proble
         assert all(g.name and g.uuid and g.memory_mib for g in found.gpus)
 
 
+def test_amd_host_without_rocm_smi_gets_names_memory_and_the_mi300x_tuning():
+    """rocm-smi is deprecated (ROCm 6.4+): with amd-smi alone the GPUs are named, their memory known, and the
+    MI300X-only RCCL setting exported, as with both tools."""
+    both = dry(AMD, "--count-from", "smi", FAKE_NVIDIA="absent", FAKE_AMD="ok")
+    alone = dry(AMD, "--count-from", "smi", FAKE_NVIDIA="absent", FAKE_AMD="ok", FAKE_ROCM_SMI="absent")
+    assert both.rc == alone.rc == 0, alone.err
+    assert "8 AMD GPUs present (amd-smi): 0-7: AMD Instinct MI300X, 192 GiB" in alone.notes, alone.notes
+    assert alone.exports == both.exports and alone.exports["NCCL_MIN_NCHANNELS"] == "112"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"gpu": 1, "asic": {"market_name": "AMD Instinct MI300X"}, "vram": {"size": {"value": 196592, "unit": "MB"}}}]',
+        '{"gpu_data": [{"gpu": 1, "asic": {"market_name": "AMD Instinct MI300X"}, '
+        '"vram": {"vram_size": {"value": 196592, "unit": "MB"}}}]}',
+        '[{"gpu": 1, "asic": {"market_name": "AMD Instinct MI300X"}, "vram": {"size": "196592 MB"}}]',
+    ],
+)
+def test_amd_smi_static_layouts(text):
+    """`amd-smi static --asic --vram --json` as ROCm 6.x (a list) and 7.x (gpu_data, vram_size) print it."""
+    assert gpu_detect.parse_amd_smi_static(text) == [Gpu(1, "AMD Instinct MI300X", memory_mib=196592)]
+    assert gpu_detect.parse_amd_smi_static("not json") == []
+
+
 # ------------------------------------------------------------------------ visibility rules
 
 NV8 = [Gpu(i, "NVIDIA H100 80GB HBM3", fake_smi.nvidia_uuid(i)) for i in range(8)]
@@ -395,6 +421,17 @@ def test_callers_values_survive_dry_run():
     assert not {"NCCL_DEBUG", "OMP_NUM_THREADS", "PYTORCH_ALLOC_CONF"} & set(r.exports)
 
 
+@pytest.mark.parametrize("engine", ["hf", "fsdp"])
+@pytest.mark.parametrize("value", ["", "abc", "0"])
+def test_a_thread_count_no_process_can_read_is_refused_in_one_line(engine, value):
+    """OMP_NUM_THREADS='' (an unset shell variable) or 'abc' would be kept and crash accelerate launch with a
+    ValueError traceback (int('')); the launcher refuses it first, naming the variable, its value and a fix."""
+    r = dry(NVIDIA, "--engine", engine, "--count-from", "smi", "--nproc", "2", OMP_NUM_THREADS=value)
+    lines = r.err.strip().splitlines()
+    assert r.rc == 2 and len(lines) == 1 and "Traceback" not in r.err, r.err
+    assert f"OMP_NUM_THREADS={value!r}" in lines[0] and "unset it" in lines[0] and "OMP_NUM_THREADS=4" in lines[0]
+
+
 @pytest.mark.parametrize("vendor", [NVIDIA, AMD])
 def test_real_exec_environment_and_arguments(vendor, tmp_path):
     """Not a dry run: the script the launcher execs sees the presets, the caller's values and its
@@ -489,6 +526,26 @@ def test_bad_options_are_refused_with_a_reason(args, message):
     engine = [] if "--engine" in args or "--accelerate-config" in args else ["--engine", "fsdp"]
     r = dry(NVIDIA, "--count-from", "smi", *engine, *args)
     assert r.rc == 2 and message in r.err, r.err
+
+
+@pytest.mark.parametrize(
+    "extra", [["--vendor", "amd"], ["--vendor=amd"], ["--vendor", "nvidia"], ["--interactive", "--vendor", "amd"]]
+)
+def test_a_second_vendor_is_refused_not_silently_taken(extra):
+    """run_nvidia_all.sh passes --vendor nvidia itself: a --vendor of the user's is refused in one line that names
+    the script for the other vendor, where argparse took the last one and the launcher's own checks the first."""
+    r = dry(NVIDIA, "--count-from", "smi", *extra, FAKE_AMD="ok")
+    lines = r.err.strip().splitlines()
+    assert r.rc == 2 and len(lines) == 1 and not r.out, r.out + r.err
+    assert "--vendor" in lines[0] and "run_amd_all.sh for AMD GPUs" in lines[0], lines[0]
+
+
+def test_an_accelerate_config_path_in_any_case_is_used(tmp_path):
+    """--accelerate-config /path/My.YAML (a file that is there) is that file, not 'no such file'."""
+    cfg = tmp_path / "My.YAML"
+    cfg.write_text("distributed_type: MULTI_GPU\n")
+    r = dry(NVIDIA, "--count-from", "smi", "--accelerate-config", str(cfg))
+    assert r.rc == 0 and r.opt("--config_file") == str(cfg), r.err
 
 
 def test_port_and_restarts():
@@ -743,6 +800,11 @@ def test_slurm_head_node_without_scontrol():
     missing = lambda argv: (127, "", "not found")  # noqa: E731
     assert launch.first_slurm_host("gpu[003-005,9],login1", missing) == "gpu003"
     assert launch.first_slurm_host("login1,gpu2", missing) == "login1"
+    # Slurm's own expansion puts the first of every bracket group first: rack[1-2]-n[3-4] -> rack1-n3, rack1-n4, …
+    assert launch.first_slurm_host("rack[1-2]-n[3-4]", missing) == "rack1-n3"
+    assert launch.first_slurm_host("a[1-2],b3", missing) == "a1"
+    assert launch.first_slurm_host("b3,a[1-2]", missing) == "b3"
+    assert launch.first_slurm_host("n[08-09]x,gpu[1,2]", missing) == "n08x"
 
 
 def test_sbatch_example_starts_one_launcher_per_node(tmp_path):
@@ -969,6 +1031,18 @@ def test_help_and_the_two_scripts_differ_only_in_vendor():
     assert len(nv.splitlines()) == len(amd.splitlines()) and all(
         ("NVIDIA" in a and "AMD" in b) or (a, b) == ("VENDOR=nvidia", "VENDOR=amd") for a, b in diff
     ), diff
+
+
+@pytest.mark.parametrize("vendor", [NVIDIA, AMD])
+def test_help_and_the_script_header_name_every_option(vendor):
+    """Every launcher option, and --interactive (which the script itself handles), is in --help's option list and in
+    the script's own header, so neither leaves out one a user can pass."""
+    parser = launch.build_parser(vendor)
+    options = {s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings} | {"--interactive"}
+    header = "".join(ln for ln in SCRIPT[vendor].read_text().splitlines(keepends=True) if ln.startswith("#"))
+    listed = parser.format_help().split("options:", 1)[1]
+    assert not {o for o in options if o not in listed}, "missing from --help"
+    assert not {o for o in options if o not in header}, "missing from the header"
 
 
 def test_shellcheck_every_shell_file():

@@ -40,6 +40,7 @@ ONLY = {NVIDIA: {"FAKE_NVIDIA": "ok", "FAKE_AMD": "absent"}, AMD: {"FAKE_NVIDIA"
         (NVIDIA, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, 4),
         (AMD, {}, 0),
         (AMD, {"ROCR_VISIBLE_DEVICES": "1,3,5", "CUDA_VISIBLE_DEVICES": "2,0"}, 5),
+        (AMD, {"HIP_VISIBLE_DEVICES": "", "CUDA_VISIBLE_DEVICES": "2,3"}, 2),  # HIP reads an empty value as unset
     ],
 )
 def test_one_process_on_a_multi_gpu_node_sees_exactly_one_gpu(engine, vendor, caller, first):

@@ -201,6 +201,8 @@ def test_a_correct_bf16_job_passes_at_the_default_tolerance(tmp_path):
         (["--", "--resume_from_checkpoint", "latest"], "job argument --resume_from_checkpoint latest: verify starts"),
         (["--cp", "3"], "--cp 3: 3 divides none of --world_sizes 1,2: give a C that divides one of them, e.g. 2"),
         (["--cp", "2", "--engines", "hf"], "--cp 2: context parallelism is the FSDP2 engine's: add --engines fsdp"),
+        (["--ep", "0"], "--ep 0: 0 must be at least 1 (a degree such as 2)"),
+        (["--cp", "-2"], "--cp -2: -2 must be at least 1 (a degree such as 2)"),
         (["--ep", "4"], "--ep 4: 4 divides none of --world_sizes 1,2: give a E that divides one of them, e.g. 2"),
         (["--ep", "2", "--engines", "hf"], "--ep 2: expert parallelism is the FSDP2 engine's: add --engines fsdp"),
         (

@@ -1055,7 +1055,7 @@ def parse_args(
     Unknown options are refused, and so are models, tokenizers and data sets that are not there.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml", ".json")):
+    if argv and not argv[0].startswith("-") and argv[0].lower().endswith((".yaml", ".yml", ".json")):
         if not Path(argv[0]).is_file():
             raise UsageError(f"config file {argv[0]}: no such file.")
         argv = _file_to_argv(argv[0]) + argv[1:]
@@ -1063,6 +1063,11 @@ def parse_args(
     parser = build_parser(extra, prog)
     parsed, unknown = parser.parse_known_args(argv)
     if unknown:
+        late_file = [w for w in unknown if w.lower().endswith((".yaml", ".yml", ".json")) and Path(w).is_file()]
+        if late_file:
+            raise UsageError(
+                f"{late_file[0]}: a config file must be the first argument, e.g. {late_file[0]} --max_steps 3."
+            )
         raise UsageError(f"{suggest.unknown_options_message(unknown, parser)}. See --help for the valid ones.")
     _refuse_empty(vars(parsed))
     outputs = []

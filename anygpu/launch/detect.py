@@ -20,6 +20,8 @@ Formats parsed (see docs/launchers.md and ../shared/VENDOR_ENV.md):
   rocm-smi --showmeminfo vram --csv
       device,VRAM Total Memory (B),VRAM Total Used Memory (B)
       card0,206141652992,300589056
+  amd-smi static --asic --vram --json      (names and memory where rocm-smi is missing)
+      [{"gpu": 0, "asic": {"market_name": "AMD Instinct MI300X", …}, "vram": {"size": {"value": 196592, "unit": "MB"}}}]
   amd-smi list
       GPU: 0
           BDF: 0000:05:00.0
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
 import subprocess
 from dataclasses import dataclass, field
@@ -213,6 +216,41 @@ def parse_amd_smi_list(text: str) -> list[Gpu]:
     return gpus
 
 
+_UNIT_MIB = {"B": 2**-20, "KB": 2**-10, "MB": 1, "GB": 2**10}  # amd-smi's "MB" are MiB (196592 on a 192 GiB MI300X)
+
+
+def parse_amd_smi_static(text: str) -> list[Gpu]:
+    """``amd-smi static --asic --vram --json``: names and memory where rocm-smi is missing (deprecated in ROCm
+    6.4+). ROCm 6.x prints a list of ``{"gpu": 0, "asic": {"market_name": …}, "vram": {"size": {"value": 196592,
+    "unit": "MB"}}}``; 7.x wraps it as ``{"gpu_data": […]}`` with ``vram_size``; some print ``"size": "196592 MB"``."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return []
+    rows = data.get("gpu_data", []) if isinstance(data, dict) else data
+    gpus = []
+    for row in rows if isinstance(rows, list) else []:
+        if not isinstance(row, dict) or not isinstance(row.get("gpu"), int):
+            continue
+        asic, vram = row.get("asic") or {}, row.get("vram") or {}
+        name = str(asic.get("market_name") or "").strip()
+        gpus.append(Gpu(row["gpu"], "" if name == "N/A" else name, memory_mib=_amd_smi_mib(vram)))
+    return gpus
+
+
+def _amd_smi_mib(vram: dict) -> int | None:
+    """``{"value": 196592, "unit": "MB"}`` or ``"196592 MB"`` (a bare number: MB) → MiB; None when not given."""
+    size = vram.get("size", vram.get("vram_size"))
+    if isinstance(size, dict):
+        value, unit = size.get("value"), str(size.get("unit") or "MB")
+    else:
+        value, _, unit = str(size or "").partition(" ")
+    try:
+        return int(float(value) * _UNIT_MIB[(unit or "MB").strip().upper()])
+    except (TypeError, ValueError, KeyError):
+        return None
+
+
 # ---------------------------------------------------------------------------------- probes
 
 
@@ -244,7 +282,7 @@ def probe_nvidia(run: Runner = run_tool, want_migs: bool = False) -> Probe:
 
 
 def probe_amd(run: Runner = run_tool) -> Probe:
-    """List AMD GPUs with rocm-smi (names, memory) and amd-smi (UUIDs).
+    """List AMD GPUs with rocm-smi (names, memory) and amd-smi (UUIDs; names and memory where rocm-smi is missing).
 
     rocm-smi without the amdgpu driver exits 0 with nothing on stdout, and amd-smi exits 255,
     so the listings are parsed rather than trusting exit codes.
@@ -269,14 +307,20 @@ def probe_amd(run: Runner = run_tool) -> Probe:
         problems.append(_failure("amd-smi", rc_a, err_a) if rc_a != 0 else "amd-smi lists no GPU")
 
     memory: dict[int, int] = {}
+    from_rocm_smi = bool(named)
     if named:
         rc_m, out_m, _ = run(["rocm-smi", "--showmeminfo", "vram", "--csv"])
         memory = parse_rocm_vram_csv(out_m) if rc_m == 0 else {}
+    elif listed:  # amd-smi alone: names (the MI300X tuning depends on them) and memory from its static listing
+        rc_s, out_s, _ = run(["amd-smi", "static", "--asic", "--vram", "--json"])
+        details = parse_amd_smi_static(out_s) if rc_s == 0 else []
+        named = [g for g in details if g.name]
+        memory = {g.index: g.memory_mib for g in details if g.memory_mib}
     uuids = {g.index: g.uuid for g in listed}
     names = {g.index: g.name for g in named}
     indices = sorted(set(names) | set(uuids))
     probe.gpus = [Gpu(i, names.get(i, ""), uuids.get(i, ""), memory.get(i)) for i in indices]
-    probe.tool = " + ".join(t for t, ok in (("rocm-smi", named), ("amd-smi", listed)) if ok)
+    probe.tool = " + ".join(t for t, ok in (("rocm-smi", from_rocm_smi), ("amd-smi", listed)) if ok)
     if not probe.gpus:
         probe.problem = "; ".join(problems)
     return probe

@@ -167,6 +167,12 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dry-run", action="store_true", help="Print every exported variable and the exact command, then exit 0."
     )
+    p.add_argument(  # run_<vendor>_all.sh and `anygpu launch` hand it to anygpu.tools.interactive, not to main()
+        "--interactive",
+        action="store_true",
+        help="Ask engine, accelerate config, GPUs, global batch and output folder first, with `anygpu plan`'s "
+        "recommendation as each default, then launch (docs/tools.md#interactive-anygpu-launch).",
+    )
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -180,10 +186,10 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     mine, script_args = split_argv(argv)
-    vendor = None
-    if "--vendor" in mine[:-1]:
-        vendor = mine[mine.index("--vendor") + 1]
+    vendors = vendors_given(mine)
+    vendor = vendors[0] if vendors else None
     parser = build_parser(vendor if vendor in gpu_detect.VENDORS else None)
+    refuse_second_vendor(parser, vendors)
     args, unknown = parser.parse_known_args(mine)
     if unknown:
         parser.error(
@@ -191,6 +197,28 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
             f"e.g. {parser.prog} -- {' '.join(unknown)}"
         )
     return args, script_args
+
+
+def refuse_second_vendor(parser: argparse.ArgumentParser, vendors: Sequence[str]) -> None:
+    """The scripts pass their own --vendor first: argparse would take a later one, the launcher's checks the first."""
+    if len(vendors) > 1 and vendors[0] in gpu_detect.VENDORS:
+        first = vendors[0]
+        other = next(v for v in gpu_detect.VENDORS if v != first)
+        parser.error(
+            f"--vendor given twice ({first}, then {vendors[1]}): give it once ({SCRIPT_NAME[first]} passes "
+            f"--vendor {first} itself; use {SCRIPT_NAME[other]} for {VENDOR_LABEL[other]} GPUs)"
+        )
+
+
+def vendors_given(mine: Sequence[str]) -> list[str]:
+    """Every --vendor value among the launcher's options, in order (`--vendor X` and `--vendor=X`)."""
+    given = []
+    for i, word in enumerate(mine):
+        if word == "--vendor" and i + 1 < len(mine):
+            given.append(mine[i + 1])
+        elif word.startswith("--vendor="):
+            given.append(word.split("=", 1)[1])
+    return given
 
 
 # ----------------------------------------------------------------------------------- nodes
@@ -232,13 +260,13 @@ def first_slurm_host(nodelist: str, run: Runner = gpu_detect.run_tool) -> str:
     rc, out, _ = run(["scontrol", "show", "hostnames", nodelist])
     if rc == 0 and out.split():
         return out.split()[0]
-    # No scontrol (e.g. inside a container): expand the first entry of a list like
-    # "gpu[003-005,9],login1" -> "gpu003" ourselves.
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    # No scontrol (e.g. inside a container): expand the first entry ourselves, as Slurm orders it: the list's
+    # first name (commas inside brackets do not end it), each bracket group at its first number:
+    # "gpu[003-005,9],login1" -> "gpu003", "rack[1-2]-n[3-4]" -> "rack1-n3".
+    m = re.match(r"(?:[^,\[\]]|\[[^\]]*\])+", nodelist.strip())
     if not m:
         raise LaunchError(f"cannot find the head node in SLURM_JOB_NODELIST={nodelist!r}")
-    prefix, ranges = m[1], m[2]
-    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+    return re.sub(r"\[([^\]]*)\]", lambda g: re.split(r"[,-]", g[1])[0], m[0])
 
 
 def resolve_nodes(env: Mapping[str, str], master_port: int | None, run: Runner = gpu_detect.run_tool) -> Nodes:
@@ -382,9 +410,10 @@ class Plan:
 
 def _resolve_config(name: str) -> Path:
     path = Path(name)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
+    yaml_name = path.suffix.lower() in (".yaml", ".yml")  # My.YAML is a YAML file too
+    if yaml_name and path.is_file():
         return path.resolve()
-    candidate = CONFIG_DIR / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+    candidate = CONFIG_DIR / (name if yaml_name else f"{name}.yaml")
     if candidate.is_file():
         return candidate
     valid = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
@@ -453,6 +482,10 @@ def validate_args(args: argparse.Namespace) -> None:
     ):
         if value is not None and (value < lo or (flag == "--master-port" and value > 65535)):
             raise LaunchError(f"{flag} {value}: must be {'0..65535' if flag == '--master-port' else f'>= {lo}'}")
+    if args.interactive:  # the scripts start the dialogue themselves; this module alone cannot ask
+        raise LaunchError(
+            f"--interactive: use bash {SCRIPT_NAME[args.vendor]} --interactive or anygpu launch --interactive"
+        )
     if args.accelerate_config and args.engine != "hf":
         raise LaunchError("--accelerate-config only applies to --engine hf (the fsdp engine shards by itself)")
     if args.cpu and args.gpus:
@@ -661,10 +694,12 @@ def pin_one_process(
         return
     if args.vendor == NVIDIA:
         target, source = "CUDA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"
-    else:  # HIP's list indexes what ROCR_VISIBLE_DEVICES leaves, as CUDA's does when HIP's is unset
+    else:  # HIP's list indexes what ROCR_VISIBLE_DEVICES leaves, as CUDA's does when HIP's is unset or empty
+        # (HIP reads an empty HIP_VISIBLE_DEVICES as unset, as detect.visible_gpus does)
+        hip_set = bool(env.get("HIP_VISIBLE_DEVICES", "").strip())
         target, source = (
             "HIP_VISIBLE_DEVICES",
-            next((v for v in ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if v in env), ""),
+            "HIP_VISIBLE_DEVICES" if hip_set else "CUDA_VISIBLE_DEVICES" if "CUDA_VISIBLE_DEVICES" in env else "",
         )
     # the caller's list, where there is one, already names the GPUs the runtime numbers 0, 1, …: keep its first
     pin = (
@@ -692,7 +727,10 @@ def export_environment(
         rocm_version=rocm,
         restarts=args.max_restarts > 0,
     )
-    preset_exported, kept = vendor_env.apply(env, wanted)
+    try:
+        preset_exported, kept = vendor_env.apply(env, wanted)
+    except ValueError as e:  # a caller's value no process could read
+        raise LaunchError(str(e)) from None
     exported.update(preset_exported)
     if args.ifname:
         iface = {"NCCL_SOCKET_IFNAME": args.ifname, "GLOO_SOCKET_IFNAME": args.ifname}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from anygpu.launch.detect import AMD, NVIDIA
 
@@ -161,8 +161,10 @@ def amd_presets(nproc_per_node: int, gpu_names: Sequence[str], rocm_version: tup
 def apply(env: dict[str, str], wanted: Sequence[Preset]) -> tuple[dict[str, str], dict[str, str]]:
     """Set each preset in ``env`` unless the caller set it (or an alias); returns (exported, kept).
 
-    A variable counts as set when it is in the environment at all, even empty.
+    A variable counts as set when it is in the environment at all, even empty; a kept value no process could
+    read is refused (ValueError, one line) rather than passed on to crash every rank.
     """
+    refuse_unreadable(env)
     exported: dict[str, str] = {}
     kept: dict[str, str] = {}
     for p in wanted:
@@ -174,6 +176,18 @@ def apply(env: dict[str, str], wanted: Sequence[Preset]) -> tuple[dict[str, str]
         env[p.name] = p.value
         exported[p.name] = p.value
     return exported, kept
+
+
+def refuse_unreadable(env: Mapping[str, str]) -> None:
+    """OMP_NUM_THREADS must be a whole number >= 1 when the caller sets it: accelerate launch reads it with int()
+    (an empty value, i.e. an unset shell variable, or 'abc' ends in a ValueError traceback) and OpenMP ignores
+    anything else with a warning in every process."""
+    value = env.get("OMP_NUM_THREADS")
+    if value is not None and not (value.strip().isdigit() and int(value) >= 1):
+        raise ValueError(
+            f"OMP_NUM_THREADS={value!r} is not a number of threads: unset it (the launcher then gives each process "
+            "its share of the CPUs) or give a whole number >= 1, e.g. OMP_NUM_THREADS=4"
+        )
 
 
 def parse_rocm_version(hip_version: str | None) -> tuple[int, int] | None:

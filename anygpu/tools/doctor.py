@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from anygpu.launch.suggest import ArgumentParser
 from anygpu.launch import detect as gpu_detect
@@ -385,13 +385,22 @@ def facts(args: argparse.Namespace) -> dict:
     }
 
 
+def spans_nodes(env: Mapping[str, str]) -> bool:
+    """Whether the launcher would start this job on several nodes: NNODES as N or MIN:MAX (elastic), else Slurm's
+    count where it is a whole number. A NNODES the launcher refuses is its message to give, not a doctor crash."""
+    if "NNODES" in env:
+        try:
+            return launcher.node_counts(env)[1] > 1
+        except launcher.LaunchError:
+            return False
+    slurm = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES") or ""
+    return slurm.isdigit() and int(slurm) > 1
+
+
 def run_checks(args: argparse.Namespace, report: dict, on_check: Callable[[Check], None] = lambda c: None) -> None:
     """The active checks, one after the other, each timed and handed to `on_check` as soon as it is done."""
     usable = len(report["gpus"])
-    multi_node = (
-        int(os.environ.get("NNODES", "1") or 1) > 1
-        or int(os.environ.get("SLURM_NNODES", os.environ.get("SLURM_JOB_NUM_NODES", "1")) or 1) > 1
-    )
+    multi_node = spans_nodes(os.environ)
     report["collective"] = None
 
     def collective() -> Check:

@@ -251,7 +251,9 @@ def main(argv: list[str], stdin: TextIO | None = None, stdout: TextIO | None = N
     anygpu.set_offline_defaults()  # the plan reads configs only: presets, local folders, cached hub ids
     anygpu.quiet_library_warnings()  # also when started by run_<vendor>_all.sh --interactive, not through cli
     mine, script_args = launcher.split_argv(argv)
-    args = build_parser().parse_args(mine)
+    parser = build_parser()
+    launcher.refuse_second_vendor(parser, launcher.vendors_given(mine))  # run_<vendor>_all.sh --interactive --vendor
+    args = parser.parse_args(mine)
     for name in ("model_name_or_path", "config_name", "block_size"):  # the run's own values, for the plan
         if getattr(args, name) is None and (value := script_option(script_args, name)) is not None:
             setattr(args, name, value)

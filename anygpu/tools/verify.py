@@ -189,7 +189,9 @@ def check_degrees(
     if degrees and "fsdp" not in engines:
         raise UsageError(f"{flag} {text}: {what} is the FSDP2 engine's: add --engines fsdp")
     for d in degrees:
-        if d < 1 or not any(w % d == 0 for w in sizes):
+        if d < 1:
+            raise UsageError(f"{flag} {text}: {d} must be at least 1 (a degree such as 2)")
+        if not any(w % d == 0 for w in sizes):
             raise UsageError(
                 f"{flag} {text}: {d} divides none of --world_sizes {world_sizes}: give a {letter} that divides "
                 f"one of them, e.g. {max(sizes)}"

@@ -7,6 +7,7 @@ FAKE_GPUS GPUs (default 8). Modes, per tool:
 ok lists the GPUs; driver-fail behaves like the tool without a working driver (nvidia-smi:
 exit 9, empty stdout; rocm-smi: exit 0, empty stdout, an error on stderr; amd-smi: exit 255,
 empty stdout); absent behaves like a missing binary (exit 127, as the shell reports it).
+FAKE_ROCM_SMI = absent: rocm-smi alone is missing (ROCm 6.4+ deprecates it), amd-smi answers as FAKE_AMD says.
 FAKE_MIG=K (default 0): nvidia-smi -L lists K MIG instances under each GPU, as on GPUs in MIG mode.
 FAKE_SMI_LOG, when set, is a file each call appends its argv to.
 """
@@ -14,6 +15,7 @@ FAKE_SMI_LOG, when set, is a file each call appends its argv to.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 
@@ -90,7 +92,7 @@ def nvidia_smi(args: list[str]) -> int:
 
 
 def rocm_smi(args: list[str]) -> int:
-    mode = os.environ.get("FAKE_AMD", "ok")
+    mode = "absent" if os.environ.get("FAKE_ROCM_SMI") == "absent" else os.environ.get("FAKE_AMD", "ok")
     if mode == "absent":
         print("rocm-smi: command not found", file=sys.stderr)
         return 127
@@ -149,6 +151,21 @@ def amd_smi(args: list[str]) -> int:
                 f"    PARTITION_ID: 0\n"
             )
         print("\n".join(blocks))
+        return 0
+    if args == ["static", "--asic", "--vram", "--json"]:  # ROCm 6.x layout: a list, one object per GPU
+        static = [
+            {
+                "gpu": i,
+                "asic": {
+                    "market_name": AMD_NAME,
+                    "device_id": f"0x{AMD_DID:04x}",
+                    "asic_serial": f"0x{amd_serial(i):016X}",
+                },
+                "vram": {"type": "HBM", "vendor": "N/A", "size": {"value": AMD_VRAM_B // 2**20, "unit": "MB"}},
+            }
+            for i in range(count())
+        ]
+        print(json.dumps(static, indent=4))
         return 0
     print("amd-smi: error: unsupported arguments " + " ".join(args), file=sys.stderr)
     return 2
