@@ -58,6 +58,11 @@ def test_conflicting_batch_arguments(capsys, tmp_path):
     assert "--global_batch_size 8 and --global_batch_tokens 512" in err
 
 
+def test_a_bad_boolean_is_one_sentence(capsys, tmp_path):
+    err = refuse([*TINY, "--bf16", "maybe", "--output_dir", str(tmp_path)], capsys)
+    assert "--bf16: Truthy value expected: got maybe" in err and ".." not in err
+
+
 def test_unknown_option_and_bad_choice(capsys, tmp_path):
     err = refuse([*TINY, "--learning_rat", "1", "--output_dir", str(tmp_path)], capsys)
     assert "unknown option --learning_rat (did you mean --learning_rate?)" in err

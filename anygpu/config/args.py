@@ -1122,7 +1122,7 @@ def preflight(argv: list[str] | None = None, extra: tuple[type, ...] = (), prog:
 
 
 def _refuse(message: str) -> None:
-    raise UsageError(f"{message}. See --help for the valid options and values.")
+    raise UsageError(f"{message.rstrip('.')}. See --help for the valid options and values.")
 
 
 def resolved_dict(*args_objs: Any) -> dict[str, Any]:
