@@ -31,6 +31,20 @@ def test_every_step_is_transformers(name, warmup, total):
     assert ours == pytest.approx(theirs, rel=1e-12, abs=0.0)
 
 
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_a_warmup_longer_than_the_run_climbs_as_transformers_climbs(name, tmp_path):
+    """--warmup_steps 10 over a 5-step run: the rate climbs by a tenth a step, as Trainer's (it was squeezed into the
+    run: a fifth a step, the loss 2.8e-3 off Trainer's after 5 steps)."""
+    from anygpu.config.args import parse_args
+    from anygpu.train import optim
+
+    train_args = parse_args(["--config_name", "tiny", "--warmup_steps", "10", "--lr_scheduler_type", name,
+                             "--output_dir", str(tmp_path)], warn=False)[2]  # fmt: skip
+    ours = lrs(lambda o: optim.build_scheduler(o, train_args, 5), 6)
+    theirs = lrs(lambda o: get_scheduler(name, o, num_warmup_steps=10, num_training_steps=5), 6)
+    assert ours == pytest.approx(theirs, rel=1e-12, abs=0.0)
+
+
 def test_a_resumed_schedule_continues_where_it_stopped():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     first = schedules.build("cosine", opt, 2, 10)

@@ -67,9 +67,9 @@ def note(optim: str) -> str | None:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: TrainArguments, num_training_steps: int):
-    """--lr_scheduler_type's schedule, transformers' formulas (`anygpu.train.schedules`)."""
-    warmup = min(args.warmup_steps, num_training_steps)
-    return schedules.build(args.lr_scheduler_type, optimizer, warmup, num_training_steps)
+    """--lr_scheduler_type's schedule, transformers' formulas (`anygpu.train.schedules`); a warm-up longer than the run
+    climbs as Trainer's does, never reaching the peak (not squeezed into the run)."""
+    return schedules.build(args.lr_scheduler_type, optimizer, args.warmup_steps, num_training_steps)
 
 
 def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float) -> torch.Tensor:
