@@ -81,3 +81,19 @@ def test_grpo_groups_and_world_size_name_a_value_that_fits_both():
     with pytest.raises(ValueError, match="use a multiple of 12"):
         plan_batch(6, 3, groups=4)  # splits over the devices, not into whole groups
     assert plan_batch(12, 3, groups=4).per_device_train_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    "epochs, per_epoch, steps",
+    [(0.5, 397, 199), (2.5, 397, 993), (0.01, 397, 4), (0.29, 100, 29), (1.15, 100, 115), (0.3, 10, 3), (1, 397, 397)],
+)
+def test_epochs_count_steps_as_trainer_rounds_them(epochs, per_epoch, steps):
+    """--num_train_epochs rounds up as Trainer's max_steps does (it was rounded down: 0.5 epochs of 397 steps gave
+    198, 0.29 of 100 gave 28 from 28.999999999999996); a product that is whole up to float rounding stays whole."""
+    import math
+
+    from anygpu.data.order import steps_for_epochs
+
+    assert steps_for_epochs(epochs, per_epoch) == steps
+    if (epochs * per_epoch) % 1 > 1e-6:  # where the product is not whole, Trainer's own count
+        assert steps == math.ceil(epochs * per_epoch)

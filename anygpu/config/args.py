@@ -358,7 +358,11 @@ class TrainArguments(ObjectiveArguments):
         default=-1, metadata={"resume": SAME, "help": "Optimizer steps to train; -1: follow --num_train_epochs."}
     )
     num_train_epochs: float = field(
-        default=1.0, metadata={"resume": SAME, "help": "Epochs over the packed training set when --max_steps is -1."}
+        default=1.0,
+        metadata={
+            "resume": SAME,
+            "help": "Epochs over the packed training set when --max_steps is -1 (steps rounded up, as Trainer's).",
+        },
     )
     global_batch_size: int | None = field(
         default=None,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -30,6 +32,12 @@ def check_enough_samples(num_samples: int, global_batch_size: int) -> None:
             f"the training set has {num_samples} rows, fewer than --global_batch_size {global_batch_size}: lower "
             f"--global_batch_size (≤ {num_samples}), or --block_size (more, shorter rows), or add data."
         )
+
+
+def steps_for_epochs(epochs: float, steps_per_epoch: int) -> int:
+    """--num_train_epochs in steps, rounded up as Trainer's max_steps (0.5 of 397 is 199), the float product rounded
+    first: 0.3 × 10 is 3 steps, where Trainer's ceil of 3.0000000000000004 gives 4."""
+    return max(1, math.ceil(round(epochs * steps_per_epoch, 9)))
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from anygpu.data.collate import Collator, packing_supported, uses_attention_inte
 from anygpu.data import preference, prompts
 from anygpu.data.formats import PREFERENCE, TEXT, training_texts
 from anygpu.data.mixture_order import MixtureOrder
-from anygpu.data.order import GlobalOrder, eval_subset
+from anygpu.data.order import GlobalOrder, eval_subset, steps_for_epochs
 from anygpu.data.samples import TrainingRows, make_rows
 from anygpu.data.token_rows import Concatenation
 from anygpu.data.sources import data_format, fingerprint, load_raw_text
@@ -174,7 +174,7 @@ def prepare(
     if train_args.max_steps > 0:
         total = train_args.max_steps
     else:
-        total = max(1, int(train_args.num_train_epochs * order.steps_per_epoch))
+        total = steps_for_epochs(train_args.num_train_epochs, order.steps_per_epoch)
     return Prepared(
         config,
         data.tokenizer,
@@ -289,7 +289,7 @@ def _prompts_prepared(
     if train_args.max_steps > 0:
         total = train_args.max_steps
     else:  # each round serves --num_iterations steps
-        total = max(1, int(train_args.num_train_epochs * order.steps_per_epoch)) * train_args.num_iterations
+        total = steps_for_epochs(train_args.num_train_epochs, order.steps_per_epoch) * train_args.num_iterations
     return Prepared(
         config,
         tokenizer,
