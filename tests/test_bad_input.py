@@ -75,6 +75,9 @@ def test_unknown_option_and_bad_choice(capsys, tmp_path):
     assert "--save_strategy 'epoch' is unknown: use one of steps, no." in err
     err = refuse([*TINY, "--save_strategy", "no", "--save_steps", "5", "--output_dir", str(tmp_path)], capsys)
     assert "--save_steps 5 with --save_strategy no: no checkpoint is written; leave --save_steps out" in err
+    # a run cut at step 2 to continue later, with nothing to continue from (it ended 0, its work gone)
+    err = refuse([*TINY, "--save_strategy", "no", "--stop_at_step", "2", "--output_dir", str(tmp_path)], capsys)
+    assert "--stop_at_step 2 with --save_strategy no: no checkpoint is written" in err
 
 
 @pytest.mark.parametrize("name", ["model_name_or_path", "tokenizer_name", "train_file", "dataset_name", "output_dir"])

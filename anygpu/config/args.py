@@ -797,7 +797,7 @@ class TrainArguments(ObjectiveArguments):
     def _check_save_strategy(self) -> None:
         _check_choice("save_strategy", self.save_strategy, SAVE_STRATEGIES)
         if self.save_strategy == "no":
-            for name in ("save_steps", "save_every_minutes"):
+            for name in ("save_steps", "save_every_minutes", "stop_at_step"):  # stop_at_step: its checkpoint
                 if getattr(self, name):
                     raise UsageError(
                         f"--{name} {getattr(self, name)} with --save_strategy no: no checkpoint is written; "

@@ -440,6 +440,8 @@ class FSDPTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _async_saver(self) -> async_store.AsyncCheckpointer | None:
+        if self.args.save_strategy == "no":  # no periodic checkpoint to write, in the background or not
+            return None
         on, why = async_store.use_async(self.args.async_save, self.model, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
         if self.info.is_main:
             logger.info("periodic checkpoints: %s (%s)", "asynchronous" if on else "synchronous", why)
