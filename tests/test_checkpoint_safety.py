@@ -129,6 +129,24 @@ def test_a_rewind_is_refused_naming_the_newer_checkpoints_and_the_option(tmp_pat
 
 
 # ---------------------------------------------------------------------- a used output_dir and the lock
+def test_resuming_another_runs_checkpoint_into_a_used_output_dir_is_refused(tmp_path):
+    """A checkpoint of run x, resumed by path into run y's --output_dir: y's metrics and checkpoints would mix with
+    x's continuation (latest and rotation then take them for one run). Refused as a fresh run there is; into an
+    empty folder (a fork of x) it is fine, and --overwrite_output_dir clears y first."""
+    other, mine, fresh = tmp_path / "x", tmp_path / "y", tmp_path / "z"
+    target = fake_checkpoint(other, 2)
+    fake_checkpoint(mine, 1)
+    (mine / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    with pytest.raises(UsageError, match=f"--output_dir {mine} already holds a run .*--overwrite_output_dir true"):
+        run_guard.claim_output_dir(args(mine, resume_from_checkpoint=str(target)), rank=0)
+    run_guard.release_locks()
+    assert run_guard.claim_output_dir(args(fresh, resume_from_checkpoint=str(target)), rank=0).resume == target
+    run_guard.release_locks()
+    claim = run_guard.claim_output_dir(args(mine, resume_from_checkpoint=str(target), overwrite_output_dir=True), 0)
+    run_guard.release_locks()
+    assert claim.resume == target and not (mine / "metrics.jsonl").exists() and names(mine) == []
+
+
 def test_a_fresh_run_into_a_used_output_dir_is_refused(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
     (tmp_path / "runs").mkdir()

@@ -75,6 +75,9 @@ def claim_output_dir(train_args: Any, rank: int) -> Claim | None:
     restarted = store.restarted()
     if resume or restarted:
         target = store.resolve_resume(resume, str(root), warn=True)
+        if target is not None and Path(target).resolve().parent != root.resolve():  # another run's checkpoint
+            claim_for_another_runs(root, Path(target), train_args.overwrite_output_dir)
+            return Claim(resolved=True, resume=target)
         if target is not None:
             # latest/auto resolved to the newest intact checkpoint: whatever is newer is damaged
             set_aside_newer(root, target, train_args.allow_rewind or resume in ("latest", "auto") or not resume)
@@ -100,6 +103,21 @@ def claim_output_dir(train_args: Any, rank: int) -> Claim | None:
                 "pass --overwrite_output_dir true to delete the old run."
             )
     return Claim(resolved=bool(resume or restarted))
+
+
+def claim_for_another_runs(root: Path, target: Path, overwrite: bool) -> None:
+    """A checkpoint outside --output_dir continues there as a fork of its run: into an empty folder, or one cleared
+    by --overwrite_output_dir (its metrics and checkpoints would mix with the continuation's otherwise)."""
+    if not used(root):
+        return
+    if overwrite:
+        clear(root)
+        return
+    raise UsageError(
+        f"--resume_from_checkpoint {target} continues another run, but --output_dir {root} already holds a run "
+        f"({', '.join(used(root))}): the two would mix. Choose an empty --output_dir, or pass --overwrite_output_dir "
+        "true to delete the one there."
+    )
 
 
 def checkpoint_repairs(root: Path) -> list[str]:
