@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import TINY
+from conftest import prompt_completion_file, TINY
 
 from anygpu.config.args import parse_args
 from anygpu.engines.fsdp import main
@@ -61,6 +61,23 @@ def test_conflicting_batch_arguments(capsys, tmp_path):
 def test_a_bad_boolean_is_one_sentence(capsys, tmp_path):
     err = refuse([*TINY, "--bf16", "maybe", "--output_dir", str(tmp_path)], capsys)
     assert "--bf16: Truthy value expected: got maybe" in err and ".." not in err
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_data_with_no_target_within_the_block_is_refused_by_name(capsys, tmp_path, split):
+    """Every prompt longer than --block_size: no sample keeps a target token, so the split is empty. It was an
+    IndexError traceback from datasets (and an empty split cached, so a retry failed the same way)."""
+    long = tmp_path / "long.jsonl"
+    long.write_text("".join(json.dumps({"prompt": "w " * 200, "completion": " end"}) + "\n" for _ in range(20)))
+    files = {"train": long, "validation": prompt_completion_file(tmp_path / "ok.jsonl", 40)}
+    if split == "validation":
+        files = {"train": files["validation"], "validation": long}
+    argv = [*TINY, "--train_file", str(files["train"]), "--validation_file", str(files["validation"])]
+    with pytest.raises(SystemExit) as e:  # datasets' progress bars come before the line: not refuse()'s first line
+        main([*argv, "--output_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert f"error: the {split} data ({files[split].name}) has no sample with a target token within --block_size" in err
 
 
 def test_unknown_option_and_bad_choice(capsys, tmp_path):

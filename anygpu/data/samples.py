@@ -37,8 +37,10 @@ def build_rows(
     corpus_fingerprint: str,
     cache_dir: str,
     num_proc: int | None = None,
+    names: dict[str, str] | None = None,
 ) -> tuple[DatasetDict, dict[str, EncodeStats]]:
-    """Rows of every split (columns input_ids, labels, and position_ids when packed) and per-split counts."""
+    """Rows of every split (columns input_ids, labels, and position_ids when packed) and per-split counts; a split
+    left empty is refused, naming its source (`names`: split → what the user gave)."""
     key = hashlib.sha256(
         f"{SAMPLES_VERSION}|{corpus_fingerprint}|{tokenizer_key(tokenizer)}|{opts.key()}|{packed}".encode()
     ).hexdigest()[:20]
@@ -48,6 +50,14 @@ def build_rows(
         stats = {k: EncodeStats(**v) for k, v in json.loads((path / STATS_FILE).read_text()).items()}
         return load_from_disk(str(path)), stats
     rows, stats = encode(raw, tokenizer, opts, num_proc)
+    for split, ds in rows.items():
+        if len(ds) == 0:  # before the cache: an empty split saved there would fail every retry in datasets
+            source = (names or {}).get(split)
+            raise UsageError(
+                f"the {split} data{f' ({source})' if source else ''} has no sample with a target token within "
+                f"--block_size {opts.max_length} ({stats[split].describe()}): raise --block_size, shorten the "
+                "prompts, or use --truncation_mode keep_end."
+            )
     if packed:
         rows = DatasetDict({split: pack_samples(ds, opts.max_length) for split, ds in rows.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,6 +123,14 @@ def carve_validation(train: Dataset, percentage: float) -> DatasetDict:
     )
 
 
+def source_names(data_args: DataArguments) -> dict[str, str]:
+    """split → the file or data set the user named for it (for messages)."""
+    name = lambda path: Path(path).name  # noqa: E731
+    train = name(data_args.train_file) if data_args.train_file else data_args.dataset_name
+    validation = name(data_args.validation_file) if data_args.validation_file else data_args.dataset_name
+    return {split: source for split, source in (("train", train), ("validation", validation)) if source}
+
+
 def make_rows(
     raw: DatasetDict,
     fmt: str,
@@ -136,7 +154,10 @@ def make_rows(
         opts = EncodeOptions(
             fmt, block_size, data_args.completion_only_loss, data_args.assistant_only_loss, data_args.truncation_mode
         )
-        rows, stats = build_rows(raw, tokenizer, opts, packing, corpus_fingerprint, data_args.data_cache_dir, num_proc)
+        names = source_names(data_args)
+        rows, stats = build_rows(
+            raw, tokenizer, opts, packing, corpus_fingerprint, data_args.data_cache_dir, num_proc, names
+        )
     carved = "validation" not in rows
     if carved:
         rows = carve_validation(rows["train"], data_args.validation_split_percentage)
