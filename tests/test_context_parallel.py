@@ -250,6 +250,28 @@ def test_what_the_split_cannot_keep_is_refused_in_one_line():
         context_parallel.check(gqa, 64, 4, "flash_attention_2")  # its causal mask cannot take the gathered keys
 
 
+def test_a_split_that_would_change_the_curve_or_crash_is_refused():
+    """Phi-3's longrope picks its short or long factors from the longest position a forward sees: each part of a
+    split row sees its own (a curve 2.7e-4 off one rank's at step 2); within its original length both pick the
+    same. Selective checkpointing crashed on the gathered keys' causal bias (heads that C does not divide)."""
+    from transformers import AutoConfig
+
+    from anygpu.errors import UsageError
+    from anygpu.runtime import context_parallel
+
+    factors = dict(short_factor=[1.0] * 8, long_factor=[2.0] * 8)
+    phi3 = AutoConfig.for_model("phi3", hidden_size=64, num_attention_heads=4, max_position_embeddings=64,
+                                original_max_position_embeddings=16, rope_scaling={"type": "longrope", **factors})  # fmt: skip
+    with pytest.raises(UsageError, match="^--cp 2: phi3's longrope rotary embedding .* a --block_size of at most 16"):
+        context_parallel.check(phi3, 32, 2)
+    context_parallel.check(phi3, 16, 2)
+    gathered = AutoConfig.for_model("llama", hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
+    context_parallel.check(gathered, 64, 2)
+    with pytest.raises(UsageError, match="^--cp 2 with --gradient_checkpointing_policy selective: .* full"):
+        context_parallel.check(gathered, 64, 2, selective=True)
+    context_parallel.check(AutoConfig.for_model("llama", num_attention_heads=4), 64, 2, selective=True)
+
+
 def test_plan_counts_a_ranks_part_of_the_sequence_and_recommends_a_split():
     """`anygpu plan`: activations of block_size / C tokens per GPU (plus the lean loss's one chunk of logits, the same
     whatever the tokens); at a block that fits only with offload (Llama-3 8B, 128k tokens, 8 × 80 GB) the smallest C

@@ -218,7 +218,8 @@ class FSDPTrainer:
         self.mesh_shape = mesh_shape(train_args, world_size)  # a bad R × S × C: refused here
         # refuse bad input first; the batch math's devices are the data-parallel ranks D = W / C
         checked = check_run(model_args, data_args, train_args, self.mesh_shape.data_parallel)
-        context_parallel.check(checked[0], checked[1], train_args.cp, model_args.attn_implementation)
+        selective = train_args.gradient_checkpointing and train_args.gradient_checkpointing_policy == "selective"
+        context_parallel.check(checked[0], checked[1], train_args.cp, model_args.attn_implementation, selective)
         startup.check_precision(train_args, "fsdp", on_gpu=hardware.vendor() != "cpu")
         startup.check_attention(model_args.attn_implementation, train_args, "fsdp")
         startup.check_levers(model_args, train_args, "fsdp")

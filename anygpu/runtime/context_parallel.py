@@ -48,10 +48,12 @@ LOCAL_ROW_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_lengt
 IGNORE_INDEX = -100
 
 
-def check(config, block_size: int, cp: int, attention: str = "sdpa") -> None:
-    """Refuse what --cp C cannot split (before any process group): one line each."""
+def check(config, block_size: int, cp: int, attention: str = "sdpa", selective: bool = False) -> None:
+    """Refuse what --cp C cannot split (before any process group): one line each. `selective`: selective activation
+    checkpointing is on."""
     if cp == 1:
         return
+    _check_rope(config, block_size, cp)
     if block_size % cp:
         raise UsageError(
             f"--cp {cp} does not divide --block_size {block_size} (each sequence is cut into {cp} equal parts): "
@@ -65,6 +67,12 @@ def check(config, block_size: int, cp: int, attention: str = "sdpa") -> None:
             f"gathers the whole sequence's keys and values, which --attn_implementation {attention} cannot take "
             f"with its causal mask: use --attn_implementation sdpa, or --cp {_largest(heads, kv_heads, cp)}."
         )
+    if selective and not splits_heads(config, cp):  # its dispatch mode rejects the gathered path's CausalBias tensor
+        raise UsageError(
+            f"--cp {cp} with --gradient_checkpointing_policy selective: the model's {heads} attention and {kv_heads} "
+            "key/value heads are not split, so each rank gathers the keys and values, which selective checkpointing "
+            f"cannot recompute: use --gradient_checkpointing_policy full, or --cp {_largest(heads, kv_heads, cp)}."
+        )
     layer_types = set(getattr(config, "layer_types", None) or ())
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     # a window as wide as the block hides no token of a row: its mask is the causal one, which the split builds
@@ -75,6 +83,19 @@ def check(config, block_size: int, cp: int, attention: str = "sdpa") -> None:
             f"--cp {cp}: {config.model_type} has sliding-window layers narrower than --block_size {block_size} "
             f"(window {window}) or other non-causal-mask layers, whose masks this context parallelism does not "
             f"build: use --cp 1{wider}."
+        )
+
+
+def _check_rope(config, block_size: int, cp: int) -> None:
+    """A rotary embedding that picks its factors from the longest position a forward sees (Phi-3's longrope) picks
+    per part of a split row beyond its original length: the curve would change with --cp."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", 0)
+    if rope.get("rope_type", rope.get("type")) == "longrope" and original and block_size > original:
+        raise UsageError(
+            f"--cp {cp}: {config.model_type}'s longrope rotary embedding picks its factors from the longest position "
+            f"each forward sees, which differs between the parts of a split row beyond {original} positions: use "
+            f"--cp 1, or a --block_size of at most {original}."
         )
 
 
