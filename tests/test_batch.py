@@ -97,3 +97,11 @@ def test_epochs_count_steps_as_trainer_rounds_them(epochs, per_epoch, steps):
     assert steps_for_epochs(epochs, per_epoch) == steps
     if (epochs * per_epoch) % 1 > 1e-6:  # where the product is not whole, Trainer's own count
         assert steps == math.ceil(epochs * per_epoch)
+
+
+def test_only_accumulation_steps_given_counts_trainers_per_device_default():
+    """--gradient_accumulation_steps alone: G follows as in Trainer, whose per-device batch defaults to 8 (it was
+    counted as 1: a global batch 8 times smaller than the Trainer run the user moved from)."""
+    assert resolve_global_batch(None, None, 64, None, 2, 1) == 16
+    assert resolve_global_batch(None, None, 64, None, 4, 2) == 64
+    assert resolve_global_batch(None, None, 64, 3, None, 2) == 6  # the per-device batch given: as given

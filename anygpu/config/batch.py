@@ -34,6 +34,9 @@ class BatchPlan:
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
 
+TRAINER_PER_DEVICE = 8  # TrainingArguments.per_device_train_batch_size's default
+
+
 def resolve_global_batch(
     global_batch_size: int | None,
     global_batch_tokens: int | None,
@@ -61,8 +64,8 @@ def resolve_global_batch(
                 f"--global_batch_size {global_batch_size} must be a positive number of sequences, e.g. 64."
             )
         return global_batch_size
-    # No global batch given: the HF way, G follows from the per-device numbers.
-    return (per_device_train_batch_size or 1) * (gradient_accumulation_steps or 1) * world_size
+    # No global batch given: the HF way, G follows from the per-device numbers (Trainer's per-device default: 8).
+    return (per_device_train_batch_size or TRAINER_PER_DEVICE) * (gradient_accumulation_steps or 1) * world_size
 
 
 def _divisors(n: int) -> list[int]:
