@@ -195,3 +195,33 @@ def test_max_eval_samples_takes_the_subset_not_the_first_rows(tmp_path):
     assert len(full) > 10 and len(some) == 5
     assert some["input_ids"] == full.select(eval_subset(len(full), 5))["input_ids"]
     assert some["input_ids"] != full.select(range(5))["input_ids"]
+
+
+def test_a_lora_or_reference_run_resumed_over_other_base_weights_is_refused(tmp_path):
+    """Two folders with one config and tokenizer but other weights: a LoRA checkpoint holds only the adapter (and a
+    DPO run reads its reference from the base), so resuming over the other folder trained another model (the curve
+    moved 0.4% at step 4) and was accepted. The base's weights are now in the fingerprint where the run reads them;
+    a full fine-tune, whose checkpoint holds every weight, does not depend on them."""
+    from hub_sources import write
+
+    config = dict(model_type="llama", vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2)  # fmt: skip
+    a = write(tmp_path / "a", config, "float32")
+    b = write(tmp_path / "b", config, "float32")
+    b_model = b / "model.safetensors"
+    data = bytearray(b_model.read_bytes())
+    data[-100] ^= 0xFF  # same shapes and header, other weights
+    b_model.write_bytes(bytes(data))
+
+    def weights(folder, *extra):
+        argv = ["--model_name_or_path", str(folder), *extra, "--output_dir", str(tmp_path / "out")]
+        return resume_guard.base_weights(resolved_dict(*parse_args(argv, warn=False)))
+
+    lora = ("--use_peft", "true")
+    assert weights(a, *lora) != weights(b, *lora) and weights(a, *lora) == weights(a, *lora)
+    assert weights(a, "--objective", "dpo") != weights(b, "--objective", "dpo")
+    assert weights(a) == weights(b) == ""  # a full fine-tune: the checkpoint holds every weight
+    saved, now = {"base_weights": weights(a, *lora)}, {"base_weights": weights(b, *lora)}
+    (diff,) = resume_guard.differences({**saved, "sources": {"model_name_or_path": str(a)}},
+                                       {**now, "sources": {"model_name_or_path": str(a)}})  # fmt: skip
+    assert diff.startswith("base model weights: ") and f"the content behind --model_name_or_path {a}" in diff

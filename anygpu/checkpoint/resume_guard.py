@@ -19,13 +19,16 @@ from typing import Any
 
 from anygpu.checkpoint import manifest
 from anygpu.config.args import FREE, SAME, DataArguments, ModelArguments, TrainArguments
+from anygpu.config.objective import REFERENCE_FREE
 from anygpu.data.tokenizer import tokenizer_key
 from anygpu.errors import UsageError
+from anygpu.model import hub_weights
 
 FINGERPRINT_FILE = "fingerprint.json"
 ARGUMENT_TYPES = (ModelArguments, DataArguments, TrainArguments)
 # Keys of a model config that do not change the model.
 CONFIG_NOISE = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "use_cache")
+BEHIND = {"base_weights": "model_config"}  # a measured entry named by another entry's arguments
 SOURCES = "sources"  # the covered arguments' values, to name them when their entry differs (not compared)
 
 
@@ -51,6 +54,7 @@ def fingerprint(args: dict[str, Any], prep: Any) -> dict[str, Any]:
         "corpus": getattr(prep, "data_fingerprint", "")[:16],
         "tokenizer": tokenizer_fingerprint(prep.tokenizer),
         "model_config": json.loads(json.dumps(config, default=str)),
+        "base_weights": base_weights(args),
     }
     covered = {mark for mark in marks.values() if mark not in (FREE, SAME)}
     assert covered <= set(measured), f"arguments marked with an unmeasured entry: {covered - set(measured)}"
@@ -59,8 +63,21 @@ def fingerprint(args: dict[str, Any], prep: Any) -> dict[str, Any]:
     return json.loads(json.dumps({**same, **measured, SOURCES: sources}, default=str))
 
 
+def base_weights(args: dict[str, Any]) -> str:
+    """The fingerprint of the pretrained weights a resumed run reads again ('' where it reads none): LoRA's frozen
+    base, DPO's or GRPO's reference (the checkpoint of a full fine-tune holds every weight it trains)."""
+    paths = set()
+    if args.get("use_peft"):
+        paths.add(args["model_name_or_path"])
+    dpo_reference = args.get("objective") == "dpo" and not set(args.get("loss_type") or ()) <= set(REFERENCE_FREE)
+    if dpo_reference or (args.get("objective") == "grpo" and (args.get("beta") or 0) > 0):
+        paths.add(args.get("ref_model_name_or_path") or args.get("model_name_or_path"))
+    return "|".join(hub_weights.weights_fingerprint(p) for p in sorted(p for p in paths if p))
+
+
 def _behind(key: str, saved: dict[str, Any], now: dict[str, Any]) -> str:
     """The arguments behind a measured entry: the changed ones, else the ones given (same value, new content)."""
+    key = BEHIND.get(key, key)
     names = [n for n, mark in markings().items() if mark == key]
     was, new = saved.get(SOURCES, {}), now.get(SOURCES, {})
     changed = [f"--{n} {was.get(n)!r} → {new.get(n)!r}" for n in names if n in was and was.get(n) != new.get(n)]
@@ -72,7 +89,8 @@ def _behind(key: str, saved: dict[str, Any], now: dict[str, Any]) -> str:
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     marks = markings()
-    labels = {"corpus": "corpus fingerprint", "tokenizer": "tokenizer fingerprint", "packed": "packing (resolved)"}
+    labels = {"corpus": "corpus fingerprint", "tokenizer": "tokenizer fingerprint", "packed": "packing (resolved)",
+              "base_weights": "base model weights"}  # fmt: skip
     out = []
     # An entry the checkpoint does not have (written by an older anygpu) cannot be compared.
     for key in sorted(k for k in set(saved) & set(now) if k != SOURCES):
@@ -87,7 +105,7 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         elif a != b:
             out.append(
                 f"{labels.get(key, f'--{key}')}: {a!r} → {b!r}"
-                + (_behind(key, saved, now) if key in marks.values() else "")
+                + (_behind(key, saved, now) if BEHIND.get(key, key) in marks.values() else "")
             )
     return out
 

@@ -20,6 +20,7 @@ is read whole, converted, and this rank's shard copied. Storage in bf16/fp16 is 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 from copy import deepcopy
@@ -51,6 +52,23 @@ def weight_files(path: str) -> list[Path]:
             f"--model_name_or_path {path}: no *.safetensors weights found (convert .bin weights with save_pretrained)."
         )
     return files
+
+
+SAMPLE_BYTES = 1 << 16  # read from each end of each file's tensor data
+
+
+def weights_fingerprint(path: str) -> str:
+    """A cheap fingerprint of a folder's weights: each safetensors file's name, size, header and the first and last
+    64 KiB of its tensor data (weights of one shape but other values differ there; a 70B folder reads ~4 MB)."""
+    digest = hashlib.sha256()
+    for file in weight_files(path):
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            header = int.from_bytes(f.read(8), "little")
+            digest.update(f"{file.name}|{size}|".encode() + f.read(header) + f.read(SAMPLE_BYTES))
+            f.seek(max(8 + header, size - SAMPLE_BYTES))
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
 
 
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
