@@ -1013,6 +1013,24 @@ def test_the_engines_help_and_refusals_come_once_through_the_launcher():
     assert "exec:" not in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "engine, args, says",
+    [
+        ("fsdp", ["--config_name", "tinyy"], "--config_name 'tinyy' is neither a preset"),
+        ("fsdp", ["--global_batch_size", "10", "--per_device_train_batch_size", "3"], "--global_batch_size 10"),
+        ("hf", ["--report_to", "wandbx"], "--report_to 'wandbx' is unknown"),
+        ("hf", ["--config_name", "tiny", "--block_size", "100000"], "--block_size 100000"),
+    ],
+)
+def test_refusals_that_need_the_model_or_the_world_size_come_before_the_ranks(engine, args, says):
+    """The launcher's check also reads the model's config, the world size it launches and the trackers: these were
+    refused by every rank after torch's import (torchrun's ChildFailedError report, exit 1), not in one line, exit 2."""
+    p = launch_real(NVIDIA, *FAST, "--engine", engine, "--nproc", "2", "--", *args, "--max_steps", "1", **_cpu_env())
+    assert p.returncode == 2 and says in p.stderr, p.stderr[-3000:]
+    assert "exec:" not in p.stderr and "Traceback" not in p.stderr
+
+
 # ------------------------------------------------------------------------------ the scripts
 
 

@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 from transformers import HfArgumentParser
@@ -1110,15 +1110,24 @@ def print_help(extra: tuple[type, ...] = (), prog: str | None = None) -> None:
     build_parser(extra, prog).print_help()
 
 
-def preflight(argv: list[str] | None = None, extra: tuple[type, ...] = (), prog: str | None = None) -> None:
+def preflight(
+    argv: list[str] | None = None,
+    extra: tuple[type, ...] = (),
+    prog: str | None = None,
+    deeper: Callable[[tuple[Any, ...]], None] | None = None,
+) -> None:
     """Before the engines' heavy imports: --help at once, and bad arguments or missing models/data as one line
-    (rank 0 prints it) and exit 2, before torch, the process group or any accelerator work."""
+    (rank 0 prints it) and exit 2, before torch, the process group or any accelerator work. Under the launchers'
+    check (ANYGPU_PREFLIGHT_ONLY=1, one process before the ranks) `deeper(parsed)` runs too: the checks that read
+    the model's config and the world size, which every rank would otherwise make after torch's import."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         print_help(extra, prog)
         sys.exit(0)
     try:
-        parse_args(argv, extra, prog, warn=False)
+        parsed = parse_args(argv, extra, prog, warn=False)
+        if os.environ.get("ANYGPU_PREFLIGHT_ONLY") == "1" and deeper is not None:
+            deeper(parsed)
     except UsageError as e:
         exit_refused(e)
     if os.environ.get("ANYGPU_PREFLIGHT_ONLY") == "1":  # the launchers' check before they start the ranks

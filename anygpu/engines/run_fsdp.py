@@ -13,10 +13,18 @@ def main(prog: str | None = None) -> None:
     anygpu.quiet_library_warnings()
     from anygpu.config.args import preflight
 
-    preflight(prog=prog)  # --help and bad input answered before torch is imported (seconds), one line, exit 2
+    # --help and bad input answered before torch is imported (seconds), one line, exit 2
+    preflight(prog=prog, deeper=lambda parsed: _deeper(parsed, "fsdp"))
     from anygpu.engines.fsdp import main as train
 
     train()
+
+
+def _deeper(parsed: tuple, engine: str) -> None:
+    """The launchers' check of what needs the model's config and the world size (imports torch: only then)."""
+    from anygpu.engines.trunk.startup import preflight_checks
+
+    preflight_checks(parsed, engine)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,18 @@ def main(prog: str | None = None) -> None:
     anygpu.quiet_library_warnings()
     from anygpu.config.args import HFEngineArguments, preflight
 
-    preflight(extra=(HFEngineArguments,), prog=prog)  # --help and bad input before torch is imported, exit 2
+    # --help and bad input before torch is imported, exit 2
+    preflight(extra=(HFEngineArguments,), prog=prog, deeper=lambda parsed: _deeper(parsed, "hf"))
     from anygpu.engines.hf.engine import main as train
 
     train()
+
+
+def _deeper(parsed: tuple, engine: str) -> None:
+    """The launchers' check of what needs the model's config and the world size (imports torch: only then)."""
+    from anygpu.engines.trunk.startup import preflight_checks
+
+    preflight_checks(parsed, engine)
 
 
 if __name__ == "__main__":

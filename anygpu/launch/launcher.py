@@ -1017,9 +1017,12 @@ def render_dry_run(plan: Plan) -> str:
 
 
 def preflight(plan: Plan) -> int | None:
-    """Run the engine's argument checks alone (ANYGPU_PREFLIGHT_ONLY=1, a second or so): its exit code
+    """Run the engine's argument checks alone (ANYGPU_PREFLIGHT_ONLY=1; with the world size it will start, the
+    model's config and the batch split too: seconds): its exit code
     when the job should not start (2: refused, with its one line; 0: it printed --help), else None."""
     env = {**plan.env, "ANYGPU_PREFLIGHT_ONLY": "1", "RANK": "0"}
+    if not plan.nodes.elastic:  # the batch split the ranks will make, checked once here
+        env["ANYGPU_PREFLIGHT_WORLD_SIZE"] = str(plan.nproc * plan.nodes.nnodes)
     rc = subprocess.run([plan.cmd[0], *plan.job], env=env).returncode
     script_args = plan.job[2:] if plan.job[0] == "-m" else plan.job[1:]
     if rc == 2 or (rc == 0 and any(w in ("-h", "--help") for w in script_args)):

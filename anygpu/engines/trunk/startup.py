@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,19 @@ def check_precision(train_args, engine: str, on_gpu: bool) -> None:
             else ("use --fp16 (with loss scaling) or fp32")
         )
         raise UsageError(f"--bf16: this GPU has no bf16; {other}.")
+
+
+def preflight_checks(parsed: tuple, engine: str) -> None:
+    """The launchers' check (one process, before the ranks): what needs the model's config, the world size the
+    launcher starts (ANYGPU_PREFLIGHT_WORLD_SIZE; none for an elastic job) and the trackers, as each rank would."""
+    from anygpu.data.prepare import check_run
+    from anygpu.train import trackers
+
+    model_args, data_args, train_args = parsed[:3]
+    trackers.resolve(train_args.report_to)
+    check_levers(model_args, train_args, engine)
+    world = int(os.environ.get("ANYGPU_PREFLIGHT_WORLD_SIZE") or 0)
+    check_run(model_args, data_args, train_args, max(1, world // train_args.cp) if world else 1)
 
 
 def check_levers(model_args, train_args, engine: str) -> None:
