@@ -69,3 +69,22 @@ def test_weight_decay_takes_the_matrices_also_as_zero3_partitions_them():
     decay, no_decay = optim.param_groups(model, 0.1)
     assert [tuple(p.ds_shape) for p in decay["params"]] == [(4, 4)] and decay["weight_decay"] == 0.1
     assert [tuple(p.ds_shape) for p in no_decay["params"]] == [(4,), (4,), (4,)] and no_decay["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt_oss", "mamba", "recurrent_gemma", "gemma2", "gpt2"])
+def test_weight_decay_takes_the_parameters_trainer_takes(model_type):
+    """Trainer's rule (`get_decay_parameter_names`: names without bias/norm, outside nn.LayerNorm), not "every
+    matrix": gpt-oss's expert biases are 2-D and its attention sinks 1-D, Mamba's D and A_log 1-D parameters."""
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer
+
+    from anygpu.train import optim
+
+    shape = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape))
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    trainers = {id(by_name[n]) for n in Trainer.get_decay_parameter_names(None, model)}
+    decay, no_decay = optim.param_groups(model, 0.1)
+    assert {id(p) for p in decay["params"]} == trainers
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -10,17 +12,25 @@ from torch import nn
 
 from anygpu.config.args import TrainArguments
 from anygpu.config.optimizers import BF16, FP32, LOW_BIT, flag, state_kind
-from anygpu.runtime import parallel, partitioned
+from anygpu.runtime import parallel
 from anygpu.train import schedules
 
 
+# Trainer's get_decay_parameter_names: by name (lower-cased), and nothing inside an nn.LayerNorm
+NO_DECAY_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: biases and norm weights (the 1-D parameters) are exempt, as in HF; by their own
-    shapes, also where ZeRO-3 has partitioned them (`runtime.partitioned`)."""
+    """Weight decay as Trainer applies it (`Trainer.get_decay_parameter_names`): not on biases, norm weights (by
+    name) or anything inside an nn.LayerNorm; by name, so also where ZeRO-3 has partitioned a parameter to an empty
+    placeholder. (gpt-oss's 2-D expert biases are no matrices to decay; its 1-D sinks and Mamba's A_log are, to
+    Trainer.)"""
+    in_layer_norm = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
     decay, no_decay = [], []
-    for _, p in model.named_parameters():
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if len(partitioned.shape(p)) >= 2 else no_decay).append(p)
+            exempt = id(p) in in_layer_norm or NO_DECAY_NAMES.search(name.lower())
+            (no_decay if exempt else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
