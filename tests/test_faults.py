@@ -241,9 +241,9 @@ def manifest_ok(path: Path) -> bool:
 @pytest.mark.parametrize(
     "change,expected",
     [
-        (["--block_size", "32"], "--block_size: 64 → 32"),
+        (["--block_size", "32"], "block size: 64 → 32 (from --block_size 64 → 32)"),
         (["--seed", "7"], "--seed: 42 → 7"),
-        (["--max_train_samples", "500"], "--num_train_samples"),
+        (["--max_train_samples", "500"], "training samples: "),
         (["--max_corpus_mb", "0.9"], "(from --max_corpus_mb 1.0 → 0.9)"),
         (["--vocab_size", "4000"], "tokenizer fingerprint"),
         (["--max_steps", "20"], "--max_steps: 15 → 20"),

@@ -225,3 +225,17 @@ def test_a_lora_or_reference_run_resumed_over_other_base_weights_is_refused(tmp_
     (diff,) = resume_guard.differences({**saved, "sources": {"model_name_or_path": str(a)}},
                                        {**now, "sources": {"model_name_or_path": str(a)}})  # fmt: skip
     assert diff.startswith("base model weights: ") and f"the content behind --model_name_or_path {a}" in diff
+
+
+def test_a_refusal_names_arguments_the_user_has_not_words_of_its_own():
+    """The measured entries are named in words ('total steps', 'training samples'), not as options that do not
+    exist (--total_steps, --num_train_samples); a tokenizer that changed with --model_name_or_path is not blamed
+    on --vocab_size, which the user never gave."""
+    sources = {"model_name_or_path": "a", "vocab_size": 8192, "tokenizer_name": None, "max_train_samples": None}
+    saved = {"total_steps": 6, "num_train_samples": 10, "tokenizer": "x", "sources": sources}
+    now = {"total_steps": 4, "num_train_samples": 8, "tokenizer": "y",
+           "sources": {**sources, "model_name_or_path": "b"}}  # fmt: skip
+    diffs = resume_guard.differences(saved, now)
+    text = "; ".join(diffs)
+    assert "--total_steps" not in text and "--num_train_samples" not in text and "--vocab_size" not in text, text
+    assert "total steps: 6 → 4" in text and "training samples: 10 → 8" in text and "tokenizer fingerprint: 'x'" in text

@@ -83,6 +83,8 @@ def _behind(key: str, saved: dict[str, Any], now: dict[str, Any]) -> str:
     changed = [f"--{n} {was.get(n)!r} → {new.get(n)!r}" for n in names if n in was and was.get(n) != new.get(n)]
     if changed:
         return f" (from {', '.join(changed)})"
+    if any(was.get(n) != v for n, v in new.items() if n in was):  # another entry's argument changed: that one did it
+        return ""
     given = [f"--{n} {new[n]}" for n in names if new.get(n) not in (None, False)]
     return f" (the content behind {', '.join(given)} changed)" if given else ""
 
@@ -90,7 +92,8 @@ def _behind(key: str, saved: dict[str, Any], now: dict[str, Any]) -> str:
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     marks = markings()
     labels = {"corpus": "corpus fingerprint", "tokenizer": "tokenizer fingerprint", "packed": "packing (resolved)",
-              "base_weights": "base model weights"}  # fmt: skip
+              "base_weights": "base model weights", "total_steps": "total steps", "num_train_samples": "training samples",
+              "block_size": "block size", "global_batch_size": "global batch"}  # fmt: skip
     out = []
     # An entry the checkpoint does not have (written by an older anygpu) cannot be compared.
     for key in sorted(k for k in set(saved) & set(now) if k != SOURCES):
