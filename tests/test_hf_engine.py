@@ -110,7 +110,18 @@ def hf_reference(tmp_path_factory) -> tuple[Path, dict[str, str]]:
                     "--resume_from_checkpoint",
                     "latest",
                 ],
-                [*TEN, "--output_dir", str(root / "own"), "--export_final", "false", "--lean_loss", "false"],
+                # the model's own loss, with Trainer's activation checkpointing: the same curve
+                [
+                    *TEN,
+                    "--output_dir",
+                    str(root / "own"),
+                    "--export_final",
+                    "false",
+                    "--lean_loss",
+                    "false",
+                    "--gradient_checkpointing",
+                    "true",
+                ],  # fmt: skip
             ],
             extra_env=LEAN_CHUNKS,
         )
@@ -141,9 +152,11 @@ def stopped_copy(run_dir: Path, step: int, dest: Path) -> None:
 
 
 def test_the_lean_loss_is_the_models_own(tmp_path_factory):
-    """Through Trainer's compute_loss: the default lean loss (48-token chunks) against --lean_loss false."""
+    """Through Trainer's compute_loss: the default lean loss (48-token chunks) against --lean_loss false (with
+    activation checkpointing, which the banner says, as the FSDP2 engine's does)."""
     root, stdout = hf_reference(tmp_path_factory)
     assert_close(losses(root / "own"), losses(root / "ws1"), rel=1e-5)
+    assert "activation checkpointing: full" in stdout["own"] and "activation checkpointing" not in stdout["ws1"]
     assert "loss: lean (chunked cross-entropy, 48 tokens" in stdout["ws1"]
     assert "loss: the model's own (full logits; --lean_loss false)" in stdout["own"]
 

@@ -85,6 +85,11 @@ def enable(model: nn.Module, policy: str | None) -> None:
     setattr(model, _NOTE, policy)
 
 
+def mark(model: nn.Module, policy: str) -> None:
+    """Say in the banner that something else (Trainer) checkpoints the model's layers with `policy`."""
+    setattr(model, _NOTE, policy)
+
+
 def note(model: nn.Module) -> str | None:
     """The banner's line on activation checkpointing, or None without it."""
     policy = getattr(model, _NOTE, None)

@@ -34,7 +34,7 @@ from anygpu.errors import UsageError
 from anygpu.model import dropout, lean_loss, lora, mask_hint, modeling
 from anygpu.reliability import run_guard
 from anygpu.reliability.preempt import Preemption
-from anygpu.runtime import blocks, distributed
+from anygpu.runtime import blocks, checkpointing, distributed
 
 
 def training_arguments(train_args: TrainArguments, plan: hf_strategy.Plan):
@@ -111,6 +111,8 @@ class HFRun:
         self.probe = self._auto_micro_batch()
         self.schedule = self._schedule()
         self.model = self._build_model()
+        if train_args.gradient_checkpointing:  # Trainer enables it (full, non-reentrant): the banner says so
+            checkpointing.mark(self.model, "full")
         # counted before DeepSpeed or FSDP partition the parameters
         self.banner = startup.banner("HF Trainer", prep, self.model, train_args, self.tf32, plan.describe())
         fpt, peak = startup.throughput_facts(prep, self.model, train_args, self.tf32, self.targs.device)
