@@ -638,3 +638,16 @@ def test_grpo_rows_are_the_fsdp2_engines_alone():
     full, lora = grpo_plan("--num_nodes", "2", "--num_gpus", "16", "--global_batch_size", "256")
     assert {r.strategy for r in full.rows + lora.rows} == {"fsdp2", "hsdp"}
     assert all(r.accelerate_config.startswith("run_fsdp_standalone.py") for r in full.rows + lora.rows)
+
+
+def test_a_block_past_the_models_positions_is_refused_and_none_given_is_the_engines_default():
+    """The engines refuse a --block_size above the model's positions (tiny: 512): the plan did not (a DDP
+    recommendation for a run that cannot start), and without --block_size it planned 1024 where the engines take
+    the model's 512."""
+    refused = run_plan("--config_name", "tiny", "--block_size", "999999", "--gpu", "H100", "--num_gpus", "8")
+    assert (
+        refused.returncode == 2 and "--block_size 999999 is above the model's maximum positions (512)" in refused.stderr
+    )
+    default = run_plan("--config_name", "tiny", "--gpu", "H100", "--num_gpus", "8", "--json")
+    assert default.returncode == 0, default.stderr
+    assert json.loads(default.stdout)["block_size"] == 512

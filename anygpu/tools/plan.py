@@ -425,9 +425,11 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     """(full fine-tuning plan, LoRA plan) from parsed arguments."""
     from anygpu.train import metrics
 
+    given_block = args.block_size
     args = settled(args)
     targets = tuple(t for t in args.lora_target_modules.split(",") if t)
     full, lora, config, matmul_weights = both_shapes(args, targets)
+    args.block_size = engines_block_size(args, given_block, config)
     machine = detect_machine(
         args.num_gpus, args.gpu_memory_gb, args.gpu_name, args.gpu, args.num_nodes, args.host_memory_gb
     )
@@ -478,6 +480,16 @@ def plan(args: argparse.Namespace) -> tuple[PlanResult, PlanResult]:
     for result in out:
         result.notes += grpo_advice(result, out[1])
     return out[0], out[1]
+
+
+def engines_block_size(args: argparse.Namespace, given: int | None, config) -> int:
+    """The block size as the engines take it: refused past the model's positions; not given, at most 1024 and the
+    model's own limit (grpo: its prompt and completion lengths, which `settled` put in)."""
+    from anygpu.model import modeling
+
+    return modeling.resolve_block_size(
+        args.block_size if given is not None or args.objective == "grpo" else None, config
+    )
 
 
 def both_shapes(args: argparse.Namespace, targets: tuple[str, ...]) -> tuple[Shapes, Shapes, object, int]:
