@@ -103,17 +103,24 @@ def test_sigterm_during_an_evaluation_resumes_exactly(reference, tmp_path):
     assert evals(tmp_path) == pytest.approx(evals(reference), rel=1e-5)
 
 
-def test_sigterm_to_torchrun_alone_ends_the_job_with_the_workers_143(tmp_path):
-    """The launchers' torchrun (`anygpu.reliability.torchrun`), signalled alone as Kubernetes signals a container's first
-    process: it forwards the signal, the workers save and exit 143, and so does it (torchrun itself ends with exit 1
-    and a SignalException traceback), with the checkpoint of the step the workers were in."""
+@pytest.mark.parametrize("signalled", ["torchrun alone", "every process"])
+def test_sigterm_ends_the_job_with_the_workers_143_and_their_checkpoint(tmp_path, signalled):
+    """The launchers' torchrun (`anygpu.reliability.torchrun`), signalled alone as Kubernetes signals a container's
+    first process: it forwards the signal, the workers save and exit 143, and so does it (torchrun itself ends with
+    exit 1 and a SignalException traceback). Signalled with every process, as Slurm's scancel does: each worker gets
+    the SIGTERM and, a moment later, the copy torchrun forwards, which is the same request, not a second one (before:
+    exit 75 and no checkpoint at all). Either way, the checkpoint of the step the workers were in."""
     args = [*RUN, "--max_steps", "400", "--save_steps", "1000", "--output_dir", str(tmp_path)]
     launcher = [sys.executable, "-m", "anygpu.reliability.torchrun", "--standalone", "--nproc-per-node=2", SCRIPT]
     proc = subprocess.Popen([*launcher, *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)  # fmt: skip
     try:
         wait_until(lambda: len(steps_logged(tmp_path)) >= 2, what="two logged steps")
-        os.kill(proc.pid, signal.SIGTERM)  # torchrun alone, not its process group
+        if signalled == "every process":  # the workers, then (as a busy node delivers it) torchrun, which forwards
+            for pid in descendants(proc.pid):
+                os.kill(pid, signal.SIGTERM)
+            time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGTERM)  # torchrun, not its process group
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -122,29 +129,6 @@ def test_sigterm_to_torchrun_alone_ends_the_job_with_the_workers_143(tmp_path):
     assert proc.returncode == 143 and "Traceback" not in out, out[-3000:]
     assert len(saved) == 1 and f"SIGTERM: saving {saved[0]} before exiting (exit 143)" in out, out[-3000:]
     assert "the workers exited [143]: exit 143" in out
-
-
-def test_sigterm_to_every_process_of_the_job_saves_as_one_signal(tmp_path):
-    """Slurm's scancel (and a container runtime's stop) signals every process of the job: each worker gets the
-    SIGTERM and, a moment later, the copy its launcher forwards. That copy is the same request, not a second one:
-    the workers save the step they are in and the job ends 143 (before: exit 75 and no checkpoint at all)."""
-    args = [*RUN, "--max_steps", "400", "--save_steps", "1000", "--output_dir", str(tmp_path)]
-    launcher = [sys.executable, "-m", "anygpu.reliability.torchrun", "--standalone", "--nproc-per-node=2", SCRIPT]
-    proc = subprocess.Popen([*launcher, *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    try:
-        wait_until(lambda: len(steps_logged(tmp_path)) >= 2, what="two logged steps")
-        for pid in descendants(proc.pid):  # the workers, then (as a busy node delivers it) torchrun, which forwards
-            os.kill(pid, signal.SIGTERM)
-        time.sleep(0.3)
-        os.kill(proc.pid, signal.SIGTERM)
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    saved = [c.name for c in tmp_path.glob("checkpoint-*")]
-    assert proc.returncode == 143, out[-3000:]
-    assert len(saved) == 1 and f"SIGTERM: saving {saved[0]} before exiting (exit 143)" in out, out[-3000:]
 
 
 def test_sigkill_during_a_checkpoint_write_then_sigterm_at_a_random_step(reference, tmp_path, tmp_path_factory, capsys):
