@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-
 from collections import defaultdict
 from collections.abc import Iterable
 

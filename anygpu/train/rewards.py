@@ -25,6 +25,7 @@ caller sums over every rank (in float64) before `RewardSet.metrics`, so they des
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -34,7 +35,6 @@ import numbers
 import re
 import sys
 import threading
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
