@@ -213,6 +213,8 @@ def test_a_correct_bf16_job_passes_at_the_default_tolerance(tmp_path):
             ["--engines", "fsdp,hf", "--", "--objective", "grpo", "--reward_funcs", "format"],
             "engine hf: --objective grpo is the FSDP2 engine's",
         ),
+        (["--", "--config_name", "tinyy"], "--config_name 'tinyy' is neither a preset"),
+        (["--", "--config_name", "tiny", "--block_size", "100000"], "--block_size 100000 is above the model's maximum"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, says, tmp_path, capsys):

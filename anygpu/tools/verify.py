@@ -262,6 +262,7 @@ def check_job(job: list[str], engines: list[str], sizes: list[int], cps: list[in
     parsed = parse_args(job, extra=extra)
     train = parsed[2]
     check_engines(parsed[0], train, engines)
+    check_model(parsed[0], parsed[1])
     for name in JOB_OWNED:
         if getattr(train, name) is not None:
             raise UsageError(
@@ -303,6 +304,14 @@ def check_engines(model_args, train_args, engines: list[str]) -> None:
             startup.check_levers(model_args, train_args, engine)
         except UsageError as e:
             raise UsageError(f"engine {engine}: {e}") from None
+
+
+def check_model(model_args, data_args) -> None:
+    """The model's config and the block it takes (a preset's name, --block_size past its positions): refused here,
+    not by every run after its start."""
+    from anygpu.model import modeling
+
+    modeling.resolve_block_size(data_args.block_size, modeling.resolve_config(model_args))
 
 
 def sets(job: list[str], name: str) -> bool:
