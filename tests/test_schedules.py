@@ -88,3 +88,19 @@ def test_weight_decay_takes_the_parameters_trainer_takes(model_type):
     decay, no_decay = optim.param_groups(model, 0.1)
     assert {id(p) for p in decay["params"]} == trainers
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_a_warmup_longer_than_an_epoch_based_run_is_warned(tmp_path, capsys):
+    """The warning --max_steps gets (the rate never reaches its peak) also where the steps come from
+    --num_train_epochs: the default 10 warm-up steps over a 4-step run said nothing."""
+    from conftest import TINY
+
+    from anygpu.config.args import parse_args
+    from anygpu.data.prepare import prepare
+    from anygpu.runtime.distributed import DistInfo
+
+    argv = [*TINY, "--num_train_epochs", "0.01", "--warmup_steps", "10", "--output_dir", str(tmp_path)]
+    prep = prepare(*parse_args(argv, warn=False)[:3], DistInfo(0, 0, 1, torch.device("cpu")))
+    assert prep.total_steps < 10
+    err = capsys.readouterr().err
+    assert f"warning: --warmup_steps 10 is more than the run's {prep.total_steps} steps" in err, err[-2000:]

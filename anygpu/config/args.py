@@ -1095,11 +1095,16 @@ def _refuse_empty(values: dict[str, Any]) -> None:
 
 def _warn_warmup(train_args: TrainArguments) -> None:
     """A warmup longer than the run never reaches the peak learning rate: worth one line, not a refusal."""
-    if 0 < train_args.max_steps < train_args.warmup_steps and os.environ.get("RANK", "0") == "0":
+    if train_args.max_steps > 0:
+        warn_warmup(train_args, train_args.max_steps, f"--max_steps {train_args.max_steps}")
+
+
+def warn_warmup(train_args: TrainArguments, total: int, what: str) -> None:
+    """Rank 0's line when --warmup_steps exceed the run's `total` steps (`what` says where they come from)."""
+    if total < train_args.warmup_steps and os.environ.get("RANK", "0") == "0":
         print(
-            f"warning: --warmup_steps {train_args.warmup_steps} is more than --max_steps {train_args.max_steps}: the "
-            f"learning rate never reaches --learning_rate {train_args.learning_rate:g}; use --warmup_steps "
-            f"{max(1, train_args.max_steps // 10)} or fewer.",
+            f"warning: --warmup_steps {train_args.warmup_steps} is more than {what}: the learning rate never reaches "
+            f"--learning_rate {train_args.learning_rate:g}; use --warmup_steps {max(1, total // 10)} or fewer.",
             file=sys.stderr,
             flush=True,
         )

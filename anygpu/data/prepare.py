@@ -18,7 +18,7 @@ from datasets import DatasetDict
 from transformers import PretrainedConfig
 
 from anygpu.config import attention
-from anygpu.config.args import DataArguments, ModelArguments, TrainArguments
+from anygpu.config.args import DataArguments, ModelArguments, TrainArguments, warn_warmup
 from anygpu.config.batch import BatchPlan, plan_batch, resolve_global_batch
 from anygpu.data import corpus, corpus_rows, shared_prep
 from anygpu.data import tokenizer as tok_lib
@@ -175,6 +175,7 @@ def prepare(
         total = train_args.max_steps
     else:
         total = steps_for_epochs(train_args.num_train_epochs, order.steps_per_epoch)
+        warn_warmup(train_args, total, f"the run's {total} steps (--num_train_epochs {train_args.num_train_epochs:g})")
     return Prepared(
         config,
         data.tokenizer,
@@ -290,6 +291,7 @@ def _prompts_prepared(
         total = train_args.max_steps
     else:  # each round serves --num_iterations steps
         total = steps_for_epochs(train_args.num_train_epochs, order.steps_per_epoch) * train_args.num_iterations
+        warn_warmup(train_args, total, f"the run's {total} steps (--num_train_epochs {train_args.num_train_epochs:g})")
     return Prepared(
         config,
         tokenizer,
