@@ -651,3 +651,9 @@ def test_a_block_past_the_models_positions_is_refused_and_none_given_is_the_engi
     default = run_plan("--config_name", "tiny", "--gpu", "H100", "--num_gpus", "8", "--json")
     assert default.returncode == 0, default.stderr
     assert json.loads(default.stdout)["block_size"] == 512
+
+
+@pytest.mark.parametrize("name, example", [("lora_r", 16), ("global_batch_size", 64), ("block_size", 4096)])
+def test_a_non_positive_number_gets_an_example_of_its_own_kind(name, example):
+    proc = run_plan("--config_name", "tiny", f"--{name}", "0")
+    assert proc.returncode == 2 and f"--{name} 0 must be a positive whole number, e.g. {example}\n" in proc.stderr

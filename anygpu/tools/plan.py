@@ -255,9 +255,10 @@ def check_args(args: argparse.Namespace) -> str | None:
     if problem:
         return problem
     args = settled(args)
-    for name in ("block_size", "global_batch_size", "per_device_train_batch_size", "lora_r"):
+    examples = {"block_size": 4096, "global_batch_size": 64, "per_device_train_batch_size": 4, "lora_r": 16}
+    for name, example in examples.items():
         if getattr(args, name) <= 0:
-            return f"--{name} {getattr(args, name)} must be a positive whole number, e.g. 1024 or 64"
+            return f"--{name} {getattr(args, name)} must be a positive whole number, e.g. {example}"
     if args.num_gpus is not None and args.num_gpus < 1:
         return f"--num_gpus {args.num_gpus} must be at least 1, e.g. 8"
     try:
