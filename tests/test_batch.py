@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from anygpu.config.batch import plan_batch, resolve_global_batch
+from anygpu.errors import UsageError
 
 sizes = st.integers(min_value=1, max_value=512)
 worlds = st.integers(min_value=1, max_value=64)
@@ -105,3 +106,12 @@ def test_only_accumulation_steps_given_counts_trainers_per_device_default():
     assert resolve_global_batch(None, None, 64, None, 2, 1) == 16
     assert resolve_global_batch(None, None, 64, None, 4, 2) == 64
     assert resolve_global_batch(None, None, 64, 3, None, 2) == 6  # the per-device batch given: as given
+
+
+def test_one_device_is_not_each_of_1_devices():
+    with pytest.raises(
+        UsageError, match="does not divide the 10 sequences the device gets from --global_batch_size 10"
+    ):
+        plan_batch(10, 1, 3, None)
+    with pytest.raises(UsageError, match="the 5 sequences each of 2 devices gets"):
+        plan_batch(10, 2, 3, None)

@@ -37,6 +37,10 @@ class BatchPlan:
 TRAINER_PER_DEVICE = 8  # TrainingArguments.per_device_train_batch_size's default
 
 
+def _each(devices: int) -> str:
+    return "the device" if devices == 1 else f"each of {devices} devices"
+
+
 def resolve_global_batch(
     global_batch_size: int | None,
     global_batch_tokens: int | None,
@@ -110,15 +114,15 @@ def plan_batch(
         if per_rank % m:
             fits = [d for d in _divisors(per_rank) if d <= m]
             raise UsageError(
-                f"--per_device_train_batch_size {m} does not divide the {per_rank} sequences each of {W} devices "
-                f"gets from --global_batch_size {G}: use one of {fits[-3:]}."
+                f"--per_device_train_batch_size {m} does not divide the {per_rank} sequences {_each(W)} gets from "
+                f"--global_batch_size {G}: use one of {fits[-3:]}."
             )
         A = per_rank // m
     elif A is not None:
         if per_rank % A:
             raise UsageError(
-                f"--gradient_accumulation_steps {A} does not divide the {per_rank} sequences each of {W} devices "
-                f"gets from --global_batch_size {G}: use one of {_divisors(per_rank)[-3:]}, or leave it out."
+                f"--gradient_accumulation_steps {A} does not divide the {per_rank} sequences {_each(W)} gets from "
+                f"--global_batch_size {G}: use one of {_divisors(per_rank)[-3:]}, or leave it out."
             )
         m = per_rank // A
     else:
