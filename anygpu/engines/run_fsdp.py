@@ -5,6 +5,7 @@ The repository's run_fsdp_standalone.py is this module's main(). See --help.
 """
 
 import anygpu
+from anygpu import engines
 
 
 def main(prog: str | None = None) -> None:
@@ -14,17 +15,10 @@ def main(prog: str | None = None) -> None:
     from anygpu.config.args import preflight
 
     # --help and bad input answered before torch is imported (seconds), one line, exit 2
-    preflight(prog=prog, deeper=lambda parsed: _deeper(parsed, "fsdp"))
+    preflight(prog=prog, deeper=engines.preflight_checks("fsdp"))
     from anygpu.engines.fsdp import main as train
 
     train()
-
-
-def _deeper(parsed: tuple, engine: str) -> None:
-    """The launchers' check of what needs the model's config and the world size (imports torch: only then)."""
-    from anygpu.engines.trunk.startup import preflight_checks
-
-    preflight_checks(parsed, engine)
 
 
 if __name__ == "__main__":

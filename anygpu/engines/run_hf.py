@@ -6,6 +6,7 @@ several GPUs). The repository's run_hf_standalone.py is this module's main(). Se
 """
 
 import anygpu
+from anygpu import engines
 
 
 def main(prog: str | None = None) -> None:
@@ -15,17 +16,10 @@ def main(prog: str | None = None) -> None:
     from anygpu.config.args import HFEngineArguments, preflight
 
     # --help and bad input before torch is imported, exit 2
-    preflight(extra=(HFEngineArguments,), prog=prog, deeper=lambda parsed: _deeper(parsed, "hf"))
+    preflight(extra=(HFEngineArguments,), prog=prog, deeper=engines.preflight_checks("hf"))
     from anygpu.engines.hf.engine import main as train
 
     train()
-
-
-def _deeper(parsed: tuple, engine: str) -> None:
-    """The launchers' check of what needs the model's config and the world size (imports torch: only then)."""
-    from anygpu.engines.trunk.startup import preflight_checks
-
-    preflight_checks(parsed, engine)
 
 
 if __name__ == "__main__":
