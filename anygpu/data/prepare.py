@@ -121,6 +121,16 @@ def check_run(
     return config, block_size, plan
 
 
+def total_steps(train_args: TrainArguments, steps_per_epoch: int, per_round: int = 1) -> int:
+    """--max_steps, else --num_train_epochs in steps (grpo: each round of prompts serves `per_round` steps, its
+    --num_iterations), warned where the warm-up outlasts them."""
+    if train_args.max_steps > 0:
+        return train_args.max_steps
+    total = steps_for_epochs(train_args.num_train_epochs, steps_per_epoch) * per_round
+    warn_warmup(train_args, total, f"the run's {total} steps (--num_train_epochs {train_args.num_train_epochs:g})")
+    return total
+
+
 def check_grpo_run(data_args: DataArguments, train_args: TrainArguments, config: PretrainedConfig) -> None:
     """What --objective grpo asks of the batch, the lengths and the data (before any work)."""
     if train_args.global_batch_tokens is not None:
@@ -171,11 +181,7 @@ def prepare(
     from_scratch = model_args.model_name_or_path is None
     config = modeling.fit_config_to_tokenizer(config, data.tokenizer, from_scratch)
     order = data.order or GlobalOrder(len(packed["train"]), plan.global_batch_size, train_args.seed)
-    if train_args.max_steps > 0:
-        total = train_args.max_steps
-    else:
-        total = steps_for_epochs(train_args.num_train_epochs, order.steps_per_epoch)
-        warn_warmup(train_args, total, f"the run's {total} steps (--num_train_epochs {train_args.num_train_epochs:g})")
+    total = total_steps(train_args, order.steps_per_epoch)
     return Prepared(
         config,
         data.tokenizer,
@@ -287,11 +293,7 @@ def _prompts_prepared(
             f"(≤ {len(rows.train) * train_args.num_generations}), or add prompts."
         )
     order = GlobalOrder(len(rows.train), num_prompts, train_args.seed)  # one global batch of prompts a round
-    if train_args.max_steps > 0:
-        total = train_args.max_steps
-    else:  # each round serves --num_iterations steps
-        total = steps_for_epochs(train_args.num_train_epochs, order.steps_per_epoch) * train_args.num_iterations
-        warn_warmup(train_args, total, f"the run's {total} steps (--num_train_epochs {train_args.num_train_epochs:g})")
+    total = total_steps(train_args, order.steps_per_epoch, per_round=train_args.num_iterations)
     return Prepared(
         config,
         tokenizer,
