@@ -17,9 +17,8 @@ from anygpu.runtime import faults
 EXIT_FAILURE = 1  # any other failure (a full disk while saving: one line, without a traceback)
 EXIT_USAGE = 2  # bad input, refused before any work
 EXIT_PREEMPTED = 143  # SIGTERM/SIGUSR1: every rank saved a checkpoint of the step it finished, then stopped
-EXIT_NO_CHECKPOINT = (
-    75  # --save_on_preempt false, or a collective stuck on a dead peer: stopped at once, no new checkpoint
-)
+# --save_on_preempt false, or a collective stuck on a dead peer: stopped at once, no new checkpoint
+EXIT_NO_CHECKPOINT = 75
 # How long rank 0's node-mates wait before they exit on a refusal that rank 0 prints: their torchrun agent
 # stops every rank of the node (SIGTERM) at the first exit, so one that exits first could cut rank 0 off
 # before it prints. Rank 0's exit ends the wait (the agent stops the others); other nodes' agents do not

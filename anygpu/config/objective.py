@@ -107,6 +107,11 @@ class ObjectiveArguments(GRPOArguments):
         return self.objective == "dpo"
 
     @property
+    def dropout_off(self) -> bool:
+        """Whether the objective runs without any dropout (TRL's disable_dropout): DPO and GRPO."""
+        return self.is_dpo or self.is_grpo
+
+    @property
     def needs_reference(self) -> bool:
         """Whether any loss type compares the policy with a reference model."""
         return self.is_dpo and not set(self.loss_type) <= set(REFERENCE_FREE)

@@ -79,7 +79,7 @@ def adapted(model: torch.nn.Module, model_args: ModelArguments, train_args: Trai
     """The meta model with its LoRA adapter (--use_peft), the frozen base in bf16 under --bf16 (as the memory plan
     counts it: 2 bytes per frozen parameter) and its linear weights in 4 bits under --load_in_4bit, before sharding."""
     lora.check_untied_saves(model, model_args.lora_modules_to_save if model_args.use_peft else None)
-    model = lora.wrap(model, model_args, dropout_off=train_args.is_dpo or train_args.is_grpo)
+    model = lora.wrap(model, model_args, dropout_off=train_args.dropout_off)
     if lora.is_peft(model) and train_args.bf16:
         lora.hold_frozen_in(model, torch.bfloat16)
     return qlora.apply(model, model_args.load_in_4bit)
@@ -99,7 +99,7 @@ def build_model(
     fp8.convert(model, train_args.fp8, info.device, parallel.needs_sharding(shape.world_size, train_args.bf16))
     model = adapted(model, model_args, train_args)  # adapter before sharding
     modeling.check_loss_kwargs(model)
-    dropout.install(model, train_args.seed, off=train_args.is_dpo or train_args.is_grpo)
+    dropout.install(model, train_args.seed, off=train_args.dropout_off)
     # patches lm_head's forward before FSDP2 swaps the classes (grpo: its log-probs keep only the completions' logits)
     lean_loss.install(model, train_args.lean_loss and not train_args.is_grpo)
     modeling.flatten_packed_rows(model)  # flash attention: packed rows as one flattened row

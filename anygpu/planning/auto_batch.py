@@ -291,8 +291,7 @@ def apply(
     from anygpu.model import lora, modeling
 
     # the model the engines train: with --use_peft the frozen base keeps only its weights (no gradients, no AdamW)
-    dropout_off = train_args.is_dpo or train_args.is_grpo
-    meta = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args, dropout_off)
+    meta = lora.wrap(modeling.build_meta_model(prep.config, model_args), model_args, train_args.dropout_off)
     shapes = memory_plan.shapes_from_model(meta, prep.config)
     precision = "bf16" if (train_args.bf16 or train_args.fp16) else "fp32"
     prep.plan, probe = resolve(

@@ -241,12 +241,12 @@ class HFRun:
         how = construct.kind(self.plan, plugin, self.info.rank)  # no whole fp32 copy per rank where it shards
         model = construct.build(how, self.prep.config, self.model_args, args.seed, plugin)
         construct.size_zero3_buffers(plugin, model, self.info.world_size)
-        model = lora.wrap(model, self.model_args, dropout_off=args.is_dpo)
+        model = lora.wrap(model, self.model_args, dropout_off=args.dropout_off)
         if lora.is_peft(model):
             lora.init_adapter(model, args.seed)  # the FSDP2 engine's adapter, not peft's draw from the global stream
             if args.bf16:
                 lora.hold_frozen_in(model, torch.bfloat16)  # as the FSDP2 engine and the memory plan
-        dropout.install(model, args.seed, off=args.is_dpo)  # masks keyed by sample (dpo: off), as in the FSDP2 engine
+        dropout.install(model, args.seed, off=args.dropout_off)  # masks keyed by sample (dpo: off), as the FSDP2 engine
         lean_loss.install(model, args.lean_loss, hf_strategy.lean_loss_off_reason(self.plan))
         modeling.flatten_packed_rows(model)  # flash attention: packed rows as one flattened row, as the FSDP2 engine
         mask_hint.install(model, self.prep.collator.packed)  # no host sync in the masking, as the FSDP2 engine
